@@ -1,0 +1,307 @@
+"""The router's ASGI application: FastAPI routes wrapped in pure ASGI middleware
+(auth → body limit → admission → FastAPI)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .config import RouterConfig
+from .discovery import KubernetesDiscovery
+from .errors import ApiError, error_response
+from .exceptions import WorkerRegistrationError
+from .health import HealthChecker
+from .log import logger, request_id_var
+from .metrics import CONTENT_TYPE_LATEST, RouterMetrics
+from .middleware import AdmissionMiddleware, AuthMiddleware, BodyLimitMiddleware
+from .policies import make_policy
+from .proxy import ClientGone, PDProxy, RelayResponse
+from .validation import ENDPOINTS, parse_body, validate
+from .workers import WorkerRegistry
+
+__all__ = ["RouterApp", "create_app"]
+
+_RID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+
+
+def _json(data: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+
+
+class RouterApp:
+    """The ASGI callable uvicorn serves, with handles on the parts tests and the server need."""
+
+    def __init__(
+        self, config: RouterConfig, *, worker_api_key: str = "", discovery_list_pods: Any = None
+    ) -> None:
+        self.config = config
+        self.metrics = RouterMetrics()
+        self.registry = WorkerRegistry(
+            breaker_failure_threshold=config.breaker_failure_threshold,
+            breaker_cooldown_s=config.breaker_cooldown_s,
+        )
+        for url, bootstrap_port in config.prefill_workers:
+            self.registry.add(url, "prefill", bootstrap_port=bootstrap_port)
+        for url in config.decode_workers:
+            self.registry.add(url, "decode")
+        self.proxy = PDProxy(
+            config,
+            self.registry,
+            self.metrics,
+            make_policy(config.prefill_policy),
+            make_policy(config.decode_policy),
+            worker_api_key=worker_api_key,
+        )
+        self.health = HealthChecker(
+            self.registry,
+            self.metrics,
+            interval_s=config.health_interval_s,
+            timeout_s=config.health_timeout_s,
+            failure_threshold=config.health_failure_threshold,
+            success_threshold=config.health_success_threshold,
+            headers={"authorization": f"Bearer {worker_api_key}"} if worker_api_key else None,
+        )
+        self.discovery = (
+            KubernetesDiscovery(self.registry, config.kubernetes, list_pods=discovery_list_pods)
+            if config.kubernetes is not None
+            else None
+        )
+        self.fastapi = self._build_fastapi()
+        self.admission = AdmissionMiddleware(
+            self.fastapi,
+            paths=frozenset(ENDPOINTS),
+            max_concurrent=config.max_concurrent_requests,
+            max_queued=config.max_queued_requests,
+            queue_timeout_s=config.queue_timeout_s,
+            metrics=self.metrics,
+        )
+        body_limit = BodyLimitMiddleware(self.admission, max_bytes=config.max_body_bytes)
+        self.asgi: ASGIApp = AuthMiddleware(body_limit, api_keys=config.api_keys, admin_key=config.admin_key)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.asgi(scope, receive, send)
+
+    @property
+    def draining(self) -> bool:
+        return self.admission.draining
+
+    def start_draining(self) -> None:
+        self.admission.draining = True
+
+    # -- lifespan -------------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
+        await self.health.start()
+        if self.discovery is not None:
+            self.discovery.start(asyncio.get_running_loop())
+        logger.info(
+            "router started",
+            extra={
+                "prefill": [w.url for w in self.registry.prefill],
+                "decode": [w.url for w in self.registry.decode],
+            },
+        )
+        try:
+            yield
+        finally:
+            if self.discovery is not None:
+                await asyncio.to_thread(self.discovery.stop)
+            await self.health.aclose()
+            await self.proxy.aclose()
+
+    # -- routes ---------------------------------------------------------------------------------
+
+    def _build_fastapi(self) -> FastAPI:
+        app = FastAPI(
+            title="sglang-pd router",
+            lifespan=self.lifespan,
+            docs_url=None,
+            redoc_url=None,
+            openapi_url=None,
+        )
+        for endpoint in ENDPOINTS:
+            app.add_api_route(endpoint, self._inference_route(endpoint), methods=["POST"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/health", self.health_route, methods=["GET"])
+        app.add_api_route("/readiness", self.readiness, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics_route, methods=["GET"])
+        app.add_api_route("/workers", self.list_workers, methods=["GET"])
+        app.add_api_route("/workers", self.add_worker, methods=["POST"])
+        app.add_api_route("/workers", self.remove_worker, methods=["DELETE"])
+        app.add_exception_handler(ApiError, _api_error)  # type: ignore[arg-type]
+        app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+        app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+        app.add_exception_handler(Exception, _internal_error)
+        return app
+
+    def _inference_route(self, endpoint: str) -> Any:
+        async def route(request: Request) -> Response:
+            return await self.serve(endpoint, request)
+
+        route.__name__ = endpoint.strip("/").replace("/", "_").replace(".", "_")
+        return route
+
+    async def serve(self, endpoint: str, request: Request) -> Response:
+        started = time.perf_counter()
+        header_rid = request.headers.get("x-request-id")
+        rid = header_rid if header_rid and _RID.match(header_rid) else uuid.uuid4().hex
+        token = request_id_var.set(rid)
+        try:
+            try:
+                payload = parse_body(await request.body())
+                validate(endpoint, payload, self.registry.models())
+                if payload.get("stream"):
+                    response = await self.proxy.stream(endpoint, payload, rid, request.receive)
+                else:
+                    response = await self.proxy.unary(endpoint, payload, rid, request.receive)
+            except ApiError as exc:
+                response = exc.response()
+                response.headers["x-request-id"] = rid
+            except ClientGone:
+                response = Response(status_code=499, headers={"x-request-id": rid})
+            status = response.status_code
+            elapsed = time.perf_counter() - started
+            self.metrics.ttfb.labels(endpoint).observe(elapsed)
+            if isinstance(response, RelayResponse):
+                response.on_done = lambda: self._observe(endpoint, status, started, rid)
+            else:
+                self._observe(endpoint, status, started, rid)
+            return response
+        finally:
+            request_id_var.reset(token)
+
+    def _observe(self, endpoint: str, status: int, started: float, rid: str) -> None:
+        elapsed = time.perf_counter() - started
+        self.metrics.requests.labels(endpoint, str(status)).inc()
+        self.metrics.latency.labels(endpoint).observe(elapsed)
+        if status >= 400 or logger.isEnabledFor(10):
+            token = request_id_var.set(rid)
+            logger.log(
+                30 if status >= 500 else 20,
+                "request finished",
+                extra={"endpoint": endpoint, "status": status, "duration_ms": round(elapsed * 1000, 3)},
+            )
+            request_id_var.reset(token)
+
+    async def models(self) -> Response:
+        created = 0
+        data = [
+            {"id": m, "object": "model", "created": created, "owned_by": "sglang"}
+            for m in self.registry.models()
+        ]
+        return _json({"object": "list", "data": data})
+
+    async def health_route(self) -> Response:
+        return _json({"status": "ok"})
+
+    async def readiness(self) -> Response:
+        if self.draining:
+            return error_response(503, "The router is draining and takes no new requests.", code="draining")
+        if not self.registry.ready():
+            prefill = len(self.registry.available("prefill"))
+            decode = len(self.registry.available("decode"))
+            return error_response(
+                503,
+                f"Not ready: {prefill} healthy prefill and {decode} healthy decode workers; at least one "
+                "of each is needed. See GET /workers.",
+                code="not_ready",
+            )
+        return _json(
+            {
+                "status": "ready",
+                "prefill": len(self.registry.available("prefill")),
+                "decode": len(self.registry.available("decode")),
+            }
+        )
+
+    async def metrics_route(self) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def list_workers(self) -> Response:
+        return _json(
+            {
+                "prefill": [w.to_json() for w in self.registry.prefill],
+                "decode": [w.to_json() for w in self.registry.decode],
+            }
+        )
+
+    async def add_worker(self, request: Request) -> Response:
+        payload = parse_body(await request.body())
+        url, role, port = payload.get("url"), payload.get("role"), payload.get("bootstrap_port")
+        if not isinstance(url, str):
+            raise ApiError(
+                400, "'url' is required: the worker's http://HOST:PORT.", param="url", code="invalid_value"
+            )
+        if role not in ("prefill", "decode"):
+            raise ApiError(400, "'role' must be 'prefill' or 'decode'.", param="role", code="invalid_value")
+        if port is not None and (not isinstance(port, int) or isinstance(port, bool)):
+            raise ApiError(
+                400, "'bootstrap_port' must be an integer port.", param="bootstrap_port", code="invalid_type"
+            )
+        try:
+            worker = self.registry.add(url, role, bootstrap_port=port, source="api")
+        except WorkerRegistrationError as exc:
+            raise ApiError(400, str(exc), param="url", code="invalid_value") from exc
+        await self.health.check(worker)
+        return _json(worker.to_json(), status=201)
+
+    async def remove_worker(self, request: Request) -> Response:
+        url = request.query_params.get("url")
+        role = request.query_params.get("role")
+        if not url:
+            raise ApiError(400, "Query parameter 'url' is required: DELETE /workers?url=http://HOST:PORT[&role=...].",
+                           param="url", code="invalid_value")  # fmt: skip
+        if role not in (None, "prefill", "decode"):
+            raise ApiError(400, "'role' must be 'prefill' or 'decode'.", param="role", code="invalid_value")
+        try:
+            removed = self.registry.remove(url, role)  # type: ignore[arg-type]
+        except WorkerRegistrationError as exc:
+            raise ApiError(400, str(exc), param="url", code="invalid_value") from exc
+        if not removed:
+            raise ApiError(
+                404, f"No worker {url} is registered. See GET /workers.", param="url", code="not_found"
+            )
+        for worker in removed:
+            policy = self.proxy.prefill_policy if worker.role == "prefill" else self.proxy.decode_policy
+            forget = getattr(policy, "forget", None)
+            if forget is not None:
+                forget(worker.url)
+        return _json({"removed": [w.to_json() for w in removed]})
+
+
+async def _api_error(_: Request, exc: ApiError) -> Response:
+    return exc.response()
+
+
+async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
+    messages = {404: "No such endpoint. See the OpenAI API: /v1/chat/completions, /v1/completions, /v1/models.",
+                405: "This method is not allowed on this endpoint."}  # fmt: skip
+    return error_response(exc.status_code, messages.get(exc.status_code, str(exc.detail)), code="http_error")
+
+
+async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
+    return error_response(400, f"Invalid request: {exc.errors()}", code="invalid_request")
+
+
+async def _internal_error(_: Request, exc: Exception) -> Response:
+    logger.error("internal router error", exc_info=exc)
+    return error_response(
+        500, "Internal router error; see the router's logs for the request id.", code="internal"
+    )
+
+
+def create_app(config: RouterConfig, **kwargs: Any) -> RouterApp:
+    return RouterApp(config, **kwargs)

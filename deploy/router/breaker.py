@@ -1,0 +1,62 @@
+"""A per-worker circuit breaker: closed → open after N consecutive failures → half-open probe."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+__all__ = ["BreakerState", "CircuitBreaker"]
+
+
+class BreakerState(enum.IntEnum):
+    CLOSED = 0  # requests flow; failures are counted
+    HALF_OPEN = 1  # the cooldown passed; one probe request is let through
+    OPEN = 2  # the worker is skipped until the cooldown passes
+
+
+class CircuitBreaker:
+    """Counts consecutive request failures of one worker. 4xx answers are not failures: callers
+    only report transport errors, timeouts and 5xx."""
+
+    def __init__(self, *, failure_threshold: int, cooldown_s: float) -> None:
+        self.failure_threshold = max(1, failure_threshold)
+        self.cooldown_s = cooldown_s
+        self.state = BreakerState.CLOSED
+        self.failures = 0
+        self._opened_at = 0.0
+        self._probe_in_flight = False
+
+    def can_dispatch(self, now: float | None = None) -> bool:
+        """Whether a request may go to this worker now (no state change)."""
+        if self.state is BreakerState.CLOSED:
+            return True
+        now = time.monotonic() if now is None else now
+        if self.state is BreakerState.OPEN:
+            return now - self._opened_at >= self.cooldown_s
+        return not self._probe_in_flight
+
+    def on_dispatch(self, now: float | None = None) -> None:
+        """Called when a request was sent to this worker; an open breaker past its cooldown
+        turns half-open and this request is its probe."""
+        if self.state is BreakerState.CLOSED:
+            return
+        now = time.monotonic() if now is None else now
+        if self.state is BreakerState.OPEN and now - self._opened_at >= self.cooldown_s:
+            self.state = BreakerState.HALF_OPEN
+        if self.state is BreakerState.HALF_OPEN:
+            self._probe_in_flight = True
+
+    def record_success(self) -> None:
+        self.failures = 0
+        self._probe_in_flight = False
+        self.state = BreakerState.CLOSED
+
+    def record_failure(self, now: float | None = None) -> None:
+        self.failures += 1
+        self._probe_in_flight = False
+        if self.state is BreakerState.HALF_OPEN or self.failures >= self.failure_threshold:
+            self.state = BreakerState.OPEN
+            self._opened_at = time.monotonic() if now is None else now
+
+    def __repr__(self) -> str:
+        return f"CircuitBreaker(state={self.state.name}, failures={self.failures})"

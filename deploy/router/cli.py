@@ -1,0 +1,198 @@
+"""`sglang-pd router`: flags, the topology file and the environment → RouterConfig → serve.
+
+Precedence: a flag given on the command line wins over the topology's `router:` section, which
+wins over RouterConfig's defaults. Secrets may come from the environment instead of flags
+(`SGLANG_PD_ROUTER_API_KEYS` comma-separated, `SGLANG_PD_ROUTER_ADMIN_KEY`,
+`SGLANG_PD_ROUTER_WORKER_API_KEY`) so they stay out of process listings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from .config import POLICIES, KubernetesDiscoveryConfig, RouterConfig
+
+__all__ = ["add_arguments", "build_config", "run"]
+
+ENV_PREFIX = "SGLANG_PD_ROUTER_"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    workers = parser.add_argument_group("workers")
+    workers.add_argument(
+        "--topology", metavar="FILE", help="topology YAML: router settings and the local workers"
+    )
+    workers.add_argument(
+        "--prefill", nargs="+", action="append", default=[], metavar=("URL", "BOOTSTRAP_PORT"),
+        help="a prefill worker and its bootstrap port (default 8998; 'none' for the default); repeatable",
+    )  # fmt: skip
+    workers.add_argument(
+        "--decode", action="append", default=[], metavar="URL", help="a decode worker; repeatable"
+    )
+    workers.add_argument(
+        "--kubernetes", action="store_true", help="discover workers from pods by label selector"
+    )
+    workers.add_argument("--k8s-namespace", default=None, help="namespace to watch (default: default)")
+    workers.add_argument("--k8s-prefill-selector", default=None, help="label selector of prefill pods")
+    workers.add_argument("--k8s-decode-selector", default=None, help="label selector of decode pods")
+    workers.add_argument(
+        "--k8s-port", type=int, default=None, help="workers' HTTP port when pods do not annotate it"
+    )
+
+    serve = parser.add_argument_group("serving")
+    serve.add_argument("--host", default=None, help="address to listen on (default 0.0.0.0)")
+    serve.add_argument("--port", type=int, default=None, help="port to listen on (default 8000)")
+    serve.add_argument("--policy", choices=POLICIES, default=None, help="policy for both roles")
+    serve.add_argument("--prefill-policy", choices=POLICIES, default=None)
+    serve.add_argument("--decode-policy", choices=[p for p in POLICIES if p != "cache_aware"], default=None)
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=None)
+    serve.add_argument(
+        "--drain-timeout", type=float, default=None, help="seconds in-flight requests get on SIGTERM"
+    )
+
+    limits = parser.add_argument_group("admission and timeouts")
+    limits.add_argument("--max-concurrent-requests", type=int, default=None, help="0: no limit")
+    limits.add_argument("--max-queued-requests", type=int, default=None)
+    limits.add_argument("--queue-timeout", type=float, default=None, metavar="SECONDS")
+    limits.add_argument("--max-body-bytes", type=int, default=None)
+    limits.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS")
+    limits.add_argument("--connect-timeout", type=float, default=None, metavar="SECONDS")
+    limits.add_argument("--stream-idle-timeout", type=float, default=None, metavar="SECONDS")
+    limits.add_argument("--max-retries", type=int, default=None)
+
+    health = parser.add_argument_group("health and circuit breaker")
+    health.add_argument("--health-interval", type=float, default=None, metavar="SECONDS")
+    health.add_argument("--health-timeout", type=float, default=None, metavar="SECONDS")
+    health.add_argument("--health-failure-threshold", type=int, default=None)
+    health.add_argument("--health-success-threshold", type=int, default=None)
+    health.add_argument("--breaker-failure-threshold", type=int, default=None)
+    health.add_argument("--breaker-cooldown", type=float, default=None, metavar="SECONDS")
+
+    security = parser.add_argument_group("security")
+    security.add_argument("--api-key", action="append", default=None, help=f"client API key; repeatable "
+                          f"(or {ENV_PREFIX}API_KEYS=k1,k2)")  # fmt: skip
+    security.add_argument("--admin-key", default=None, help=f"key for /workers (or {ENV_PREFIX}ADMIN_KEY)")
+    security.add_argument(
+        "--worker-api-key", default=None, help=f"key sent to workers (or {ENV_PREFIX}WORKER_API_KEY)"
+    )
+
+
+_FLAG_TO_FIELD = {
+    "host": "host",
+    "port": "port",
+    "prefill_policy": "prefill_policy",
+    "decode_policy": "decode_policy",
+    "max_concurrent_requests": "max_concurrent_requests",
+    "max_queued_requests": "max_queued_requests",
+    "queue_timeout": "queue_timeout_s",
+    "max_body_bytes": "max_body_bytes",
+    "request_timeout": "request_timeout_s",
+    "connect_timeout": "connect_timeout_s",
+    "stream_idle_timeout": "stream_idle_timeout_s",
+    "max_retries": "max_retries",
+    "health_interval": "health_interval_s",
+    "health_timeout": "health_timeout_s",
+    "health_failure_threshold": "health_failure_threshold",
+    "health_success_threshold": "health_success_threshold",
+    "breaker_failure_threshold": "breaker_failure_threshold",
+    "breaker_cooldown": "breaker_cooldown_s",
+    "drain_timeout": "drain_timeout_s",
+    "log_level": "log_level",
+}
+
+
+def _parse_prefill(values: list[str]) -> tuple[str, int | None]:
+    if len(values) > 2:
+        raise ValueError(f"--prefill takes URL [BOOTSTRAP_PORT], got {' '.join(values)!r}.")
+    if len(values) == 1 or values[1].lower() == "none":
+        return values[0], None
+    try:
+        return values[0], int(values[1])
+    except ValueError:
+        raise ValueError(
+            f"--prefill {values[0]} {values[1]}: the bootstrap port {values[1]!r} is not an integer."
+        ) from None
+
+
+def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None) -> tuple[RouterConfig, str]:
+    """RouterConfig and the worker API key from parsed flags, the topology and the environment."""
+    env = os.environ if environ is None else environ
+    fields: dict[str, Any] = {}
+    prefill: list[tuple[str, int | None]] = []
+    decode: list[str] = []
+    topology_name = ""
+    if args.topology:
+        from sglang_pd.deploy.topology import load_topology
+
+        topology = load_topology(args.topology)
+        topology_name = topology.name
+        spec = topology.router
+        for name in ("host", "port", "prefill_policy", "decode_policy", "max_concurrent_requests",
+                     "max_queued_requests", "queue_timeout_s", "request_timeout_s"):  # fmt: skip
+            fields[name] = getattr(spec, name)
+        static_prefill, static_decode = topology.static_workers()
+        prefill.extend(static_prefill)
+        decode.extend(static_decode)
+    if args.policy:
+        fields["prefill_policy"] = args.policy
+        fields["decode_policy"] = "least_load" if args.policy == "cache_aware" else args.policy
+    for flag, name in _FLAG_TO_FIELD.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            fields[name] = value
+    if args.prefill or args.decode:  # workers on the command line replace the topology's
+        prefill = [_parse_prefill(v) for v in args.prefill]
+        decode = list(args.decode)
+    api_keys = list(args.api_key or [])
+    api_keys += [k for k in env.get(ENV_PREFIX + "API_KEYS", "").split(",") if k.strip()]
+    fields["api_keys"] = tuple(k.strip() for k in api_keys)
+    fields["admin_key"] = args.admin_key or env.get(ENV_PREFIX + "ADMIN_KEY", "")
+    worker_api_key = args.worker_api_key or env.get(ENV_PREFIX + "WORKER_API_KEY", "")
+    use_k8s = args.kubernetes or (args.topology and not prefill and not decode)
+    if use_k8s:
+        k8s: dict[str, Any] = {}
+        if topology_name:
+            k8s["prefill_selector"] = f"sglang-pd/topology={topology_name},sglang-pd/role=prefill"
+            k8s["decode_selector"] = f"sglang-pd/topology={topology_name},sglang-pd/role=decode"
+        for flag, name in (("k8s_namespace", "namespace"), ("k8s_prefill_selector", "prefill_selector"),
+                           ("k8s_decode_selector", "decode_selector"), ("k8s_port", "port")):  # fmt: skip
+            value = getattr(args, flag, None)
+            if value is not None:
+                k8s[name] = value
+        fields["kubernetes"] = KubernetesDiscoveryConfig(**k8s)
+    fields["prefill_workers"] = tuple(prefill)
+    fields["decode_workers"] = tuple(decode)
+    return RouterConfig(**fields), worker_api_key
+
+
+def run(args: argparse.Namespace) -> int:
+    from .app import create_app
+    from .exceptions import RouterError
+    from .server import serve
+
+    try:
+        config, worker_api_key = build_config(args)
+        app = create_app(config, worker_api_key=worker_api_key)
+    except (ValueError, RouterError) as exc:
+        print(f"sglang-pd router: {exc}", file=sys.stderr)
+        return 2
+    if not config.prefill_workers and not config.decode_workers and config.kubernetes is None:
+        print(
+            "sglang-pd router: starting with no workers; add them with POST /workers "
+            "(needs --admin-key), or pass --prefill/--decode, --topology or --kubernetes.",
+            file=sys.stderr,
+        )
+    return serve(app)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sglang-pd router", description="The OpenAI-compatible PD router.")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""OpenAI-shaped error bodies: `{"error": {"message", "type", "param", "code"}}`.
+
+Every error the router answers with goes through `error_body()`, so clients written for the
+OpenAI API can read all of them the same way, streamed (`sse_error()`) or not.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from starlette.responses import Response
+
+__all__ = ["ApiError", "error_body", "error_response", "sse_error"]
+
+# HTTP status -> OpenAI error type, as the OpenAI API spells them.
+_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "client_closed_request",
+    500: "server_error",
+    502: "upstream_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
+
+class ApiError(Exception):
+    """An error the router answers the client with; carries the OpenAI error fields."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> bytes:
+        return error_body(self.status, self.message, param=self.param, code=self.code)
+
+    def response(self) -> Response:
+        return error_response(
+            self.status, self.message, param=self.param, code=self.code, headers=self.headers
+        )
+
+
+def error_dict(status: int, message: str, *, param: str | None = None, code: str | None = None) -> Any:
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> bytes:
+    return orjson.dumps(error_dict(status, message, param=param, code=code))
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response:
+    return Response(
+        error_body(status, message, param=param, code=code),
+        status_code=status,
+        media_type="application/json",
+        headers=headers,
+    )
+
+
+def sse_error(status: int, message: str, *, code: str | None = None) -> bytes:
+    """An SSE event carrying an OpenAI error, followed by the `[DONE]` terminator."""
+    return b"data: " + error_body(status, message, code=code) + b"\n\ndata: [DONE]\n\n"

@@ -1,0 +1,84 @@
+"""Bearer-token checks: client API keys for the OpenAI endpoints, a separate admin key for /workers."""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ..errors import error_body
+
+__all__ = ["AuthMiddleware"]
+
+_OPEN_PATHS = frozenset({"/health", "/readiness", "/metrics"})
+_BAD_KEY = (
+    "Invalid or missing API key. Send 'Authorization: Bearer <key>' with a key configured on the router "
+    "(--api-key)."
+)
+_BAD_ADMIN_KEY = "Invalid or missing admin key. Send 'Authorization: Bearer <admin key>' (--admin-key)."
+_NO_ADMIN = (
+    "Changing workers at run time is disabled because no admin key is configured. "
+    "Start the router with --admin-key to enable POST and DELETE /workers."
+)
+
+
+class AuthMiddleware:
+    def __init__(self, app: ASGIApp, *, api_keys: tuple[str, ...], admin_key: str) -> None:
+        self.app = app
+        self.api_keys = tuple(k.encode() for k in api_keys)
+        self.admin_key = admin_key.encode()
+        self._bad_key = error_body(401, _BAD_KEY, code="invalid_api_key")
+        self._bad_admin = error_body(401, _BAD_ADMIN_KEY, code="invalid_api_key")
+        self._no_admin = error_body(403, _NO_ADMIN, code="admin_disabled")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        if path in _OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if path == "/workers" or path.startswith("/workers/"):
+            if self.admin_key:
+                if not _matches(_bearer(scope), (self.admin_key,)):
+                    await _deny(send, 401, self._bad_admin)
+                    return
+            elif scope["method"] not in ("GET", "HEAD"):
+                await _deny(send, 403, self._no_admin)
+                return
+        elif self.api_keys and not _matches(_bearer(scope), self.api_keys):
+            await _deny(send, 401, self._bad_key)
+            return
+        await self.app(scope, receive, send)
+
+
+def _bearer(scope: Scope) -> bytes:
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            return token.strip() if scheme.lower() == b"bearer" else b""
+    return b""
+
+
+def _matches(token: bytes, keys: tuple[bytes, ...]) -> bool:
+    # Compare against every key so the time taken does not say which key was close.
+    ok = False
+    for key in keys:
+        ok |= hmac.compare_digest(token, key)
+    return ok and bool(token)
+
+
+async def _deny(send: Send, status: int, body: bytes) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"www-authenticate", b"Bearer"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})

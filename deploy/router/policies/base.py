@@ -1,0 +1,29 @@
+"""The policy seam: one method, `select(workers, request) -> worker`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from ..workers import Worker
+
+__all__ = ["Policy", "RoutingRequest"]
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingRequest:
+    """What a policy may look at. `text` is filled only for policies with `needs_text`."""
+
+    text: str = ""
+
+
+@runtime_checkable
+class Policy(Protocol):
+    name: str
+    needs_text: bool
+
+    def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
+        """Pick one of `workers` (never empty) for `request`."""
+        ...

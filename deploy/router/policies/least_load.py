@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from .base import RoutingRequest
+
+if TYPE_CHECKING:
+    from ..workers import Worker
+
+__all__ = ["LeastLoad"]
+
+
+class LeastLoad:
+    """The worker with the fewest requests in flight; ties rotate so idle workers share load."""
+
+    name = "least_load"
+    needs_text = False
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
+        n = len(workers)
+        start = next(self._counter) % n
+        best = workers[start]
+        for i in range(1, n):
+            w = workers[(start + i) % n]
+            if w.in_flight < best.in_flight:
+                best = w
+        return best

@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+import random as _random
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from .base import RoutingRequest
+
+if TYPE_CHECKING:
+    from ..workers import Worker
+
+__all__ = ["PowerOfTwo"]
+
+
+class PowerOfTwo:
+    """Sample two workers at random and take the one with fewer requests in flight."""
+
+    name = "power_of_two"
+    needs_text = False
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = _random.Random(seed)
+
+    def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
+        if len(workers) == 1:
+            return workers[0]
+        a, b = self._rng.sample(range(len(workers)), 2)
+        wa, wb = workers[a], workers[b]
+        return wa if wa.in_flight <= wb.in_flight else wb

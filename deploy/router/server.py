@@ -1,0 +1,53 @@
+"""Serve a RouterApp with uvicorn (uvloop, httptools) and drain gracefully on SIGTERM: stop
+accepting, answer 503 to new requests on open connections, let in-flight streams finish up to the
+drain deadline, then close."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import uvicorn
+
+from .app import RouterApp
+from .log import configure_logging, logger
+
+__all__ = ["RouterServer", "serve"]
+
+
+class RouterServer(uvicorn.Server):
+    def __init__(self, app: RouterApp, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.router = app
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.router.draining:
+            logger.info("draining", extra={"signal": sig, "deadline_s": self.router.config.drain_timeout_s})
+        self.router.start_draining()
+        super().handle_exit(sig, frame)
+
+
+def uvicorn_config(app: RouterApp, **overrides: Any) -> uvicorn.Config:
+    cfg = app.config
+    options: dict[str, Any] = {
+        "host": cfg.host,
+        "port": cfg.port,
+        "loop": "uvloop",
+        "http": "httptools",
+        "lifespan": "on",
+        "access_log": False,
+        "log_config": None,
+        "log_level": cfg.log_level,
+        "timeout_graceful_shutdown": cfg.drain_timeout_s,
+        "timeout_keep_alive": 30,
+        "backlog": 4096,
+    }
+    options.update(overrides)
+    return uvicorn.Config(app, **options)
+
+
+def serve(app: RouterApp, *, sockets: list[socket.socket] | None = None) -> int:
+    configure_logging(app.config.log_level)
+    server = RouterServer(app, uvicorn_config(app))
+    server.run(sockets=sockets)
+    return 0 if server.started else 1

@@ -1,0 +1,188 @@
+"""The worker registry: who the router may forward to, and how each worker is doing."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from .breaker import BreakerState, CircuitBreaker
+from .config import DEFAULT_BOOTSTRAP_PORT
+from .exceptions import WorkerRegistrationError
+from .types import Role, WorkerURL
+
+__all__ = ["Worker", "WorkerRegistry", "normalize_url"]
+
+
+def normalize_url(url: str) -> WorkerURL:
+    """`host:port` or `http(s)://host:port[/]` → `http(s)://host:port`; raises on anything else."""
+    raw = url.strip()
+    if "://" not in raw:
+        raw = "http://" + raw
+    parts = urlsplit(raw)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise WorkerRegistrationError(
+            f"Worker URL {url!r} is not valid. Use http://HOST:PORT (or https://HOST:PORT)."
+        )
+    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
+        raise WorkerRegistrationError(
+            f"Worker URL {url!r} has a path, query or credentials. Use http://HOST:PORT only."
+        )
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise WorkerRegistrationError(f"Worker URL {url!r} has an invalid port.") from exc
+    netloc = parts.hostname if ":" not in parts.hostname else f"[{parts.hostname}]"
+    if port is not None:
+        netloc += f":{port}"
+    return f"{parts.scheme}://{netloc}"
+
+
+@dataclass(eq=False)
+class Worker:
+    url: WorkerURL
+    role: Role
+    breaker: CircuitBreaker
+    bootstrap_port: int | None = None
+    source: str = "static"  # static | api | kubernetes
+    healthy: bool = False
+    dp_size: int = 1
+    models: list[str] = field(default_factory=list)
+    in_flight: int = 0
+    dp_in_flight: list[int] = field(default_factory=lambda: [0])
+    consecutive_health_failures: int = 0
+    consecutive_health_successes: int = 0
+    last_error: str = ""
+    checked: bool = False
+
+    def __post_init__(self) -> None:
+        self.bootstrap_host: str = urlsplit(self.url).hostname or ""
+
+    def available(self, now: float) -> bool:
+        return self.healthy and self.breaker.can_dispatch(now)
+
+    def set_dp_size(self, dp_size: int) -> None:
+        dp_size = max(1, int(dp_size))
+        if dp_size != self.dp_size:
+            self.dp_size = dp_size
+            self.dp_in_flight = [0] * dp_size
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "role": self.role,
+            "bootstrap_port": self.bootstrap_port,
+            "source": self.source,
+            "healthy": self.healthy,
+            "breaker": self.breaker.state.name.lower(),
+            "dp_size": self.dp_size,
+            "in_flight": self.in_flight,
+            "models": self.models,
+            "last_error": self.last_error,
+        }
+
+
+class WorkerRegistry:
+    """Prefill and decode workers by URL. Single event loop: no locks needed."""
+
+    def __init__(
+        self,
+        *,
+        breaker_failure_threshold: int = 3,
+        breaker_cooldown_s: float = 10.0,
+    ) -> None:
+        self._breaker_failure_threshold = breaker_failure_threshold
+        self._breaker_cooldown_s = breaker_cooldown_s
+        self._workers: dict[tuple[Role, WorkerURL], Worker] = {}
+        self.prefill: list[Worker] = []
+        self.decode: list[Worker] = []
+        self._listeners: list[Callable[[str, Worker], None]] = []
+
+    def subscribe(self, listener: Callable[[str, Worker], None]) -> None:
+        """`listener(event, worker)` is called with event `added` or `removed`."""
+        self._listeners.append(listener)
+
+    def add(
+        self,
+        url: str,
+        role: Role,
+        *,
+        bootstrap_port: int | None = None,
+        source: str = "static",
+        healthy: bool = False,
+    ) -> Worker:
+        if role not in ("prefill", "decode"):
+            raise WorkerRegistrationError(f"Worker role {role!r} is not valid. Use 'prefill' or 'decode'.")
+        norm = normalize_url(url)
+        if role == "prefill":
+            if bootstrap_port is None:
+                bootstrap_port = DEFAULT_BOOTSTRAP_PORT
+            if not 0 < int(bootstrap_port) < 65536:
+                raise WorkerRegistrationError(
+                    f"Bootstrap port {bootstrap_port!r} of prefill worker {norm} is not a valid port."
+                )
+        existing = self._workers.get((role, norm))
+        if existing is not None:
+            if role == "prefill" and bootstrap_port is not None:
+                existing.bootstrap_port = int(bootstrap_port)
+            return existing
+        worker = Worker(
+            url=norm,
+            role=role,
+            breaker=CircuitBreaker(
+                failure_threshold=self._breaker_failure_threshold, cooldown_s=self._breaker_cooldown_s
+            ),
+            bootstrap_port=int(bootstrap_port) if bootstrap_port is not None else None,
+            source=source,
+            healthy=healthy,
+        )
+        self._workers[(role, norm)] = worker
+        self._rebuild()
+        for listener in self._listeners:
+            listener("added", worker)
+        return worker
+
+    def remove(self, url: str, role: Role | None = None) -> list[Worker]:
+        norm = normalize_url(url)
+        removed = [w for (r, u), w in self._workers.items() if u == norm and role in (None, r)]
+        for worker in removed:
+            del self._workers[(worker.role, worker.url)]
+        if removed:
+            self._rebuild()
+            for worker in removed:
+                for listener in self._listeners:
+                    listener("removed", worker)
+        return removed
+
+    def get(self, url: str, role: Role) -> Worker | None:
+        return self._workers.get((role, normalize_url(url)))
+
+    def all(self) -> list[Worker]:
+        return self.prefill + self.decode
+
+    def of(self, role: Role) -> list[Worker]:
+        return self.prefill if role == "prefill" else self.decode
+
+    def available(self, role: Role, exclude: Iterable[Worker] = ()) -> list[Worker]:
+        now = time.monotonic()
+        skip = set(map(id, exclude))
+        return [w for w in self.of(role) if id(w) not in skip and w.available(now)]
+
+    def ready(self) -> bool:
+        return bool(self.available("prefill")) and bool(self.available("decode"))
+
+    def models(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for worker in self.decode + self.prefill:
+            for model in worker.models:
+                seen.setdefault(model, None)
+        return list(seen)
+
+    def breaker_states(self) -> dict[Worker, BreakerState]:
+        return {w: w.breaker.state for w in self.all()}
+
+    def _rebuild(self) -> None:
+        self.prefill = [w for (r, _), w in self._workers.items() if r == "prefill"]
+        self.decode = [w for (r, _), w in self._workers.items() if r == "decode"]

@@ -1,0 +1,128 @@
+"""Factory fixtures: protocol-faithful test workers (real processes on loopback) and a router
+served by uvicorn in a background thread on a free port."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from sglang_pd.deploy.router import RouterApp, RouterConfig, create_app
+from sglang_pd.deploy.router.server import RouterServer, uvicorn_config
+from sglang_pd.deploy.router.testing import WorkerProcess, start_workers
+
+FAST = RouterConfig(
+    host="127.0.0.1",
+    port=0,
+    prefill_policy="round_robin",
+    decode_policy="round_robin",
+    connect_timeout_s=1.0,
+    request_timeout_s=10.0,
+    stream_idle_timeout_s=5.0,
+    health_interval_s=0.5,
+    health_timeout_s=1.0,
+    breaker_cooldown_s=30.0,
+    retry_backoff_s=0.01,
+    drain_timeout_s=5.0,
+    log_level="warning",
+)
+
+
+class RunningRouter:
+    def __init__(self, app: RouterApp, server: uvicorn.Server, thread: threading.Thread, port: int) -> None:
+        self.app = app
+        self.server = server
+        self.thread = thread
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
+@contextlib.contextmanager
+def serve_router(config: RouterConfig, **kwargs: Any) -> Iterator[RunningRouter]:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    app = create_app(replace(config, port=port), **kwargs)
+    server = RouterServer(app, uvicorn_config(app, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 15
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("The router did not start.")
+        time.sleep(0.01)
+    running = RunningRouter(app, server, thread, port)
+    try:
+        yield running
+    finally:
+        running.stop()
+        sock.close()
+
+
+def wait_ready(url: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/readiness", timeout=1.0).status_code == 200:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"Router {url} did not become ready within {timeout} s.")
+
+
+class Cluster:
+    def __init__(self, prefills: list[WorkerProcess], decodes: list[WorkerProcess]) -> None:
+        self.prefills = prefills
+        self.decodes = decodes
+
+    def config(self, base: RouterConfig = FAST, **changes: Any) -> RouterConfig:
+        return replace(
+            base,
+            prefill_workers=tuple((w.url, w.bootstrap_port) for w in self.prefills),
+            decode_workers=tuple(w.url for w in self.decodes),
+            **changes,
+        )
+
+    def stop(self) -> None:
+        for w in self.prefills + self.decodes:
+            w.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster_1p1d() -> Iterator[Cluster]:
+    prefills, decodes = start_workers(1, 1)
+    cluster = Cluster(prefills, decodes)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def router_1p1d(cluster_1p1d: Cluster) -> Iterator[RunningRouter]:
+    with serve_router(cluster_1p1d.config()) as running:
+        wait_ready(running.url)
+        yield running
+
+
+@pytest.fixture
+def cluster_factory() -> Iterator[Callable[..., Cluster]]:
+    made: list[Cluster] = []
+
+    def make(n_prefill: int, n_decode: int, **options: Any) -> Cluster:
+        cluster = Cluster(*start_workers(n_prefill, n_decode, **options))
+        made.append(cluster)
+        return cluster
+
+    yield make
+    for cluster in made:
+        cluster.stop()
