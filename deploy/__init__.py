@@ -1,0 +1,1 @@
+"""sglang-pd deployment layer: topology, argument rendering, launchers, router, KV transfer, evals, CLI."""

@@ -1,0 +1,122 @@
+"""The `sglang-pd` command line: one verb per job.
+
+Exit codes: 0 ok; 1 the topology (or what sglang said of it) is invalid; 2 bad usage;
+3 a requested check could not run here (e.g. sglang is not installed).
+Verbs import their heavy modules lazily so that `plan` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+from sglang_pd.deploy.topology import TopologyError, check_rules, load_topology
+
+__all__ = ["PRESETS_DIR", "main", "resolve_topology_path"]
+
+PRESETS_DIR = Path(__file__).parent / "presets"
+
+EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_CHECK_UNAVAILABLE = 0, 1, 2, 3
+
+
+def resolve_topology_path(name: str) -> Path:
+    """A topology file path, or the name of a shipped preset (`local-cpu`, ...)."""
+    path = Path(name)
+    if path.exists():
+        return path
+    preset = PRESETS_DIR / f"{name.removesuffix('.yaml')}.yaml"
+    if preset.exists() and path.parent == Path("."):
+        return preset
+    presets = ", ".join(sorted(p.stem for p in PRESETS_DIR.glob("*.yaml")))
+    raise TopologyError(f"{name}: no such topology file, nor a preset of that name (presets: {presets}).")
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from sglang_pd.deploy.plan import build_plan, format_plan
+
+    t = load_topology(resolve_topology_path(args.topology))
+    rules = check_rules(t)
+    if rules.errors:
+        print(f"{args.topology}: the topology breaks {len(rules.errors)} rule(s):", file=sys.stderr)
+        for e in rules.errors:
+            print(f"  - {e}", file=sys.stderr)
+        return EXIT_INVALID
+    plan = build_plan(t, rules)
+    status = EXIT_OK
+    if args.check:
+        from dataclasses import replace
+
+        from sglang_pd.deploy.sglang_check import SglangUnavailable, check_with_sglang
+
+        try:
+            checks = check_with_sglang(t)
+        except SglangUnavailable as exc:
+            print(f"note: {exc}", file=sys.stderr)
+            status = EXIT_CHECK_UNAVAILABLE
+        else:
+            rows = [
+                {
+                    "role": c.command.role,
+                    "instance": c.command.instance,
+                    "node_rank": c.command.node_rank,
+                    "ok": c.ok,
+                    "error": c.error,
+                    "resolved": c.resolved,
+                }
+                for c in checks
+            ]
+            plan = replace(plan, sglang_checks=rows)
+            if not all(c.ok for c in checks):
+                status = EXIT_INVALID
+    print(format_plan(plan, args.format))
+    return status
+
+
+# Verbs whose implementation lives in its own subpackage: verb -> (module, help).
+DELEGATED = {
+    "router": ("sglang_pd.deploy.router.cli", "run the OpenAI-compatible PD router"),
+}
+
+
+def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only the chosen delegated `verb` has its module imported (keeps `plan` fast)."""
+    parser = argparse.ArgumentParser(
+        prog="sglang-pd",
+        description="Prefill/decode-disaggregated SGLang: plan, run and check a PD deployment.",
+    )
+    sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    p = sub.add_parser("plan", help="show and check a topology: nodes, GPUs, per-node sglang commands")
+    p.add_argument("topology", metavar="FILE", help="topology YAML, or a preset name (e.g. local-cpu)")
+    p.add_argument("--format", choices=("table", "json", "yaml", "shell"), default="table")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="also run sglang's own argument resolver on every command (needs the `validate` extra)",
+    )
+    p.set_defaults(func=_cmd_plan)
+
+    for name, (module, help_text) in DELEGATED.items():
+        vp = sub.add_parser(name, help=help_text)
+        if name == verb:
+            mod = importlib.import_module(module)
+            mod.add_arguments(vp)
+            vp.set_defaults(func=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    verb = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(verb).parse_args(argv)
+    try:
+        return int(args.func(args))
+    except TopologyError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""`sglang-pd plan`: a topology's nodes, GPUs, per-node commands and warnings, as a table, JSON, YAML or shell."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+from sglang_pd.deploy.sglang_args import NodeCommand, Role, render_plan
+from sglang_pd.deploy.topology import RuleReport, SBOMode, Topology
+
+__all__ = ["Plan", "build_plan", "format_plan"]
+
+FORMATS = ("table", "json", "yaml", "shell")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A checked topology and what it renders to."""
+
+    topology: Topology
+    rules: RuleReport
+    commands: dict[Role, list[NodeCommand]]
+    sglang_checks: list[dict[str, Any]] | None = None  # filled by `plan --check` when sglang is importable
+
+    @property
+    def nodes(self) -> dict[str, int]:
+        t = self.topology
+        return {"prefill": t.prefill.instances * t.prefill.nodes, "decode": t.decode.groups * t.decode.nodes}
+
+    @property
+    def gpus(self) -> dict[str, int]:
+        t = self.topology
+        return {"prefill": t.prefill.instances * t.prefill.tp, "decode": t.decode.groups * t.decode.tp}
+
+
+def build_plan(t: Topology, rules: RuleReport) -> Plan:
+    return Plan(topology=t, rules=rules, commands=render_plan(t))
+
+
+def _command_dict(c: NodeCommand) -> dict[str, Any]:
+    return {"instance": c.instance, "node_rank": c.node_rank, "argv": c.argv, "env": c.env}
+
+
+def plan_document(p: Plan) -> dict[str, Any]:
+    t = p.topology
+    doc: dict[str, Any] = {
+        "name": t.name,
+        "model": t.model.path,
+        "served_model_name": t.model.name,
+        "gpu": t.hardware.gpu,
+        "nodes": {**p.nodes, "total": sum(p.nodes.values())},
+        "gpus": {**p.gpus, "total": sum(p.gpus.values())},
+        "roles": {role: [_command_dict(c) for c in cmds] for role, cmds in p.commands.items()},
+        "router": t.router.model_dump(),
+        "warnings": p.rules.warnings,
+    }
+    if p.sglang_checks is not None:
+        doc["sglang_check"] = p.sglang_checks
+    return doc
+
+
+def _parallelism(role: Role, t: Topology) -> str:
+    s = t.prefill if role == "prefill" else t.decode
+    parts = [f"TP{s.tp}"]
+    if s.attn_dp_size > 1:
+        parts.append(f"attn-DP{s.attn_dp_size}")
+    if s.ep > 1:
+        parts.append(f"EP{s.ep}")
+    if s.moe_a2a_backend != "none":
+        parts.append(f"{s.moe_a2a_backend}/{s.deepep_mode}")
+    if s.tbo.enabled:
+        parts.append("TBO")
+    if role == "decode" and t.decode.sbo is not SBOMode.OFF:
+        parts.append(f"SBO({t.decode.sbo.value})")
+    return " ".join(parts)
+
+
+def _table(p: Plan) -> str:
+    t = p.topology
+    rows = [("role", "count", "nodes", "GPUs", "parallelism", "ports")]
+    rows.append(
+        (
+            "prefill",
+            str(t.prefill.instances),
+            str(p.nodes["prefill"]),
+            str(p.gpus["prefill"]),
+            _parallelism("prefill", t),
+            f"http {t.prefill.port}, bootstrap {t.prefill.bootstrap_port}",
+        )
+    )
+    rows.append(
+        (
+            "decode",
+            str(t.decode.groups),
+            str(p.nodes["decode"]),
+            str(p.gpus["decode"]),
+            _parallelism("decode", t),
+            f"http {t.decode.port}",
+        )
+    )
+    rows.append(
+        (
+            "router",
+            "1",
+            "-",
+            "-",
+            f"prefill {t.router.prefill_policy}, decode {t.router.decode_policy}",
+            f"http {t.router.port}",
+        )
+    )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [
+        f"topology {t.name}: {t.model.path} served as {t.model.name!r} on {t.hardware.gpu} "
+        f"x{t.hardware.gpus_per_node} per node; {sum(p.nodes.values())} nodes, {sum(p.gpus.values())} GPUs",
+        "",
+    ]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    for role, cmds in p.commands.items():
+        for c in cmds:
+            lines += [
+                "",
+                f"{role} {'instance' if role == 'prefill' else 'group'} {c.instance} node {c.node_rank}:",
+            ]
+            lines += [f"  {k}={v}" for k, v in sorted(c.env.items())]
+            lines.append("  " + " ".join(c.argv))
+    if p.rules.warnings:
+        lines += ["", "warnings:"] + [f"  - {w}" for w in p.rules.warnings]
+    if p.sglang_checks is not None:
+        lines += ["", "sglang's own checks:"]
+        for chk in p.sglang_checks:
+            verdict = "ok" if chk["ok"] else f"REJECTED: {chk['error']}"
+            lines.append(f"  {chk['role']} {chk['instance']} node {chk['node_rank']}: {verdict}")
+    return "\n".join(lines)
+
+
+def _shell(p: Plan) -> str:
+    lines = [f"# sglang-pd plan for {p.topology.name}: one line per node; run each on its node."]
+    for role, cmds in p.commands.items():
+        for c in cmds:
+            lines.append(f"# {role} {c.instance} node {c.node_rank}")
+            lines.append(c.shell())
+    return "\n".join(lines)
+
+
+def format_plan(p: Plan, fmt: str) -> str:
+    if fmt == "json":
+        return json.dumps(plan_document(p), indent=2)
+    if fmt == "yaml":
+        return yaml.safe_dump(plan_document(p), sort_keys=False)
+    if fmt == "shell":
+        return _shell(p)
+    if fmt == "table":
+        return _table(p)
+    raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")

@@ -1,0 +1,1 @@
+"""Topology presets shipped with sglang-pd."""

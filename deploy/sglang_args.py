@@ -1,0 +1,157 @@
+"""Render a topology into the exact sglang 0.5.23 command and environment of every node.
+
+This is the one place that knows sglang's flag names; `plan`, `up`, `launch` and the Helm chart
+all go through `render_plan` / `render_node` (DESIGN.md "One source of truth").
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from typing import Literal
+
+from sglang_pd.deploy.topology import DISPATCH_BUDGET_ENV, DecodeSpec, SBOMode, Topology
+
+__all__ = [
+    "DIST_INIT_PORT",
+    "LEADER_HOST_PLACEHOLDER",
+    "NodeCommand",
+    "Role",
+    "render_node",
+    "render_plan",
+]
+
+Role = Literal["prefill", "decode"]
+
+SGLANG_ENTRY = ["python3", "-m", "sglang.launch_server"]
+# torch.distributed rendezvous on the instance's leader (node rank 0) for multi-node roles.
+DIST_INIT_PORT = 5000
+# Stands for the leader's address until the launcher knows it (LeaderWorkerSet sets
+# LWS_LEADER_ADDRESS in every pod); a shell expands it in `plan --format shell`.
+LEADER_HOST_PLACEHOLDER = "${LWS_LEADER_ADDRESS}"
+
+
+@dataclass(frozen=True)
+class NodeCommand:
+    """What one node of one instance (prefill) or group (decode) runs."""
+
+    role: Role
+    instance: int
+    node_rank: int
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def port(self) -> int:
+        return int(self.argv[self.argv.index("--port") + 1])
+
+    def shell(self) -> str:
+        """One shell line: env assignments then the command; the leader placeholder stays expandable."""
+
+        def quote(s: str) -> str:
+            if LEADER_HOST_PLACEHOLDER in s:
+                return '"' + s + '"'
+            return shlex.quote(s)
+
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        cmd = " ".join(quote(a) for a in self.argv)
+        return f"{env} {cmd}" if env else cmd
+
+
+def render_node(
+    t: Topology,
+    role: Role,
+    node_rank: int = 0,
+    instance: int = 0,
+    leader_host: str = LEADER_HOST_PLACEHOLDER,
+) -> NodeCommand:
+    """The sglang argv and env of one node. `leader_host` is the instance leader's address."""
+    spec = t.prefill if role == "prefill" else t.decode
+    if not 0 <= node_rank < spec.nodes:
+        raise ValueError(
+            f"node_rank {node_rank} is outside 0..{spec.nodes - 1} for {role}.nodes={spec.nodes}"
+        )
+    m = t.model
+    # On one host (the local stack) instances take consecutive ports; in a cluster each is its own pod.
+    offset = instance if t.is_local else 0
+
+    a = [*SGLANG_ENTRY, "--model-path", m.path]
+    if m.served_name:
+        a += ["--served-model-name", m.served_name]
+    if m.trust_remote_code:
+        a.append("--trust-remote-code")
+    if m.quantization:
+        a += ["--quantization", m.quantization]
+    if m.context_length:
+        a += ["--context-length", str(m.context_length)]
+    a += ["--page-size", str(m.page_size)]
+    if m.kv_cache_dtype != "auto":
+        a += ["--kv-cache-dtype", m.kv_cache_dtype]
+    a += ["--host", "127.0.0.1" if t.is_local else "0.0.0.0", "--port", str(spec.port + offset)]
+
+    a += ["--disaggregation-mode", role, "--disaggregation-transfer-backend", t.transfer.backend]
+    if role == "prefill":
+        a += ["--disaggregation-bootstrap-port", str(t.prefill.bootstrap_port + offset)]
+    if t.transfer.protocol == "rdma" and t.transfer.ib_devices:
+        devices = [t.transfer.ib_devices[g] for g in sorted(t.transfer.ib_devices)]
+        a += ["--disaggregation-ib-device", ",".join(devices)]
+
+    a += ["--tp", str(spec.tp)]
+    if spec.attn_dp_size > 1:
+        # DP attention with DeepSeek's MLA: dense layers and the LM head run data-parallel too.
+        a += ["--attn-dp-size", str(spec.attn_dp_size), "--moe-dense-tp-size", "1", "--enable-dp-lm-head"]
+    if spec.ep > 1:
+        a += ["--ep", str(spec.ep)]
+    if spec.moe_a2a_backend != "none":
+        a += ["--moe-a2a-backend", spec.moe_a2a_backend, "--deepep-mode", spec.deepep_mode]
+    if spec.nodes > 1:
+        a += [
+            "--nnodes", str(spec.nodes),
+            "--node-rank", str(node_rank),
+            "--dist-init-addr", f"{leader_host}:{DIST_INIT_PORT}",
+        ]  # fmt: skip
+    if spec.tbo.enabled:
+        a += [
+            "--enable-two-batch-overlap",
+            "--tbo-token-distribution-threshold", str(spec.tbo.token_distribution_threshold),
+        ]  # fmt: skip
+    if spec.mem_fraction_static is not None:
+        a += ["--mem-fraction-static", str(spec.mem_fraction_static)]
+    if spec.max_running_requests is not None:
+        a += ["--max-running-requests", str(spec.max_running_requests)]
+    if spec.chunked_prefill_size is not None:
+        a += ["--chunked-prefill-size", str(spec.chunked_prefill_size)]
+    if spec.max_prefill_tokens is not None:
+        a += ["--max-prefill-tokens", str(spec.max_prefill_tokens)]
+
+    env: dict[str, str] = {}
+    if isinstance(spec, DecodeSpec):
+        if spec.sbo is not SBOMode.OFF:
+            a.append("--enable-single-batch-overlap")
+        if spec.cuda_graph_max_bs is not None:
+            a += ["--cuda-graph-max-bs-decode", str(spec.cuda_graph_max_bs)]
+        if spec.moe_a2a_backend == "deepep":
+            env[DISPATCH_BUDGET_ENV] = str(spec.dispatch_token_budget)
+    a += spec.extra_args
+
+    if t.hardware.gpu.upper() == "H20":
+        env["SGLANG_DEEPGEMM_ON_H20"] = "1"
+    if t.transfer.backend == "mooncake" and t.transfer.protocol == "tcp":
+        env["MC_FORCE_TCP"] = "true"
+    env.update(spec.env)
+    return NodeCommand(role=role, instance=instance, node_rank=node_rank, argv=a, env=env)
+
+
+def render_plan(t: Topology, leader_host: str = LEADER_HOST_PLACEHOLDER) -> dict[Role, list[NodeCommand]]:
+    """Every node's command, per role: prefill instances x nodes, decode groups x nodes."""
+    prefill = [
+        render_node(t, "prefill", rank, i, leader_host)
+        for i in range(t.prefill.instances)
+        for rank in range(t.prefill.nodes)
+    ]
+    decode = [
+        render_node(t, "decode", rank, g, leader_host)
+        for g in range(t.decode.groups)
+        for rank in range(t.decode.nodes)
+    ]
+    return {"prefill": prefill, "decode": decode}

@@ -1,0 +1,499 @@
+"""The topology file: pydantic models of a PD deployment, loading, and the cross-role rules.
+
+A topology (YAML) describes the model, the hardware and the roles; every other artefact
+(sglang commands, the local stack, pod entrypoints, the Helm ConfigMap) is derived from it.
+Per-field checks live on the models; checks that relate fields of different sections live in
+`check_rules`, which returns errors (the topology cannot be deployed) and warnings.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+__all__ = [
+    "DecodeSpec",
+    "HardwareSpec",
+    "ModelSpec",
+    "PrefillSpec",
+    "RouterSpec",
+    "RuleReport",
+    "SBOMode",
+    "Topology",
+    "TopologyError",
+    "TransferSpec",
+    "check_rules",
+    "load_topology",
+    "parse_topology",
+]
+
+# sglang's default for SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK (REFERENCE.md §1).
+DEFAULT_DISPATCH_TOKEN_BUDGET = 128
+DEFAULT_BOOTSTRAP_PORT = 8998
+
+Port = Annotated[int, Field(ge=1, le=65535)]
+Fraction = Annotated[float, Field(gt=0.0, lt=1.0)]
+Positive = Annotated[int, Field(ge=1)]
+
+
+class TopologyError(ValueError):
+    """A topology file that cannot be loaded or deployed; the message names the field and the fix."""
+
+
+class _Strict(BaseModel):
+    # Unknown keys are errors (a typo must not silently fall back to a default).
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Strict):
+    """What is served."""
+
+    path: str = Field(description="Local model directory or Hugging Face hub id.")
+    served_name: str | None = Field(None, description="Name clients pass as `model`; defaults to `path`.")
+    quantization: str | None = Field(None, description="sglang --quantization (None: from the checkpoint).")
+    context_length: Positive | None = None
+    page_size: Positive = Field(64, description="KV page size in tokens; 64 for FlashMLA.")
+    kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2", "bf16", "bfloat16"] = "auto"
+    trust_remote_code: bool = False
+    config_json: Path | None = Field(
+        None, description="Local config.json for shape checks (relative paths: to the topology file)."
+    )
+
+    @property
+    def name(self) -> str:
+        return self.served_name or self.path
+
+
+class HardwareSpec(_Strict):
+    """The machines each role runs on."""
+
+    gpu: str = Field(description="GPU type, e.g. H200, H20, H100; `cpu` for the local reference stack.")
+    gpu_memory_gib: float = Field(gt=0)
+    gpus_per_node: Positive
+    rdma_devices: list[str] = Field(
+        default_factory=list,
+        description="RDMA devices of a node: one shared list, or one per GPU (length = gpus_per_node).",
+    )
+
+
+class TBOSpec(_Strict):
+    enabled: bool = False
+    token_distribution_threshold: Annotated[float, Field(ge=0.0, le=1.0)] = 0.48
+
+
+class SBOMode(StrEnum):
+    """Single-batch overlap on decode: both halves, the shared-expert half alone, or none."""
+
+    OFF = "off"
+    FULL = "full"
+    SHARED_ONLY = "shared-only"
+
+
+MoEA2ABackend = Literal["none", "deepep"]
+DeepEPMode = Literal["normal", "low_latency", "auto"]
+
+
+class _RoleSpec(_Strict):
+    nodes: Positive = Field(1, description="Nodes per instance (prefill) or per group (decode).")
+    tp: Positive = Field(description="sglang --tp: GPUs of one instance/group.")
+    attn_dp_size: Positive = Field(1, description="sglang --attn-dp-size (DP attention); 1 = off.")
+    ep: Positive = Field(1, description="sglang --ep (expert parallel size).")
+    moe_a2a_backend: MoEA2ABackend = "none"
+    deepep_mode: DeepEPMode = "auto"
+    tbo: TBOSpec = Field(default_factory=TBOSpec)
+    mem_fraction_static: Fraction | None = None
+    max_running_requests: Positive | None = None
+    chunked_prefill_size: int | None = Field(None, ge=-1)
+    max_prefill_tokens: Positive | None = None
+    port: Port = 30000
+    extra_args: list[str] = Field(default_factory=list, description="Appended to the sglang argv.")
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_values_are_strings(cls, v: Any) -> Any:
+        # YAML turns `EP_MIN_TOKENS_PER_PART: 1` into an int; environment values are strings.
+        if isinstance(v, dict):
+            return {k: (str(x).lower() if isinstance(x, bool) else str(x)) for k, x in v.items()}
+        return v
+
+    @property
+    def attn_tp(self) -> int:
+        """Tensor-parallel size inside one attention DP rank."""
+        return self.tp // self.attn_dp_size if self.tp % self.attn_dp_size == 0 else 0
+
+
+class PrefillSpec(_RoleSpec):
+    """Prefill instances: TP (usually 8 on one node), TBO, DeepEP normal."""
+
+    instances: Positive = 1
+    bootstrap_port: Port = DEFAULT_BOOTSTRAP_PORT
+
+
+class DecodeSpec(_RoleSpec):
+    """Decode groups: DP attention + EP across nodes, DeepEP low-latency, SBO."""
+
+    groups: Positive = 1
+    port: Port = 30001
+    sbo: SBOMode = SBOMode.OFF
+    cuda_graph_max_bs: Positive | None = Field(None, description="sglang --cuda-graph-max-bs-decode.")
+    dispatch_token_budget: Positive = Field(
+        DEFAULT_DISPATCH_TOKEN_BUDGET,
+        description="SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK: tokens one rank may dispatch.",
+    )
+
+    @field_validator("sbo", mode="before")
+    @classmethod
+    def _sbo_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):
+            return SBOMode.FULL if v else SBOMode.OFF
+        return v
+
+
+class TransferSpec(_Strict):
+    """KV transfer between prefill and decode."""
+
+    backend: Literal["mooncake", "nixl", "mori", "mooncake_tcp", "fake"] = "mooncake"
+    protocol: Literal["rdma", "tcp"] = "rdma"
+    ib_devices: dict[int, str] = Field(
+        default_factory=dict, description="GPU index -> IB device for KV transfer (empty: auto)."
+    )
+
+
+RoutingPolicy = Literal["round_robin", "random", "power_of_two", "least_load", "cache_aware"]
+
+
+class RouterSpec(_Strict):
+    """The OpenAI-facing PD router."""
+
+    host: str = "0.0.0.0"
+    port: Port = 8000
+    prefill_policy: RoutingPolicy = "cache_aware"
+    decode_policy: RoutingPolicy = "power_of_two"
+    max_concurrent_requests: Positive = 1024
+    max_queued_requests: Annotated[int, Field(ge=0)] = 2048
+    queue_timeout_s: float = Field(60.0, gt=0)
+    request_timeout_s: float = Field(1800.0, gt=0)
+
+    @field_validator("decode_policy")
+    @classmethod
+    def _no_cache_aware_decode(cls, v: str) -> str:
+        if v == "cache_aware":
+            raise ValueError(
+                "cache_aware routes by prompt prefix and applies to prefill only; use least_load"
+            )
+        return v
+
+
+class Topology(_Strict):
+    """A whole PD deployment."""
+
+    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=40)
+    model: ModelSpec
+    hardware: HardwareSpec
+    prefill: PrefillSpec
+    decode: DecodeSpec
+    transfer: TransferSpec = Field(default_factory=TransferSpec)
+    router: RouterSpec = Field(default_factory=RouterSpec)
+    # Where the file came from, for relative paths; not part of the file.
+    source_dir: Path | None = Field(None, exclude=True)
+
+    @property
+    def is_local(self) -> bool:
+        """All roles on this one host (the reference stack), rather than GPU nodes."""
+        return self.hardware.gpu.lower() == "cpu"
+
+    def config_json_path(self) -> Path | None:
+        p = self.model.config_json
+        if p is None or p.is_absolute() or self.source_dir is None:
+            return p
+        return self.source_dir / p
+
+    def load_model_config(self) -> dict[str, Any] | None:
+        """The model's config.json as a dict, when the topology names one."""
+        path = self.config_json_path()
+        if path is None:
+            return None
+        try:
+            return dict(json.loads(path.read_text()))
+        except FileNotFoundError as exc:
+            raise TopologyError(
+                f"model.config_json: file {path} does not exist; give a path to the model's config.json "
+                "(relative to the topology file) or remove the key."
+            ) from exc
+        except json.JSONDecodeError as exc:
+            raise TopologyError(f"model.config_json: {path} is not valid JSON ({exc}).") from exc
+
+    def static_workers(self) -> tuple[list[tuple[str, int]], list[str]]:
+        """Worker URLs known without discovery: the local stack's. Clusters discover pods instead."""
+        if not self.is_local:
+            return [], []
+        prefill = [
+            (f"http://127.0.0.1:{self.prefill.port + i}", self.prefill.bootstrap_port + i)
+            for i in range(self.prefill.instances)
+        ]
+        decode = [f"http://127.0.0.1:{self.decode.port + i}" for i in range(self.decode.groups)]
+        return prefill, decode
+
+
+def _format_validation_error(exc: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid topology"]
+    for err in exc.errors():
+        path = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key; remove it or check its spelling against the documented fields"
+        elif err["type"] == "missing":
+            msg = "required key is missing"
+        else:
+            msg = err["msg"]
+            if "input" in err and not isinstance(err["input"], dict | list):
+                msg += f" (got {err['input']!r})"
+        lines.append(f"  {path}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_topology(data: Any, source: str = "<topology>", source_dir: Path | None = None) -> Topology:
+    """Validate already-loaded YAML data; raises TopologyError naming every bad key path."""
+    if not isinstance(data, dict):
+        raise TopologyError(
+            f"{source}: a topology must be a YAML mapping at the top level, got {type(data).__name__}."
+        )
+    try:
+        return Topology.model_validate({**data, "source_dir": source_dir})
+    except ValidationError as exc:
+        raise TopologyError(_format_validation_error(exc, source)) from exc
+
+
+def load_topology(path: str | Path) -> Topology:
+    """Read and validate a topology YAML file (per-field checks only; see `check_rules`)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError as exc:
+        raise TopologyError(f"{path}: no such topology file.") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise TopologyError(f"{path}: malformed YAML{where}: {getattr(exc, 'problem', exc)}.") from exc
+    return parse_topology(data, str(path), path.parent.resolve())
+
+
+# --- cross-role rules -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RuleReport:
+    """The result of the cross-role rules: errors block a deployment, warnings do not."""
+
+    errors: list[str]
+    warnings: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+# Flags the renderer sets from topology fields; repeating one in extra_args would silently
+# override (or contradict) the field, so it is an error pointing at the field to use instead.
+RENDERED_FLAGS: dict[str, str] = {
+    "--model-path": "model.path",
+    "--served-model-name": "model.served_name",
+    "--page-size": "model.page_size",
+    "--kv-cache-dtype": "model.kv_cache_dtype",
+    "--tp": "<role>.tp",
+    "--tp-size": "<role>.tp",
+    "--dp": "<role>.attn_dp_size",
+    "--dp-size": "<role>.attn_dp_size",
+    "--attn-dp-size": "<role>.attn_dp_size",
+    "--ep": "<role>.ep",
+    "--ep-size": "<role>.ep",
+    "--nnodes": "<role>.nodes",
+    "--node-rank": "(set per node by the launcher)",
+    "--port": "<role>.port",
+    "--disaggregation-mode": "(the role)",
+    "--disaggregation-bootstrap-port": "prefill.bootstrap_port",
+    "--disaggregation-transfer-backend": "transfer.backend",
+    "--disaggregation-ib-device": "transfer.ib_devices",
+    "--moe-a2a-backend": "<role>.moe_a2a_backend",
+    "--deepep-mode": "<role>.deepep_mode",
+    "--enable-two-batch-overlap": "<role>.tbo.enabled",
+    "--enable-single-batch-overlap": "decode.sbo",
+    "--cuda-graph-max-bs-decode": "decode.cuda_graph_max_bs",
+    "--max-running-requests": "<role>.max_running_requests",
+    "--mem-fraction-static": "<role>.mem_fraction_static",
+}
+
+DISPATCH_BUDGET_ENV = "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK"
+
+
+def _role_rules(t: Topology, role: str, spec: _RoleSpec, errors: list[str]) -> None:
+    gpn = t.hardware.gpus_per_node
+    count = "instance" if role == "prefill" else "group"
+    if spec.tp % spec.attn_dp_size:
+        errors.append(
+            f"{role}.attn_dp_size: {spec.attn_dp_size} does not divide {role}.tp={spec.tp}; each attention "
+            f"DP rank needs a whole number of GPUs (tp = attn_dp_size x attention TP). "
+            f"Set attn_dp_size to a divisor of {spec.tp}."
+        )
+    if spec.tp != spec.nodes * gpn:
+        errors.append(
+            f"{role}.tp: {spec.tp} GPUs per {count} do not fill {role}.nodes={spec.nodes} x "
+            f"hardware.gpus_per_node={gpn} = {spec.nodes * gpn} GPUs. "
+            f"Set {role}.tp to {spec.nodes * gpn} or {role}.nodes to match."
+        )
+    if spec.moe_a2a_backend == "deepep" and spec.ep != spec.tp:
+        errors.append(
+            f"{role}.ep: DeepEP is the all-to-all ({role}.moe_a2a_backend=deepep), which needs ep = tp, "
+            f"but ep={spec.ep} and tp={spec.tp}. Set {role}.ep to {spec.tp}."
+        )
+    if spec.ep > 1 and spec.tp % spec.ep:
+        errors.append(f"{role}.ep: {spec.ep} must divide {role}.tp={spec.tp}.")
+    for i, arg in enumerate(spec.extra_args):
+        flag = arg.split("=", 1)[0]
+        if flag in ("--page-size", "--kv-cache-dtype"):
+            field = RENDERED_FLAGS[flag]
+            errors.append(
+                f"{role}.extra_args[{i}]: {flag} must be equal on prefill and decode (KV pages are copied "
+                f"byte for byte between them); set it once in {field} and remove it from extra_args."
+            )
+        elif flag in RENDERED_FLAGS:
+            field = RENDERED_FLAGS[flag].replace("<role>", role)
+            errors.append(
+                f"{role}.extra_args[{i}]: {flag} is rendered from {field}; set that field instead of "
+                "repeating the flag (two values would disagree)."
+            )
+    if DISPATCH_BUDGET_ENV in spec.env:
+        errors.append(
+            f"{role}.env.{DISPATCH_BUDGET_ENV}: set decode.dispatch_token_budget instead; "
+            "the renderer exports it and the rules check it against the decode batch."
+        )
+
+
+def _shape_rules(t: Topology, cfg: dict[str, Any], errors: list[str]) -> None:
+    heads = cfg.get("num_attention_heads")
+    experts = cfg.get("n_routed_experts") or cfg.get("num_experts")
+    for role, spec in (("prefill", t.prefill), ("decode", t.decode)):
+        if heads and spec.attn_tp and heads % spec.attn_tp:
+            errors.append(
+                f"{role}.attn_dp_size: attention TP = tp / attn_dp_size = {spec.attn_tp} does not divide "
+                f"the model's num_attention_heads={heads} ({t.config_json_path()}). "
+                f"Choose attn_dp_size so that tp / attn_dp_size divides {heads}."
+            )
+        if experts and spec.ep > 1 and experts % spec.ep:
+            errors.append(
+                f"{role}.ep: {spec.ep} does not divide the model's {experts} routed experts; "
+                f"choose ep among the divisors of {experts}."
+            )
+
+
+def check_rules(t: Topology) -> RuleReport:
+    """The cross-role rules of a deployable topology (DESIGN.md "One source of truth")."""
+    errors: list[str] = []
+    warnings: list[str] = []
+    p, d = t.prefill, t.decode
+
+    _role_rules(t, "prefill", p, errors)
+    _role_rules(t, "decode", d, errors)
+
+    if d.sbo is not SBOMode.OFF:
+        if d.moe_a2a_backend != "deepep" or d.deepep_mode != "low_latency":
+            errors.append(
+                f"decode.sbo: single-batch overlap ({d.sbo.value}) overlaps DeepEP low-latency dispatch/"
+                f"combine, but decode uses moe_a2a_backend={d.moe_a2a_backend}, deepep_mode={d.deepep_mode}. "
+                "Set decode.moe_a2a_backend: deepep and decode.deepep_mode: low_latency, or sbo: off."
+            )
+        if d.attn_dp_size == 1:
+            errors.append(
+                "decode.sbo: single-batch overlap needs DP attention on decode (decode.attn_dp_size > 1); "
+                f"set decode.attn_dp_size (e.g. {d.tp}) or sbo: off."
+            )
+    if d.tbo.enabled:
+        warnings.append(
+            "decode.tbo.enabled: two-batch overlap on decode cost 8-22% throughput in seed 000's "
+            "measurements; prefer decode.sbo and keep TBO for prefill."
+        )
+
+    # Per-rank decode batch: DP attention splits running requests over attn_dp_size schedulers.
+    per_rank = math.ceil(d.max_running_requests / d.attn_dp_size) if d.max_running_requests else None
+    if d.moe_a2a_backend == "deepep" and d.deepep_mode in ("low_latency", "auto"):
+        if per_rank is not None and per_rank > d.dispatch_token_budget:
+            errors.append(
+                f"decode.dispatch_token_budget: {d.dispatch_token_budget} tokens per rank cannot hold the "
+                f"per-rank decode batch max_running_requests/attn_dp_size = {d.max_running_requests}/"
+                f"{d.attn_dp_size} = {per_rank}; DeepEP low-latency buffers are sized by the budget and "
+                f"overflow at run time. Raise decode.dispatch_token_budget to >= {per_rank} or lower "
+                "decode.max_running_requests."
+            )
+        if d.cuda_graph_max_bs is not None and d.cuda_graph_max_bs > d.dispatch_token_budget:
+            errors.append(
+                f"decode.cuda_graph_max_bs: {d.cuda_graph_max_bs} exceeds decode.dispatch_token_budget="
+                f"{d.dispatch_token_budget}; a captured batch would overflow DeepEP's dispatch buffer. "
+                f"Raise dispatch_token_budget to >= {d.cuda_graph_max_bs} or lower cuda_graph_max_bs."
+            )
+    if d.cuda_graph_max_bs is not None and per_rank is not None and d.cuda_graph_max_bs > per_rank:
+        warnings.append(
+            f"decode.cuda_graph_max_bs: {d.cuda_graph_max_bs} is above the per-rank batch {per_rank}; "
+            "graphs for larger batches are captured but never used."
+        )
+
+    if t.model.page_size != 64 and not t.is_local:
+        warnings.append(
+            f"model.page_size: {t.model.page_size}; FlashMLA (DeepSeek MLA on Hopper) uses 64-token pages."
+        )
+
+    ports = {
+        "prefill.port": p.port,
+        "prefill.bootstrap_port": p.bootstrap_port,
+        "decode.port": d.port,
+        "router.port": t.router.port,
+    }
+    if t.is_local:
+        # One host: every listening port must be distinct (instances take consecutive ports).
+        spans = {
+            "prefill.port": p.instances,
+            "prefill.bootstrap_port": p.instances,
+            "decode.port": d.groups,
+            "router.port": 1,
+        }
+        taken: dict[int, str] = {}
+        for key, base in ports.items():
+            for port in range(base, base + spans[key]):
+                if port in taken:
+                    errors.append(
+                        f"{key}: port {port} is also used by {taken[port]} on this host; choose another port."
+                    )
+                taken.setdefault(port, key)
+    elif p.bootstrap_port == p.port:
+        errors.append(
+            f"prefill.bootstrap_port: {p.bootstrap_port} equals prefill.port; the bootstrap server and the "
+            "HTTP server both listen on the prefill leader. Choose another bootstrap_port (default 8998)."
+        )
+
+    if t.transfer.ib_devices and t.transfer.protocol == "tcp":
+        warnings.append("transfer.ib_devices: ignored with transfer.protocol=tcp.")
+    for gpu in t.transfer.ib_devices:
+        if not 0 <= gpu < t.hardware.gpus_per_node:
+            errors.append(
+                f"transfer.ib_devices.{gpu}: GPU index out of range 0..{t.hardware.gpus_per_node - 1}."
+            )
+    rdma = t.hardware.rdma_devices
+    if len(rdma) > 1 and t.transfer.ib_devices:
+        unknown = sorted(set(t.transfer.ib_devices.values()) - set(rdma))
+        if unknown:
+            errors.append(
+                f"transfer.ib_devices: {', '.join(unknown)} not among hardware.rdma_devices ({', '.join(rdma)})."
+            )
+
+    cfg = t.load_model_config()
+    if cfg is not None:
+        _shape_rules(t, cfg, errors)
+    return RuleReport(errors=errors, warnings=warnings)

@@ -1,0 +1,1 @@
+"""sglang general plugin (entry point `sglang.srt.plugins`) wiring sglang-pd kernels into sglang."""
