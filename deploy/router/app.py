@@ -43,9 +43,7 @@ def _json(data: Any, status: int = 200) -> Response:
 class RouterApp:
     """The ASGI callable uvicorn serves, with handles on the parts tests and the server need."""
 
-    def __init__(
-        self, config: RouterConfig, *, worker_api_key: str = "", discovery_list_pods: Any = None
-    ) -> None:
+    def __init__(self, config: RouterConfig, *, worker_api_key: str = "", discovery_list_pods: Any = None) -> None:
         self.config = config
         self.metrics = RouterMetrics()
         self.registry = WorkerRegistry(
@@ -198,10 +196,7 @@ class RouterApp:
 
     async def models(self) -> Response:
         created = 0
-        data = [
-            {"id": m, "object": "model", "created": created, "owned_by": "sglang"}
-            for m in self.registry.models()
-        ]
+        data = [{"id": m, "object": "model", "created": created, "owned_by": "sglang"} for m in self.registry.models()]
         return _json({"object": "list", "data": data})
 
     async def health_route(self) -> Response:
@@ -242,9 +237,7 @@ class RouterApp:
         payload = parse_body(await request.body())
         url, role, port = payload.get("url"), payload.get("role"), payload.get("bootstrap_port")
         if not isinstance(url, str):
-            raise ApiError(
-                400, "'url' is required: the worker's http://HOST:PORT.", param="url", code="invalid_value"
-            )
+            raise ApiError(400, "'url' is required: the worker's http://HOST:PORT.", param="url", code="invalid_value")
         if role not in ("prefill", "decode"):
             raise ApiError(400, "'role' must be 'prefill' or 'decode'.", param="role", code="invalid_value")
         if port is not None and (not isinstance(port, int) or isinstance(port, bool)):
@@ -262,8 +255,12 @@ class RouterApp:
         url = request.query_params.get("url")
         role = request.query_params.get("role")
         if not url:
-            raise ApiError(400, "Query parameter 'url' is required: DELETE /workers?url=http://HOST:PORT[&role=...].",
-                           param="url", code="invalid_value")  # fmt: skip
+            raise ApiError(
+                400,
+                "Query parameter 'url' is required: DELETE /workers?url=http://HOST:PORT[&role=...].",
+                param="url",
+                code="invalid_value",
+            )
         if role not in (None, "prefill", "decode"):
             raise ApiError(400, "'role' must be 'prefill' or 'decode'.", param="role", code="invalid_value")
         try:
@@ -271,9 +268,7 @@ class RouterApp:
         except WorkerRegistrationError as exc:
             raise ApiError(400, str(exc), param="url", code="invalid_value") from exc
         if not removed:
-            raise ApiError(
-                404, f"No worker {url} is registered. See GET /workers.", param="url", code="not_found"
-            )
+            raise ApiError(404, f"No worker {url} is registered. See GET /workers.", param="url", code="not_found")
         for worker in removed:
             policy = self.proxy.prefill_policy if worker.role == "prefill" else self.proxy.decode_policy
             forget = getattr(policy, "forget", None)
@@ -287,8 +282,10 @@ async def _api_error(_: Request, exc: ApiError) -> Response:
 
 
 async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
-    messages = {404: "No such endpoint. See the OpenAI API: /v1/chat/completions, /v1/completions, /v1/models.",
-                405: "This method is not allowed on this endpoint."}  # fmt: skip
+    messages = {
+        404: "No such endpoint. See the OpenAI API: /v1/chat/completions, /v1/completions, /v1/models.",
+        405: "This method is not allowed on this endpoint.",
+    }
     return error_response(exc.status_code, messages.get(exc.status_code, str(exc.detail)), code="http_error")
 
 
@@ -298,9 +295,7 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> Response
 
 async def _internal_error(_: Request, exc: Exception) -> Response:
     logger.error("internal router error", exc_info=exc)
-    return error_response(
-        500, "Internal router error; see the router's logs for the request id.", code="internal"
-    )
+    return error_response(500, "Internal router error; see the router's logs for the request id.", code="internal")
 
 
 def create_app(config: RouterConfig, **kwargs: Any) -> RouterApp:

@@ -22,25 +22,21 @@ ENV_PREFIX = "SGLANG_PD_ROUTER_"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     workers = parser.add_argument_group("workers")
+    workers.add_argument("--topology", metavar="FILE", help="topology YAML: router settings and the local workers")
     workers.add_argument(
-        "--topology", metavar="FILE", help="topology YAML: router settings and the local workers"
-    )
-    workers.add_argument(
-        "--prefill", nargs="+", action="append", default=[], metavar=("URL", "BOOTSTRAP_PORT"),
+        "--prefill",
+        nargs="+",
+        action="append",
+        default=[],
+        metavar=("URL", "BOOTSTRAP_PORT"),
         help="a prefill worker and its bootstrap port (default 8998; 'none' for the default); repeatable",
-    )  # fmt: skip
-    workers.add_argument(
-        "--decode", action="append", default=[], metavar="URL", help="a decode worker; repeatable"
     )
-    workers.add_argument(
-        "--kubernetes", action="store_true", help="discover workers from pods by label selector"
-    )
+    workers.add_argument("--decode", action="append", default=[], metavar="URL", help="a decode worker; repeatable")
+    workers.add_argument("--kubernetes", action="store_true", help="discover workers from pods by label selector")
     workers.add_argument("--k8s-namespace", default=None, help="namespace to watch (default: default)")
     workers.add_argument("--k8s-prefill-selector", default=None, help="label selector of prefill pods")
     workers.add_argument("--k8s-decode-selector", default=None, help="label selector of decode pods")
-    workers.add_argument(
-        "--k8s-port", type=int, default=None, help="workers' HTTP port when pods do not annotate it"
-    )
+    workers.add_argument("--k8s-port", type=int, default=None, help="workers' HTTP port when pods do not annotate it")
 
     serve = parser.add_argument_group("serving")
     serve.add_argument("--host", default=None, help="address to listen on (default 0.0.0.0)")
@@ -49,9 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--prefill-policy", choices=POLICIES, default=None)
     serve.add_argument("--decode-policy", choices=[p for p in POLICIES if p != "cache_aware"], default=None)
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=None)
-    serve.add_argument(
-        "--drain-timeout", type=float, default=None, help="seconds in-flight requests get on SIGTERM"
-    )
+    serve.add_argument("--drain-timeout", type=float, default=None, help="seconds in-flight requests get on SIGTERM")
 
     limits = parser.add_argument_group("admission and timeouts")
     limits.add_argument("--max-concurrent-requests", type=int, default=None, help="0: no limit")
@@ -72,12 +66,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     health.add_argument("--breaker-cooldown", type=float, default=None, metavar="SECONDS")
 
     security = parser.add_argument_group("security")
-    security.add_argument("--api-key", action="append", default=None, help=f"client API key; repeatable "
-                          f"(or {ENV_PREFIX}API_KEYS=k1,k2)")  # fmt: skip
-    security.add_argument("--admin-key", default=None, help=f"key for /workers (or {ENV_PREFIX}ADMIN_KEY)")
     security.add_argument(
-        "--worker-api-key", default=None, help=f"key sent to workers (or {ENV_PREFIX}WORKER_API_KEY)"
+        "--api-key",
+        action="append",
+        default=None,
+        help=f"client API key; repeatable (or {ENV_PREFIX}API_KEYS=k1,k2)",
     )
+    security.add_argument("--admin-key", default=None, help=f"key for /workers (or {ENV_PREFIX}ADMIN_KEY)")
+    security.add_argument("--worker-api-key", default=None, help=f"key sent to workers (or {ENV_PREFIX}WORKER_API_KEY)")
 
 
 _FLAG_TO_FIELD = {
@@ -130,8 +126,16 @@ def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None
         topology = load_topology(args.topology)
         topology_name = topology.name
         spec = topology.router
-        for name in ("host", "port", "prefill_policy", "decode_policy", "max_concurrent_requests",
-                     "max_queued_requests", "queue_timeout_s", "request_timeout_s"):  # fmt: skip
+        for name in (
+            "host",
+            "port",
+            "prefill_policy",
+            "decode_policy",
+            "max_concurrent_requests",
+            "max_queued_requests",
+            "queue_timeout_s",
+            "request_timeout_s",
+        ):
             fields[name] = getattr(spec, name)
         static_prefill, static_decode = topology.static_workers()
         prefill.extend(static_prefill)
@@ -157,8 +161,12 @@ def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None
         if topology_name:
             k8s["prefill_selector"] = f"sglang-pd/topology={topology_name},sglang-pd/role=prefill"
             k8s["decode_selector"] = f"sglang-pd/topology={topology_name},sglang-pd/role=decode"
-        for flag, name in (("k8s_namespace", "namespace"), ("k8s_prefill_selector", "prefill_selector"),
-                           ("k8s_decode_selector", "decode_selector"), ("k8s_port", "port")):  # fmt: skip
+        for flag, name in (
+            ("k8s_namespace", "namespace"),
+            ("k8s_prefill_selector", "prefill_selector"),
+            ("k8s_decode_selector", "decode_selector"),
+            ("k8s_port", "port"),
+        ):
             value = getattr(args, flag, None)
             if value is not None:
                 k8s[name] = value

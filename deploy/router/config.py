@@ -70,9 +70,7 @@ class RouterConfig:
     def __post_init__(self) -> None:
         for role, name in (("prefill", self.prefill_policy), ("decode", self.decode_policy)):
             if name not in POLICIES:
-                raise ValueError(
-                    f"Config '{role}_policy' has value {name!r}. Use one of: {', '.join(POLICIES)}."
-                )
+                raise ValueError(f"Config '{role}_policy' has value {name!r}. Use one of: {', '.join(POLICIES)}.")
         if self.decode_policy in PREFILL_ONLY_POLICIES:
             raise ValueError(
                 f"Config 'decode_policy' has value {self.decode_policy!r}, which is for prefill only. "

@@ -37,9 +37,7 @@ def _annotation_int(annotations: dict[str, str], key: str, default: int) -> int:
         return default
 
 
-def pod_endpoint(
-    pod: dict[str, Any], role: Role, config: KubernetesDiscoveryConfig
-) -> tuple[str, int | None] | None:
+def pod_endpoint(pod: dict[str, Any], role: Role, config: KubernetesDiscoveryConfig) -> tuple[str, int | None] | None:
     """(url, bootstrap_port) of a ready pod, or None when the pod cannot take traffic."""
     status = pod.get("status") or {}
     metadata = pod.get("metadata") or {}

@@ -57,9 +57,7 @@ class ApiError(Exception):
         return error_body(self.status, self.message, param=self.param, code=self.code)
 
     def response(self) -> Response:
-        return error_response(
-            self.status, self.message, param=self.param, code=self.code, headers=self.headers
-        )
+        return error_response(self.status, self.message, param=self.param, code=self.code, headers=self.headers)
 
 
 def error_dict(status: int, message: str, *, param: str | None = None, code: str | None = None) -> Any:

@@ -120,9 +120,7 @@ class HealthChecker:
                 worker.set_dp_size(dp)
         models = await self._get_json(worker, "/v1/models")
         if isinstance(models, dict) and isinstance(models.get("data"), list):
-            worker.models = [
-                m["id"] for m in models["data"] if isinstance(m, dict) and isinstance(m.get("id"), str)
-            ]
+            worker.models = [m["id"] for m in models["data"] if isinstance(m, dict) and isinstance(m.get("id"), str)]
 
     async def _get_json(self, worker: Worker, path: str) -> Any:
         try:
@@ -130,7 +128,5 @@ class HealthChecker:
             if resp.status_code == 200:
                 return resp.json()
         except (httpx.HTTPError, ValueError) as exc:
-            logger.debug(
-                "worker info request failed", extra={"worker": worker.url, "path": path, "error": str(exc)}
-            )
+            logger.debug("worker info request failed", extra={"worker": worker.url, "path": path, "error": str(exc)})
         return None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -15,43 +17,57 @@ class RouterMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         ns = "sglang_pd_router"
         self.requests = Counter(
-            f"{ns}_requests", "Requests answered, by endpoint and HTTP status.",
-            ["endpoint", "status"], registry=self.registry,
-        )  # fmt: skip
+            f"{ns}_requests",
+            "Requests answered, by endpoint and HTTP status.",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
         self.latency = Histogram(
-            f"{ns}_request_duration_seconds", "Time from request to the last byte of the answer.",
-            ["endpoint"], buckets=_LATENCY_BUCKETS, registry=self.registry,
-        )  # fmt: skip
+            f"{ns}_request_duration_seconds",
+            "Time from request to the last byte of the answer.",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.ttfb = Histogram(
-            f"{ns}_time_to_first_byte_seconds", "Time from request to the first byte of the answer body.",
-            ["endpoint"], buckets=_LATENCY_BUCKETS, registry=self.registry,
-        )  # fmt: skip
+            f"{ns}_time_to_first_byte_seconds",
+            "Time from request to the first byte of the answer body.",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.in_flight = Gauge(
-            f"{ns}_worker_in_flight", "Requests in flight per worker.",
-            ["role", "worker"], registry=self.registry,
-        )  # fmt: skip
+            f"{ns}_worker_in_flight",
+            "Requests in flight per worker.",
+            ["role", "worker"],
+            registry=self.registry,
+        )
         self.retries = Counter(
-            f"{ns}_retries", "Requests retried on another worker pair, by the failing role.",
-            ["role"], registry=self.registry,
-        )  # fmt: skip
+            f"{ns}_retries",
+            "Requests retried on another worker pair, by the failing role.",
+            ["role"],
+            registry=self.registry,
+        )
         self.upstream_errors = Counter(
-            f"{ns}_upstream_errors", "Failed worker legs, by role and kind.",
-            ["role", "kind"], registry=self.registry,
-        )  # fmt: skip
+            f"{ns}_upstream_errors",
+            "Failed worker legs, by role and kind.",
+            ["role", "kind"],
+            registry=self.registry,
+        )
         self.breaker_state = Gauge(
-            f"{ns}_worker_breaker_state", "Circuit breaker state per worker: 0 closed, 1 half-open, 2 open.",
-            ["role", "worker"], registry=self.registry,
-        )  # fmt: skip
+            f"{ns}_worker_breaker_state",
+            "Circuit breaker state per worker: 0 closed, 1 half-open, 2 open.",
+            ["role", "worker"],
+            registry=self.registry,
+        )
         self.worker_healthy = Gauge(
-            f"{ns}_worker_healthy", "1 when the worker passes its health checks.",
-            ["role", "worker"], registry=self.registry,
-        )  # fmt: skip
-        self.queue_depth = Gauge(
-            f"{ns}_queue_depth", "Requests waiting for an admission slot.", registry=self.registry
+            f"{ns}_worker_healthy",
+            "1 when the worker passes its health checks.",
+            ["role", "worker"],
+            registry=self.registry,
         )
-        self.active = Gauge(
-            f"{ns}_active_requests", "Requests admitted and not finished.", registry=self.registry
-        )
+        self.queue_depth = Gauge(f"{ns}_queue_depth", "Requests waiting for an admission slot.", registry=self.registry)
+        self.active = Gauge(f"{ns}_active_requests", "Requests admitted and not finished.", registry=self.registry)
         self.aborts = Counter(
             f"{ns}_aborts", "abort_request calls sent to workers, by role.", ["role"], registry=self.registry
         )
@@ -61,7 +77,5 @@ class RouterMetrics:
 
     def forget_worker(self, role: str, url: str) -> None:
         for gauge in (self.in_flight, self.breaker_state, self.worker_healthy):
-            try:
+            with contextlib.suppress(KeyError):
                 gauge.remove(role, url)
-            except KeyError:
-                pass

@@ -6,9 +6,11 @@ while nothing has reached the client, and abort the other leg whenever one leg i
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import httpx
@@ -35,6 +37,7 @@ __all__ = ["PDProxy"]
 
 _MAX_ROOM = 2**63 - 1
 _ABORT_TIMEOUT = httpx.Timeout(2.0, connect=1.0)
+_BLAME_GRACE_S = 0.1
 
 
 class ClientGone(Exception):
@@ -48,6 +51,7 @@ class Pair:
     prefill_body: bytes
     decode_body: bytes
     rids: list[str]
+    dp_ranks: list[int]
 
 
 @dataclass(slots=True)
@@ -100,6 +104,7 @@ class PDProxy:
         )
         self._background: set[asyncio.Task[Any]] = set()
         self._rng = random.Random()
+        self._dp_counter = itertools.count()
 
     async def aclose(self) -> None:
         if self._background:
@@ -121,9 +126,7 @@ class PDProxy:
         if not decodes:
             raise NoHealthyWorker("decode")
         request = RoutingRequest(
-            text=routing_text(payload)
-            if self.prefill_policy.needs_text or self.decode_policy.needs_text
-            else ""
+            text=routing_text(payload) if self.prefill_policy.needs_text or self.decode_policy.needs_text else ""
         )
         prefill = self.prefill_policy.select(prefills, request)
         decode = self.decode_policy.select(decodes, request)
@@ -136,7 +139,12 @@ class PDProxy:
             if prefill.dp_size > 1:
                 # Decode finds the prefill DP rank as bootstrap_room % dp_size (REFERENCE.md §2),
                 # so the room must agree with the rank we route to: the least-loaded one.
-                rank = min(range(prefill.dp_size), key=prefill.dp_in_flight.__getitem__)
+                start = next(self._dp_counter)
+                rank = min(
+                    ((start + i) % prefill.dp_size for i in range(prefill.dp_size)),
+                    key=prefill.dp_in_flight.__getitem__,
+                )
+                prefill.dp_in_flight[rank] += 1
                 room -= room % prefill.dp_size
                 room += rank
                 if room > _MAX_ROOM:
@@ -162,7 +170,7 @@ class PDProxy:
             prefill_body = orjson.dumps(body)
         else:
             prefill_body = decode_body
-        return Pair(prefill, decode, prefill_body, decode_body, rids)
+        return Pair(prefill, decode, prefill_body, decode_body, rids, dp_ranks)
 
     # -- one leg --------------------------------------------------------------------------------
 
@@ -214,9 +222,6 @@ class PDProxy:
                 )
             self._succeeded(worker)
             return leg
-        except UpstreamError as exc:
-            self._failed(exc)
-            raise
         finally:
             self._end(worker)
 
@@ -228,9 +233,12 @@ class PDProxy:
         try:
             with map_httpx_exceptions(worker, f"POST {path}"):
                 request = self.client.build_request(
-                    "POST", worker.url + path, content=body,
-                    headers={**self._headers, "x-request-id": rid}, timeout=self._stream_timeout,
-                )  # fmt: skip
+                    "POST",
+                    worker.url + path,
+                    content=body,
+                    headers={**self._headers, "x-request-id": rid},
+                    timeout=self._stream_timeout,
+                )
                 resp = await self.client.send(request, stream=True)
                 content_type = resp.headers.get("content-type", "text/event-stream")
                 if resp.status_code >= 400:
@@ -238,8 +246,7 @@ class PDProxy:
                     await resp.aclose()
                     if resp.status_code >= 500:
                         raise UpstreamStatusError(
-                            f"POST {path} to decode worker {worker.url} answered {resp.status_code}: "
-                            f"{content[:200]!r}",
+                            f"POST {path} to decode worker {worker.url} answered {resp.status_code}: {content[:200]!r}",
                             worker,
                             resp.status_code,
                             content,
@@ -252,10 +259,17 @@ class PDProxy:
                     first = await chunks.__anext__()
                 except StopAsyncIteration:
                     first = b""
+            if first[:24].replace(b" ", b"").startswith(b'data:{"error"'):
+                # sglang reports a failed KV transfer as the stream's first event: nothing has
+                # reached the client yet, so this attempt can still be retried.
+                raise UpstreamStatusError(
+                    f"decode worker {worker.url} answered the stream with an error: {first[:300]!r}",
+                    worker,
+                    502,
+                    first,
+                )
             return Leg(resp.status_code, content_type, first, stream=resp, chunks=chunks)
-        except BaseException as exc:
-            if isinstance(exc, UpstreamError):
-                self._failed(exc)
+        except BaseException:
             if resp is not None:
                 self.spawn(resp.aclose())
             self._end(worker)
@@ -275,9 +289,7 @@ class PDProxy:
                         timeout=_ABORT_TIMEOUT,
                     )
                 except httpx.HTTPError as exc:
-                    logger.info(
-                        "abort_request failed", extra={"worker": worker.url, "rid": rid, "error": str(exc)}
-                    )
+                    logger.info("abort_request failed", extra={"worker": worker.url, "rid": rid, "error": str(exc)})
 
         self.spawn(send())
 
@@ -300,21 +312,17 @@ class PDProxy:
         try:
             for attempt in range(self.config.max_retries + 1):
                 if attempt:
-                    delay = min(
-                        self.config.retry_max_backoff_s, self.config.retry_backoff_s * 2 ** (attempt - 1)
-                    )
+                    delay = min(self.config.retry_max_backoff_s, self.config.retry_backoff_s * 2 ** (attempt - 1))
                     await asyncio.sleep(delay * (0.5 + self._rng.random()))
                 try:
                     pair = self._pick(endpoint, payload, rid, exclude)
                 except NoHealthyWorker as exc:
                     if last_error is not None:
                         raise _gave_up(last_error, attempt) from exc
-                    raise ApiError(
-                        503, str(exc), code="no_healthy_worker", headers={"retry-after": "1"}
-                    ) from exc
-                prefill_t = asyncio.ensure_future(
-                    self._unary_leg(pair.prefill, endpoint, pair.prefill_body, rid)
-                )
+                    raise ApiError(503, str(exc), code="no_healthy_worker", headers={"retry-after": "1"}) from exc
+                prefill_t = asyncio.ensure_future(self._unary_leg(pair.prefill, endpoint, pair.prefill_body, rid))
+                if pair.dp_ranks:
+                    prefill_t.add_done_callback(partial(_release_ranks, pair.prefill, pair.dp_ranks))
                 decode_t = asyncio.ensure_future(open_decode(pair.decode, endpoint, pair.decode_body, rid))
                 try:
                     outcome = await self._race(pair, prefill_t, decode_t, disconnect, deadline)
@@ -363,6 +371,7 @@ class PDProxy:
                     decode_t.cancel()
                     self._abort(pair.decode, pair.rids)
                     if isinstance(exc, UpstreamError):
+                        self._failed(exc)
                         return exc
                     if exc is not None:
                         raise exc
@@ -376,30 +385,49 @@ class PDProxy:
                         prefill_t.cancel()
                         self._abort(pair.prefill, pair.rids)
                     return leg
+                if isinstance(exc, UpstreamStatusError) and not prefill_t.done():
+                    # Decode answered with an error: a dying prefill (failed KV transfer) is the
+                    # usual cause, and its connection error is due within moments.
+                    await asyncio.wait({prefill_t}, timeout=_BLAME_GRACE_S)
+                prefill_exc = prefill_t.exception() if prefill_t.done() and not prefill_t.cancelled() else None
                 if not prefill_t.done():
                     prefill_t.cancel()
                     self._abort(pair.prefill, pair.rids)
                 if isinstance(exc, UpstreamError):
+                    if isinstance(exc, UpstreamStatusError) and isinstance(prefill_exc, UpstreamError):
+                        self._failed(prefill_exc)  # the prefill's fault, not the decode's
+                        return prefill_exc
+                    self._failed(exc)
                     return exc
                 raise exc
 
-    def _abort_unfinished(
-        self, pair: Pair, prefill_t: asyncio.Task[Leg], decode_t: asyncio.Task[Leg]
-    ) -> None:
+    def _abort_unfinished(self, pair: Pair, prefill_t: asyncio.Task[Leg], decode_t: asyncio.Task[Leg]) -> None:
         if not _finished_ok(prefill_t):
             self._abort(pair.prefill, pair.rids)
-        if not _finished_ok(decode_t) or decode_t.result().stream is not None:
+        if not _finished_ok(decode_t):
             self._abort(pair.decode, pair.rids)
+        elif (opened := decode_t.result().stream) is not None:
+            self._abort(pair.decode, pair.rids)
+            self.spawn(opened.aclose())
+            self._end(pair.decode)
 
     def _watch_prefill(self, prefill_t: asyncio.Task[Leg]) -> None:
         """Prefill legs that outlive decode's answer: retrieve their outcome so no error is lost."""
+
+        def record(task: asyncio.Future[Leg]) -> None:
+            if task.cancelled():
+                return
+            exc = task.exception()
+            if isinstance(exc, UpstreamError):
+                self._failed(exc)
+
         if prefill_t.done():
-            _consume(prefill_t)
+            record(prefill_t)
         else:
-            prefill_t.add_done_callback(_consume)
+            prefill_t.add_done_callback(record)
 
     async def unary(self, endpoint: str, payload: dict[str, Any], rid: str, receive: Receive) -> Response:
-        pair, leg, prefill_t = await self._attempts(endpoint, payload, rid, self._unary_leg, receive)
+        _pair, leg, prefill_t = await self._attempts(endpoint, payload, rid, self._unary_leg, receive)
         body = leg.body
         if leg.status < 300 and _wants_input_logprobs(endpoint, payload):
             try:
@@ -408,9 +436,7 @@ class PDProxy:
             except (UpstreamError, TimeoutError, ValueError) as exc:
                 logger.warning("could not merge prefill input logprobs", extra={"error": str(exc)})
         self._watch_prefill(prefill_t)
-        return Response(
-            body, status_code=leg.status, media_type=leg.content_type, headers={"x-request-id": rid}
-        )
+        return Response(body, status_code=leg.status, media_type=leg.content_type, headers={"x-request-id": rid})
 
     async def stream(self, endpoint: str, payload: dict[str, Any], rid: str, receive: Receive) -> Response:
         pair, leg, prefill_t = await self._attempts(endpoint, payload, rid, self._open_stream, receive)
@@ -484,8 +510,7 @@ class RelayResponse(Response):
                     "type": "http.response.body",
                     "body": sse_error(
                         502,
-                        f"The decode worker failed mid-stream ({exc}); the answer is incomplete. "
-                        "Retry the request.",
+                        f"The decode worker failed mid-stream ({exc}); the answer is incomplete. Retry the request.",
                         code="upstream_stream_error",
                     ),
                     "more_body": True,
@@ -510,6 +535,13 @@ async def _wait_disconnect(receive: Receive) -> None:
         message = await receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def _release_ranks(worker: Worker, ranks: list[int], _: asyncio.Future[Any]) -> None:
+    if len(worker.dp_in_flight) == worker.dp_size:  # unchanged since the pick
+        for rank in ranks:
+            if rank < worker.dp_size:
+                worker.dp_in_flight[rank] = max(0, worker.dp_in_flight[rank] - 1)
 
 
 def _cancel(*tasks: asyncio.Future[Any]) -> None:

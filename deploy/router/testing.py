@@ -68,7 +68,7 @@ def _err(status: int, message: str) -> Any:
                 "param": None,
                 "code": status,
             }
-        },  # fmt: skip
+        },
         status=status,
     )
 
@@ -100,9 +100,7 @@ def _max_tokens(body: dict[str, Any], default: int) -> int:
 
 def _prompt_len(body: dict[str, Any]) -> int:
     if isinstance(body.get("messages"), list):
-        return sum(
-            len(str(m.get("content", "")).split()) + 4 for m in body["messages"] if isinstance(m, dict)
-        )
+        return sum(len(str(m.get("content", "")).split()) + 4 for m in body["messages"] if isinstance(m, dict))
     for key in ("prompt", "text", "input_ids"):
         value = body.get(key)
         if isinstance(value, str):
@@ -150,27 +148,58 @@ def _chunk(path: str, rid: str, model: str, i: int, text: str, finish: str | Non
         delta: dict[str, Any] = {"content": text}
         if i == 0:
             delta["role"] = "assistant"
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}  # fmt: skip
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}  # fmt: skip
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+        }
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+    }
 
 
 def _final(path: str, rid: str, model: str, text: str, finish: str, prompt: int, completion: int) -> Any:
     usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
     created = int(time.time())
     if path == "/v1/chat/completions":
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": finish, "logprobs": None}], "usage": usage}  # fmt: skip
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
-            "usage": usage}  # fmt: skip
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": finish,
+                    "logprobs": None,
+                }
+            ],
+            "usage": usage,
+        }
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+        "usage": usage,
+    }
 
 
 def _generate_meta(rid: str, prompt: int, completion: int, finish: str, logprobs: bool, role: str) -> Any:
-    meta: dict[str, Any] = {"id": rid, "prompt_tokens": prompt, "completion_tokens": completion,
-                            "finish_reason": {"type": finish}}  # fmt: skip
+    meta: dict[str, Any] = {
+        "id": rid,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "finish_reason": {"type": finish},
+    }
     if logprobs:
         # sglang's convention: prefill reports the prompt's logprobs, decode only its own part.
         meta["input_token_logprobs"] = [[-0.5, i, None] for i in range(prompt)] if role == "prefill" else []
@@ -229,9 +258,17 @@ def build_app(state: _State) -> Any:
         n = _batch(path, body)
         rids = rids_of(body, n)
         if state.keep_log:
-            state.requests.append({"path": path, "rid": body.get("rid"), "room": body["bootstrap_room"],
-                                   "host": body["bootstrap_host"], "port": body["bootstrap_port"],
-                                   "routed_dp_rank": body.get("routed_dp_rank"), "stream": bool(body.get("stream"))})  # fmt: skip
+            state.requests.append(
+                {
+                    "path": path,
+                    "rid": body.get("rid"),
+                    "room": body["bootstrap_room"],
+                    "host": body["bootstrap_host"],
+                    "port": body["bootstrap_port"],
+                    "routed_dp_rank": body.get("routed_dp_rank"),
+                    "stream": bool(body.get("stream")),
+                }
+            )
         state.in_flight += 1
         try:
             if state.role == "prefill":
@@ -240,9 +277,7 @@ def build_app(state: _State) -> Any:
         finally:
             state.in_flight -= 1
 
-    async def prefill(
-        request: web.Request, path: str, body: dict[str, Any], n: int | None, rids: list[str]
-    ) -> Any:
+    async def prefill(request: web.Request, path: str, body: dict[str, Any], n: int | None, rids: list[str]) -> Any:
         if state.prefill_delay:
             await asyncio.sleep(state.prefill_delay)
         prompt = _prompt_len(body)
@@ -258,38 +293,39 @@ def build_app(state: _State) -> Any:
         rid = rids[0]
         finish = "abort" if aborted else "length"
         if path == "/generate":
-            one = {"text": "", "meta_info": _generate_meta(rid, prompt, 0, finish, bool(body.get("return_logprob")),
-                                                           "prefill")}  # fmt: skip
+            one = {
+                "text": "",
+                "meta_info": _generate_meta(rid, prompt, 0, finish, bool(body.get("return_logprob")), "prefill"),
+            }
             out: Any = [dict(one, index=i) for i in range(n)] if n is not None else one
         else:
             out = _final(path, rid, state.model, "", finish, prompt, 0)
         if body.get("stream"):
             events = out if isinstance(out, list) else [out]
-            payload = (
-                b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
-            )
+            payload = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
             return web.Response(body=payload, content_type="text/event-stream")
         return web.json_response(out)
 
-    async def decode(
-        request: web.Request, path: str, body: dict[str, Any], n: int | None, rids: list[str]
-    ) -> Any:
+    async def decode(request: web.Request, path: str, body: dict[str, Any], n: int | None, rids: list[str]) -> Any:
         stream = bool(body.get("stream"))
         total = _max_tokens(body, state.tokens)
         prompt = _prompt_len(body)
         rid = rids[0]
         resp: web.StreamResponse | None = None
         if stream:
-            resp = web.StreamResponse(
-                headers={"content-type": "text/event-stream", "cache-control": "no-cache"}
-            )
+            resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache"})
             await resp.prepare(request)
         failure = await handshake(body, n)
         if failure:
             if resp is None:
                 return _err(500, failure)
-            await resp.write(b"data: " + json.dumps({"error": {"message": failure, "type": "InternalServerError",
-                                                                "param": None, "code": 500}}).encode() + b"\n\n")  # fmt: skip
+            await resp.write(
+                b"data: "
+                + json.dumps(
+                    {"error": {"message": failure, "type": "InternalServerError", "param": None, "code": 500}}
+                ).encode()
+                + b"\n\n"
+            )
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
@@ -334,8 +370,10 @@ def build_app(state: _State) -> Any:
             await resp.write_eof()
             return resp
         if path == "/generate":
-            one = {"text": text, "meta_info": _generate_meta(rid, prompt, produced, finish,
-                                                             bool(body.get("return_logprob")), "decode")}  # fmt: skip
+            one = {
+                "text": text,
+                "meta_info": _generate_meta(rid, prompt, produced, finish, bool(body.get("return_logprob")), "decode"),
+            }
             return web.json_response([dict(one, index=i) for i in range(n)] if n is not None else one)
         return web.json_response(_final(path, rid, state.model, text, finish, prompt, produced))
 
@@ -350,20 +388,29 @@ def build_app(state: _State) -> Any:
         return web.Response(text="")
 
     async def server_info(_: web.Request) -> web.Response:
-        return web.json_response({"model_path": state.model, "served_model_name": state.model,
-                                  "disaggregation_mode": state.role, "dp_size": state.dp_size,
-                                  "enable_dp_attention": state.dp_size > 1, "tp_size": 1,
-                                  "disaggregation_bootstrap_port": state.bootstrap_port,
-                                  "version": "test-worker"})  # fmt: skip
-
-    async def model_info(_: web.Request) -> web.Response:
         return web.json_response(
-            {"model_path": state.model, "tokenizer_path": state.model, "is_generation": True}
+            {
+                "model_path": state.model,
+                "served_model_name": state.model,
+                "disaggregation_mode": state.role,
+                "dp_size": state.dp_size,
+                "enable_dp_attention": state.dp_size > 1,
+                "tp_size": 1,
+                "disaggregation_bootstrap_port": state.bootstrap_port,
+                "version": "test-worker",
+            }
         )
 
+    async def model_info(_: web.Request) -> web.Response:
+        return web.json_response({"model_path": state.model, "tokenizer_path": state.model, "is_generation": True})
+
     async def models(_: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": state.model, "object": "model",
-                                                               "created": 0, "owned_by": "sglang"}]})  # fmt: skip
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": state.model, "object": "model", "created": 0, "owned_by": "sglang"}],
+            }
+        )
 
     async def loads(_: web.Request) -> web.Response:
         return web.json_response({"loads": [{"dp_rank": 0, "num_reqs": state.in_flight}]})
@@ -375,9 +422,7 @@ def build_app(state: _State) -> Any:
         return web.json_response({"success": True})
 
     async def test_state(_: web.Request) -> web.Response:
-        return web.json_response(
-            {"requests": state.requests, "aborts": state.aborts, "in_flight": state.in_flight}
-        )
+        return web.json_response({"requests": state.requests, "aborts": state.aborts, "in_flight": state.in_flight})
 
     async def test_config(request: web.Request) -> web.Response:
         body = await request.json()
@@ -453,9 +498,17 @@ async def _sweep(state: _State) -> None:
 async def _serve(args: argparse.Namespace) -> None:
     from aiohttp import web
 
-    state = _State(role=args.role, model=args.model, dp_size=args.dp_size, bootstrap_port=0,
-                   tokens=args.tokens, token_delay=args.token_delay, prefill_delay=args.prefill_delay,
-                   handshake_timeout=args.handshake_timeout, keep_log=not args.no_log)  # fmt: skip
+    state = _State(
+        role=args.role,
+        model=args.model,
+        dp_size=args.dp_size,
+        bootstrap_port=0,
+        tokens=args.tokens,
+        token_delay=args.token_delay,
+        prefill_delay=args.prefill_delay,
+        handshake_timeout=args.handshake_timeout,
+        keep_log=not args.no_log,
+    )
     runners = []
     bootstrap_port = None
     if args.role == "prefill":

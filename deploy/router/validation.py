@@ -138,9 +138,7 @@ def _check_generate(payload: dict[str, Any]) -> None:
         isinstance(text, str) or (isinstance(text, list) and text and all(isinstance(t, str) for t in text))
     ):
         raise _type_error("text", "a string or a non-empty list of strings", text)
-    if ids is not None and not (
-        isinstance(ids, list) and ids and _is_prompt(ids) and not isinstance(ids[0], str)
-    ):
+    if ids is not None and not (isinstance(ids, list) and ids and _is_prompt(ids) and not isinstance(ids[0], str)):
         raise _type_error("input_ids", "a list of token ids or a list of such lists", ids)
     params = payload.get("sampling_params")
     if params is not None and not isinstance(params, dict | list):

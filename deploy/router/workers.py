@@ -23,9 +23,7 @@ def normalize_url(url: str) -> WorkerURL:
         raw = "http://" + raw
     parts = urlsplit(raw)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise WorkerRegistrationError(
-            f"Worker URL {url!r} is not valid. Use http://HOST:PORT (or https://HOST:PORT)."
-        )
+        raise WorkerRegistrationError(f"Worker URL {url!r} is not valid. Use http://HOST:PORT (or https://HOST:PORT).")
     if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
         raise WorkerRegistrationError(
             f"Worker URL {url!r} has a path, query or credentials. Use http://HOST:PORT only."
@@ -116,6 +114,11 @@ class WorkerRegistry:
         if role not in ("prefill", "decode"):
             raise WorkerRegistrationError(f"Worker role {role!r} is not valid. Use 'prefill' or 'decode'.")
         norm = normalize_url(url)
+        existing = self._workers.get((role, norm))
+        if existing is not None:
+            if role == "prefill" and bootstrap_port is not None:
+                existing.bootstrap_port = int(bootstrap_port)
+            return existing
         if role == "prefill":
             if bootstrap_port is None:
                 bootstrap_port = DEFAULT_BOOTSTRAP_PORT
@@ -123,11 +126,6 @@ class WorkerRegistry:
                 raise WorkerRegistrationError(
                     f"Bootstrap port {bootstrap_port!r} of prefill worker {norm} is not a valid port."
                 )
-        existing = self._workers.get((role, norm))
-        if existing is not None:
-            if role == "prefill" and bootstrap_port is not None:
-                existing.bootstrap_port = int(bootstrap_port)
-            return existing
         worker = Worker(
             url=norm,
             role=role,

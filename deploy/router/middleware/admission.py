@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections import deque
 
@@ -46,8 +47,9 @@ class AdmissionMiddleware:
         self.draining = False
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._retry_after = str(max(1, math.ceil(queue_timeout_s / 4)))
-        self._full_body = error_body(429, _QUEUE_FULL.format(limit=max_concurrent, queued=max_queued),
-                                     code="queue_full")  # fmt: skip
+        self._full_body = error_body(
+            429, _QUEUE_FULL.format(limit=max_concurrent, queued=max_queued), code="queue_full"
+        )
         self._timeout_body = error_body(
             429, _QUEUE_TIMEOUT.format(timeout=queue_timeout_s, limit=max_concurrent), code="queue_timeout"
         )
@@ -96,10 +98,8 @@ class AdmissionMiddleware:
             raise
         finally:
             self.metrics.queue_depth.dec()
-            try:
+            with contextlib.suppress(ValueError):
                 self._waiters.remove(waiter)
-            except ValueError:
-                pass
 
     def _release(self) -> None:
         while self._waiters:

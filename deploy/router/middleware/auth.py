@@ -12,8 +12,7 @@ __all__ = ["AuthMiddleware"]
 
 _OPEN_PATHS = frozenset({"/health", "/readiness", "/metrics"})
 _BAD_KEY = (
-    "Invalid or missing API key. Send 'Authorization: Bearer <key>' with a key configured on the router "
-    "(--api-key)."
+    "Invalid or missing API key. Send 'Authorization: Bearer <key>' with a key configured on the router (--api-key)."
 )
 _BAD_ADMIN_KEY = "Invalid or missing admin key. Send 'Authorization: Bearer <admin key>' (--admin-key)."
 _NO_ADMIN = (
