@@ -34,6 +34,7 @@ from typing import Any
 __all__ = ["WorkerProcess", "start_worker", "start_workers"]
 
 ENDPOINTS = ("/generate", "/v1/completions", "/v1/chat/completions")
+_MAX_TOKENS = 512  # a fake engine has no context limit; this keeps fuzzed requests short
 
 
 @dataclass
@@ -308,7 +309,7 @@ def build_app(state: _State) -> Any:
 
     async def decode(request: web.Request, path: str, body: dict[str, Any], n: int | None, rids: list[str]) -> Any:
         stream = bool(body.get("stream"))
-        total = _max_tokens(body, state.tokens)
+        total = min(_max_tokens(body, state.tokens), _MAX_TOKENS)
         prompt = _prompt_len(body)
         rid = rids[0]
         resp: web.StreamResponse | None = None

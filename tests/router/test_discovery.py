@@ -13,12 +13,22 @@ from sglang_pd.deploy.router.config import KubernetesDiscoveryConfig
 from sglang_pd.deploy.router.discovery import KubernetesDiscovery, pod_endpoint
 from sglang_pd.deploy.router.workers import WorkerRegistry
 
-CONFIG = KubernetesDiscoveryConfig(namespace="llm", prefill_selector="sglang-pd/role=prefill",
-                                   decode_selector="sglang-pd/role=decode", port=30000)  # fmt: skip
+CONFIG = KubernetesDiscoveryConfig(
+    namespace="llm", prefill_selector="sglang-pd/role=prefill", decode_selector="sglang-pd/role=decode", port=30000
+)
 
 
-def _pod(name: str, role: str, ip: str | None, *, ready: bool, phase: str = "Running", rv: str = "1",
-         annotations: dict[str, str] | None = None, deleting: bool = False) -> dict[str, Any]:  # fmt: skip
+def _pod(
+    name: str,
+    role: str,
+    ip: str | None,
+    *,
+    ready: bool,
+    phase: str = "Running",
+    rv: str = "1",
+    annotations: dict[str, str] | None = None,
+    deleting: bool = False,
+) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "name": name,
         "namespace": "llm",
@@ -40,8 +50,13 @@ def _pod(name: str, role: str, ip: str | None, *, ready: bool, phase: str = "Run
     if ip:
         status["podIP"] = ip
         status["podIPs"] = [{"ip": ip}]
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
-            "spec": {"containers": [{"name": "engine", "image": "sglang-pd:0.1.0"}]}, "status": status}  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": meta,
+        "spec": {"containers": [{"name": "engine", "image": "sglang-pd:0.1.0"}]},
+        "status": status,
+    }
 
 
 def _line(kind: str, pod: dict[str, Any]) -> str:
@@ -61,7 +76,7 @@ PREFILL_EVENTS = [
             rv="11",
             annotations={"sglang-pd/bootstrap-port": "8998"},
         ),
-    ),  # fmt: skip
+    ),
     _line(
         "MODIFIED",
         _pod(
@@ -72,7 +87,7 @@ PREFILL_EVENTS = [
             rv="12",
             annotations={"sglang-pd/bootstrap-port": "9100", "sglang-pd/port": "31000"},
         ),
-    ),  # fmt: skip
+    ),
     _line("ADDED", _pod("dsv3-prefill-1", "prefill", "10.1.0.6", ready=True, rv="13")),
     _line(
         "MODIFIED",
@@ -84,7 +99,7 @@ PREFILL_EVENTS = [
             rv="14",
             annotations={"sglang-pd/bootstrap-port": "9100", "sglang-pd/port": "31000"},
         ),
-    ),  # fmt: skip
+    ),
     _line("MODIFIED", _pod("dsv3-prefill-1", "prefill", "10.1.0.6", ready=True, rv="15", deleting=True)),
     _line("DELETED", _pod("dsv3-prefill-1", "prefill", "10.1.0.6", ready=False, rv="16")),
 ]

@@ -25,9 +25,12 @@ def test_sync_chat(router_1p1d: RunningRouter) -> None:
 def test_sync_chat_stream(router_1p1d: RunningRouter) -> None:
     client = openai.OpenAI(base_url=router_1p1d.url + "/v1", api_key="unused")
     stream = client.chat.completions.create(
-        model="test-model", messages=MESSAGES, max_tokens=4, stream=True,  # type: ignore[arg-type]
+        model="test-model",
+        messages=MESSAGES,
+        max_tokens=4,
+        stream=True,  # type: ignore[arg-type]
         stream_options={"include_usage": True},
-    )  # fmt: skip
+    )
     pieces, usage = [], None
     for chunk in stream:
         if chunk.choices:

@@ -20,7 +20,7 @@ def test_normalize_url(raw: str, expected: str) -> None:
 
 @pytest.mark.parametrize("bad", ["ftp://x:1", "http://", "http://h:1/v1", "http://u:p@h:1", "http://h:99999"])
 def test_normalize_url_rejects(bad: str) -> None:
-    with pytest.raises(WorkerRegistrationError, match="Use http://HOST:PORT|invalid port"):
+    with pytest.raises(WorkerRegistrationError, match=r"Use http://HOST:PORT|invalid port"):
         normalize_url(bad)
 
 
