@@ -68,9 +68,7 @@ def render_node(
     """The sglang argv and env of one node. `leader_host` is the instance leader's address."""
     spec = t.prefill if role == "prefill" else t.decode
     if not 0 <= node_rank < spec.nodes:
-        raise ValueError(
-            f"node_rank {node_rank} is outside 0..{spec.nodes - 1} for {role}.nodes={spec.nodes}"
-        )
+        raise ValueError(f"node_rank {node_rank} is outside 0..{spec.nodes - 1} for {role}.nodes={spec.nodes}")
     m = t.model
     # On one host (the local stack) instances take consecutive ports; in a cluster each is its own pod.
     offset = instance if t.is_local else 0
@@ -150,8 +148,6 @@ def render_plan(t: Topology, leader_host: str = LEADER_HOST_PLACEHOLDER) -> dict
         for rank in range(t.prefill.nodes)
     ]
     decode = [
-        render_node(t, "decode", rank, g, leader_host)
-        for g in range(t.decode.groups)
-        for rank in range(t.decode.nodes)
+        render_node(t, "decode", rank, g, leader_host) for g in range(t.decode.groups) for rank in range(t.decode.nodes)
     ]
     return {"prefill": prefill, "decode": decode}

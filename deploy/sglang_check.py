@@ -150,9 +150,7 @@ def check_with_sglang(t: Topology, python: str | None = None) -> list[SglangChec
     checks = []
     for c in commands:
         r = by_key[json.dumps([c.argv, c.env], sort_keys=True)]
-        checks.append(
-            SglangCheck(command=c, ok=r["ok"], error=r.get("error"), resolved=r.get("resolved", {}))
-        )
+        checks.append(SglangCheck(command=c, ok=r["ok"], error=r.get("error"), resolved=r.get("resolved", {})))
     return checks
 
 

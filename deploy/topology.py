@@ -186,9 +186,7 @@ class RouterSpec(_Strict):
     @classmethod
     def _no_cache_aware_decode(cls, v: str) -> str:
         if v == "cache_aware":
-            raise ValueError(
-                "cache_aware routes by prompt prefix and applies to prefill only; use least_load"
-            )
+            raise ValueError("cache_aware routes by prompt prefix and applies to prefill only; use least_load")
         return v
 
 
@@ -262,9 +260,7 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
 def parse_topology(data: Any, source: str = "<topology>", source_dir: Path | None = None) -> Topology:
     """Validate already-loaded YAML data; raises TopologyError naming every bad key path."""
     if not isinstance(data, dict):
-        raise TopologyError(
-            f"{source}: a topology must be a YAML mapping at the top level, got {type(data).__name__}."
-        )
+        raise TopologyError(f"{source}: a topology must be a YAML mapping at the top level, got {type(data).__name__}.")
     try:
         return Topology.model_validate({**data, "source_dir": source_dir})
     except ValidationError as exc:
@@ -446,9 +442,7 @@ def check_rules(t: Topology) -> RuleReport:
         )
 
     if t.model.page_size != 64 and not t.is_local:
-        warnings.append(
-            f"model.page_size: {t.model.page_size}; FlashMLA (DeepSeek MLA on Hopper) uses 64-token pages."
-        )
+        warnings.append(f"model.page_size: {t.model.page_size}; FlashMLA (DeepSeek MLA on Hopper) uses 64-token pages.")
 
     ports = {
         "prefill.port": p.port,
@@ -482,9 +476,7 @@ def check_rules(t: Topology) -> RuleReport:
         warnings.append("transfer.ib_devices: ignored with transfer.protocol=tcp.")
     for gpu in t.transfer.ib_devices:
         if not 0 <= gpu < t.hardware.gpus_per_node:
-            errors.append(
-                f"transfer.ib_devices.{gpu}: GPU index out of range 0..{t.hardware.gpus_per_node - 1}."
-            )
+            errors.append(f"transfer.ib_devices.{gpu}: GPU index out of range 0..{t.hardware.gpus_per_node - 1}.")
     rdma = t.hardware.rdma_devices
     if len(rdma) > 1 and t.transfer.ib_devices:
         unknown = sorted(set(t.transfer.ib_devices.values()) - set(rdma))

@@ -55,9 +55,7 @@ def test_top_level_must_be_mapping(write_topology) -> None:
 def test_unknown_key_names_its_path(preset_dict) -> None:
     d = preset_dict()
     d["decode"]["sbo_mode"] = "full"
-    with pytest.raises(
-        TopologyError, match=r"decode\.sbo_mode: unknown key; remove it or check its spelling"
-    ):
+    with pytest.raises(TopologyError, match=r"decode\.sbo_mode: unknown key; remove it or check its spelling"):
         parse_topology(d)
 
 
@@ -123,9 +121,7 @@ def test_prefill_gpus_must_fill_nodes(preset_dict) -> None:
     d = preset_dict()
     d["prefill"]["tp"] = d["prefill"]["ep"] = 16
     msg = only_error(d)
-    assert msg.startswith(
-        "prefill.tp: 16 GPUs per instance do not fill prefill.nodes=1 x hardware.gpus_per_node=8"
-    )
+    assert msg.startswith("prefill.tp: 16 GPUs per instance do not fill prefill.nodes=1 x hardware.gpus_per_node=8")
     assert "Set prefill.tp to 8 or prefill.nodes to match" in msg
 
 
@@ -173,9 +169,7 @@ def test_dispatch_budget_covers_per_rank_batch(preset_dict) -> None:
     d = preset_dict()
     d["decode"]["max_running_requests"] = 4096  # 256 per rank > 128
     msg = only_error(d)
-    assert msg.startswith(
-        "decode.dispatch_token_budget: 128 tokens per rank cannot hold the per-rank decode batch"
-    )
+    assert msg.startswith("decode.dispatch_token_budget: 128 tokens per rank cannot hold the per-rank decode batch")
     assert "4096/16 = 256" in msg and "Raise decode.dispatch_token_budget to >= 256" in msg
 
 
@@ -185,9 +179,7 @@ def test_dispatch_budget_covers_cuda_graph_batch(preset_dict) -> None:
     d["decode"]["max_running_requests"] = 4096
     d["decode"]["dispatch_token_budget"] = 200
     errs = errors_of(d)
-    assert any(
-        e.startswith("decode.cuda_graph_max_bs: 256 exceeds decode.dispatch_token_budget=200") for e in errs
-    )
+    assert any(e.startswith("decode.cuda_graph_max_bs: 256 exceeds decode.dispatch_token_budget=200") for e in errs)
 
 
 def test_dispatch_budget_is_not_set_through_env(preset_dict) -> None:
@@ -239,9 +231,7 @@ def test_experts_divisible_by_ep(preset_dict, write_topology, tmp_path) -> None:
     (tmp_path / "odd.json").write_text(json.dumps({"num_attention_heads": 128, "n_routed_experts": 24}))
     d["model"]["config_json"] = "odd.json"
     errs = check_rules(load_topology(write_topology(d))).errors
-    assert errs == [
-        "decode.ep: 16 does not divide the model's 24 routed experts; choose ep among the divisors of 24."
-    ]
+    assert errs == ["decode.ep: 16 does not divide the model's 24 routed experts; choose ep among the divisors of 24."]
 
 
 def test_missing_config_json(preset_dict, write_topology) -> None:

@@ -1,0 +1,36 @@
+# The README's two commands live here: `make run` and `make test`. Each builds the virtual
+# environment it needs on a fresh machine (python3 -m venv + pip; torch comes from the CPU/
+# CUDA wheels this machine's pip finds on disk, pinned in pyproject.toml).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check
+SGLANG_VERSION := 0.5.23
+TOPOLOGY ?= local-cpu
+
+.PHONY: run test lint unit gpu-test clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	$(PIP) -e '.[dev,validate]'
+	# sglang's own pins pull CUDA-only wheels; its argument code needs only the `validate` extra.
+	$(PIP) --no-deps sglang==$(SGLANG_VERSION)
+	touch $@
+
+run: $(VENV)/.installed  ## plan the embedded default topology and check it with sglang itself
+	$(VENV)/bin/sglang-pd plan $(TOPOLOGY) --check
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+unit: $(VENV)/.installed
+	$(VENV)/bin/pytest -m "not gpu"
+
+test: lint unit  ## what CI runs
+
+gpu-test: $(VENV)/.installed  ## on a CUDA machine
+	$(VENV)/bin/pytest -m gpu
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

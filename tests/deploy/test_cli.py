@@ -1,0 +1,105 @@
+"""`sglang-pd plan`: formats, exit codes, speed, and no sglang import on the plain path."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sglang_pd.deploy.cli import main
+from sglang_pd.deploy.sglang_check import sglang_available
+
+R1 = str(Path(__file__).resolve().parents[2] / "deploy" / "presets" / "deepseek-r1-h200-1p1d.yaml")
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_table(capsys) -> None:
+    code, out, _ = run(capsys, "plan", R1)
+    assert code == 0
+    assert out.startswith("topology deepseek-r1-h200-1p1d: deepseek-ai/DeepSeek-R1 served as 'deepseek-r1'")
+    assert "3 nodes, 24 GPUs" in out
+    assert "TP16 attn-DP16 EP16 deepep/low_latency SBO(full)" in out
+    assert "decode group 0 node 1:" in out
+
+
+def test_plan_json_lists_node_commands(capsys) -> None:
+    code, out, _ = run(capsys, "plan", R1, "--format", "json")
+    doc = json.loads(out)
+    assert code == 0
+    assert doc["nodes"] == {"prefill": 1, "decode": 2, "total": 3}
+    assert doc["gpus"]["total"] == 24
+    assert [n["node_rank"] for n in doc["roles"]["decode"]] == [0, 1]
+    first = doc["roles"]["prefill"][0]
+    assert first["argv"][:3] == ["python3", "-m", "sglang.launch_server"] and first["env"] == {}
+    assert doc["roles"]["decode"][0]["env"] == {"SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK": "128"}
+
+
+def test_plan_yaml_and_shell(capsys) -> None:
+    _, out, _ = run(capsys, "plan", "local-cpu", "--format", "yaml")
+    assert yaml.safe_load(out)["name"] == "local-cpu"
+    _, out, _ = run(capsys, "plan", "local-cpu", "--format", "shell")
+    lines = [ln for ln in out.splitlines() if not ln.startswith("#")]
+    assert len(lines) == 2 and all(ln.startswith("MC_FORCE_TCP=true python3 -m sglang.launch_server") for ln in lines)
+
+
+def test_invalid_topology_exits_1_with_the_rule(capsys, preset_dict, write_topology) -> None:
+    d = preset_dict()
+    d["decode"]["ep"] = 8
+    code, out, err = run(capsys, "plan", str(write_topology(d)))
+    assert code == 1 and out == ""
+    assert "breaks 1 rule(s)" in err and "decode.ep: DeepEP is the all-to-all" in err
+
+
+def test_unknown_key_exits_1(capsys, preset_dict, write_topology) -> None:
+    d = preset_dict()
+    d["router"]["polcy"] = "random"
+    code, _, err = run(capsys, "plan", str(write_topology(d)))
+    assert code == 1 and "router.polcy: unknown key" in err
+
+
+def test_missing_file_names_presets(capsys) -> None:
+    code, _, err = run(capsys, "plan", "no-such-preset")
+    assert code == 1 and "presets: deepseek-r1-h200-1p1d, deepseek-v3-h20-3p2d, local-cpu" in err
+
+
+def test_plan_is_fast_and_does_not_import_sglang() -> None:
+    probe = (
+        "import sys; from sglang_pd.deploy.cli import main; rc = main(['plan', %r]); "
+        "assert 'sglang' not in sys.modules and 'torch' not in sys.modules, 'plan imported sglang/torch'; "
+        "sys.exit(rc)" % R1
+    )
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    elapsed = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stderr
+    assert "prefill instance 0 node 0:" in proc.stdout
+    assert elapsed < 2.0, f"plan took {elapsed:.2f} s"
+
+
+@pytest.mark.sglang
+@pytest.mark.skipif(not sglang_available(), reason="sglang is not installed (the `validate` extra)")
+def test_plan_check_runs_sglang(capsys) -> None:
+    code, out, _ = run(capsys, "plan", R1, "--check", "--format", "json")
+    doc = json.loads(out)
+    assert code == 0
+    assert [c["ok"] for c in doc["sglang_check"]] == [True, True, True]
+
+
+def test_plan_check_without_sglang_says_so(capsys, monkeypatch) -> None:
+    import sglang_pd.deploy.sglang_check as chk
+
+    monkeypatch.setattr(chk, "sglang_available", lambda: False)
+    code, out, err = run(capsys, "plan", R1, "--check")
+    assert code == 3
+    assert "sglang is not installed here" in err and "pip install --no-deps sglang==0.5.23" in err
+    assert "prefill instance 0 node 0:" in out

@@ -1,0 +1,112 @@
+"""The renderer: each node's sglang 0.5.23 argv and env, derived from the topology alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sglang_pd.deploy.sglang_args import DIST_INIT_PORT, LEADER_HOST_PLACEHOLDER, render_node, render_plan
+from sglang_pd.deploy.topology import check_rules, load_topology, parse_topology
+
+PRESET_DIR = Path(__file__).resolve().parents[2] / "deploy" / "presets"
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+@pytest.fixture
+def r1():
+    return load_topology(PRESET_DIR / "deepseek-r1-h200-1p1d.yaml")
+
+
+def test_prefill_command(r1) -> None:
+    c = render_node(r1, "prefill")
+    assert c.argv[:3] == ["python3", "-m", "sglang.launch_server"]
+    assert flag(c.argv, "--disaggregation-mode") == "prefill"
+    assert flag(c.argv, "--disaggregation-bootstrap-port") == "8998"
+    assert (flag(c.argv, "--tp"), flag(c.argv, "--ep"), flag(c.argv, "--page-size")) == ("8", "8", "64")
+    assert "--enable-two-batch-overlap" in c.argv and flag(c.argv, "--tbo-token-distribution-threshold") == "0.48"
+    assert flag(c.argv, "--deepep-mode") == "normal"
+    assert "--nnodes" not in c.argv and "--attn-dp-size" not in c.argv
+    assert "--enable-single-batch-overlap" not in c.argv
+    assert c.env == {}
+
+
+def test_decode_commands_per_node(r1) -> None:
+    nodes = render_plan(r1)["decode"]
+    assert [c.node_rank for c in nodes] == [0, 1]
+    for c in nodes:
+        assert flag(c.argv, "--disaggregation-mode") == "decode"
+        assert (flag(c.argv, "--tp"), flag(c.argv, "--attn-dp-size"), flag(c.argv, "--ep")) == ("16", "16", "16")
+        assert flag(c.argv, "--nnodes") == "2" and flag(c.argv, "--node-rank") == str(c.node_rank)
+        assert flag(c.argv, "--dist-init-addr") == f"{LEADER_HOST_PLACEHOLDER}:{DIST_INIT_PORT}"
+        assert "--enable-single-batch-overlap" in c.argv
+        assert flag(c.argv, "--cuda-graph-max-bs-decode") == "64"
+        # Deprecated / ambiguous spellings of REFERENCE.md §1 are never rendered.
+        assert "--enable-dp-attention" not in c.argv and "--cuda-graph-max-bs" not in c.argv
+        assert c.env == {"SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK": "128"}
+
+
+def test_leader_address_from_launcher(r1) -> None:
+    c = render_node(r1, "decode", node_rank=1, leader_host="10.1.2.3")
+    assert flag(c.argv, "--dist-init-addr") == "10.1.2.3:5000"
+
+
+def test_node_rank_out_of_range(r1) -> None:
+    with pytest.raises(ValueError, match=r"node_rank 2 is outside 0..1 for decode.nodes=2"):
+        render_node(r1, "decode", node_rank=2)
+
+
+def test_h20_env_and_instances() -> None:
+    t = load_topology(PRESET_DIR / "deepseek-v3-h20-3p2d.yaml")
+    plan = render_plan(t)
+    assert [c.instance for c in plan["prefill"]] == [0, 1, 2]
+    assert all(c.env["SGLANG_DEEPGEMM_ON_H20"] == "1" for cmds in plan.values() for c in cmds)
+    # In a cluster every instance is its own pod: same argv.
+    assert plan["prefill"][0].argv == plan["prefill"][2].argv
+
+
+def test_local_instances_take_consecutive_ports(preset_dict) -> None:
+    d = preset_dict("local-cpu")
+    d["prefill"]["instances"] = 2
+    t = parse_topology(d, source_dir=PRESET_DIR)
+    assert check_rules(t).errors == ["decode.port: port 30001 is also used by prefill.port on this host; choose another port."]
+    d["decode"]["port"] = 30010
+    t = parse_topology(d, source_dir=PRESET_DIR)
+    assert check_rules(t).ok
+    prefill = render_plan(t)["prefill"]
+    assert [c.port for c in prefill] == [30000, 30001]
+    assert [flag(c.argv, "--disaggregation-bootstrap-port") for c in prefill] == ["8998", "8999"]
+    assert all(c.env == {"MC_FORCE_TCP": "true"} for c in prefill)
+    assert t.static_workers() == (
+        [("http://127.0.0.1:30000", 8998), ("http://127.0.0.1:30001", 8999)],
+        ["http://127.0.0.1:30010"],
+    )
+
+
+def test_role_env_and_extra_args_come_last(preset_dict) -> None:
+    d = preset_dict()
+    d["decode"]["env"] = {"EP_MIN_TOKENS_PER_PART": 1, "NCCL_IB_GID_INDEX": 3}
+    d["decode"]["extra_args"] = ["--attention-backend", "flashmla"]
+    c = render_node(parse_topology(d, source_dir=PRESET_DIR), "decode")
+    assert c.argv[-2:] == ["--attention-backend", "flashmla"]
+    assert c.env["EP_MIN_TOKENS_PER_PART"] == "1" and c.env["NCCL_IB_GID_INDEX"] == "3"
+
+
+def test_ib_devices_in_gpu_order(preset_dict) -> None:
+    d = preset_dict()
+    d["transfer"]["ib_devices"] = {1: "mlx5_b", 0: "mlx5_a"}
+    c = render_node(parse_topology(d, source_dir=PRESET_DIR), "prefill")
+    assert flag(c.argv, "--disaggregation-ib-device") == "mlx5_a,mlx5_b"
+    d["transfer"]["protocol"] = "tcp"
+    c = render_node(parse_topology(d, source_dir=PRESET_DIR), "prefill")
+    assert "--disaggregation-ib-device" not in c.argv and c.env["MC_FORCE_TCP"] == "true"
+
+
+def test_shell_line_quotes_values_and_expands_leader(r1) -> None:
+    c = render_node(r1, "decode")
+    line = c.shell()
+    assert line.startswith("SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK=128 python3 -m sglang.launch_server")
+    assert f'--dist-init-addr "{LEADER_HOST_PLACEHOLDER}:5000"' in line
