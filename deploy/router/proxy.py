@@ -314,16 +314,21 @@ class PDProxy:
                 if attempt:
                     delay = min(self.config.retry_max_backoff_s, self.config.retry_backoff_s * 2 ** (attempt - 1))
                     await asyncio.sleep(delay * (0.5 + self._rng.random()))
+                # Each attempt gets its own rid: an abort sent for a failed attempt must not hit
+                # the retry, and sglang refuses a rid that is still in flight.
+                attempt_rid = rid if attempt == 0 else f"{rid}.{attempt}"
                 try:
-                    pair = self._pick(endpoint, payload, rid, exclude)
+                    pair = self._pick(endpoint, payload, attempt_rid, exclude)
                 except NoHealthyWorker as exc:
                     if last_error is not None:
                         raise _gave_up(last_error, attempt) from exc
                     raise ApiError(503, str(exc), code="no_healthy_worker", headers={"retry-after": "1"}) from exc
-                prefill_t = asyncio.ensure_future(self._unary_leg(pair.prefill, endpoint, pair.prefill_body, rid))
+                prefill_t = asyncio.ensure_future(
+                    self._unary_leg(pair.prefill, endpoint, pair.prefill_body, attempt_rid)
+                )
                 if pair.dp_ranks:
                     prefill_t.add_done_callback(partial(_release_ranks, pair.prefill, pair.dp_ranks))
-                decode_t = asyncio.ensure_future(open_decode(pair.decode, endpoint, pair.decode_body, rid))
+                decode_t = asyncio.ensure_future(open_decode(pair.decode, endpoint, pair.decode_body, attempt_rid))
                 try:
                     outcome = await self._race(pair, prefill_t, decode_t, disconnect, deadline)
                 except BaseException:
@@ -402,12 +407,11 @@ class PDProxy:
                 raise exc
 
     def _abort_unfinished(self, pair: Pair, prefill_t: asyncio.Task[Leg], decode_t: asyncio.Task[Leg]) -> None:
-        if not _finished_ok(prefill_t):
-            self._abort(pair.prefill, pair.rids)
-        if not _finished_ok(decode_t):
-            self._abort(pair.decode, pair.rids)
-        elif (opened := decode_t.result().stream) is not None:
-            self._abort(pair.decode, pair.rids)
+        # The request is given up (client gone, deadline passed): both legs get /abort_request,
+        # a finished prefill too, since the decode may still be pulling its KV cache.
+        self._abort(pair.prefill, pair.rids)
+        self._abort(pair.decode, pair.rids)
+        if _finished_ok(decode_t) and (opened := decode_t.result().stream) is not None:
             self.spawn(opened.aclose())
             self._end(pair.decode)
 

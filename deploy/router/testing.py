@@ -513,14 +513,14 @@ async def _serve(args: argparse.Namespace) -> None:
     runners = []
     bootstrap_port = None
     if args.role == "prefill":
-        boot = web.AppRunner(build_bootstrap_app(state), access_log=None)
+        boot = web.AppRunner(build_bootstrap_app(state), access_log=None, shutdown_timeout=0.5)
         await boot.setup()
         site = web.TCPSite(boot, args.host, args.bootstrap_port, backlog=4096)
         await site.start()
         bootstrap_port = boot.addresses[0][1]
         state.bootstrap_port = bootstrap_port
         runners.append(boot)
-    runner = web.AppRunner(build_app(state), access_log=None)
+    runner = web.AppRunner(build_app(state), access_log=None, shutdown_timeout=0.5)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, backlog=4096)
     await site.start()

@@ -1,0 +1,200 @@
+"""Faults under concurrent load with 2 prefill + 2 decode workers (real processes, SIGKILL):
+every request ends (completed or a clean error) within the timeout, the dead worker is ejected,
+traffic continues on the others; a client disconnect aborts both legs; nothing hangs."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+from sglang_pd.deploy.router.breaker import BreakerState
+
+from .conftest import FAST, Cluster, RunningRouter, serve_router, wait_ready
+
+DEADLINE = 12.0  # every request must end well within this (request timeout is 10 s)
+CHAT = "/v1/chat/completions"
+TOKENS = 20
+
+
+def _chat(stream: bool, rid: str, tokens: int = TOKENS) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": f"question {rid}"}], "max_tokens": tokens, "stream": stream}
+
+
+async def _stream(client: httpx.AsyncClient, url: str, rid: str) -> tuple[int, bytes, float]:
+    started = time.monotonic()
+    async with client.stream("POST", url + CHAT, json=_chat(True, rid), headers={"x-request-id": rid}) as resp:
+        body = b"".join([chunk async for chunk in resp.aiter_raw()])
+    return resp.status_code, body, time.monotonic() - started
+
+
+async def _unary(client: httpx.AsyncClient, url: str, rid: str) -> tuple[int, bytes, float]:
+    started = time.monotonic()
+    resp = await client.post(url + CHAT, json=_chat(False, rid), headers={"x-request-id": rid})
+    return resp.status_code, resp.content, time.monotonic() - started
+
+
+async def _load_with_fault(url: str, fault: Callable[[], None], delay: float, n: int = 12) -> list[Any]:
+    async with httpx.AsyncClient(timeout=DEADLINE + 5) as client:
+        tasks = [asyncio.ensure_future(_stream(client, url, f"s{i}")) for i in range(n)]
+        tasks += [asyncio.ensure_future(_unary(client, url, f"u{i}")) for i in range(n)]
+        await asyncio.sleep(delay)
+        await asyncio.to_thread(fault)
+        return await asyncio.wait_for(asyncio.gather(*tasks), DEADLINE)
+
+
+def _complete(body: bytes) -> bool:
+    return len(re.findall(rb" tok\d+", body)) == TOKENS and b'"error"' not in body
+
+
+def _wait_ejected(running: RunningRouter, role: str, url: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        worker = running.app.registry.get(url, role)  # type: ignore[arg-type]
+        assert worker is not None
+        if not worker.healthy and worker.breaker.state is not BreakerState.CLOSED:
+            return
+        if not worker.healthy or worker.breaker.state is BreakerState.OPEN:
+            if not worker.available(time.monotonic()):
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"{role} worker {url} was not ejected: {worker.to_json()}")
+
+
+def _requests_seen(url: str) -> int:
+    return len(httpx.get(url + "/_test/state").json()["requests"])
+
+
+def _traffic_continues(running: RunningRouter, live: list[str]) -> None:
+    before = sum(_requests_seen(u) for u in live)
+    with httpx.Client(timeout=10) as client:
+        for i in range(16):
+            resp = client.post(running.url + CHAT, json=_chat(i % 2 == 0, f"after{i}", tokens=2))
+            assert resp.status_code == 200 and b'"error"' not in resp.content, resp.text
+    assert sum(_requests_seen(u) for u in live) - before == 16
+
+
+def test_kill_decode_mid_stream(cluster_factory: Callable[..., Cluster]) -> None:
+    cluster = cluster_factory(2, 2, token_delay=0.02)
+    victim, survivor = cluster.decodes
+    with serve_router(cluster.config()) as running:
+        wait_ready(running.url)
+        results = asyncio.run(_load_with_fault(running.url, victim.kill, delay=0.2))
+        streams, unaries = results[:12], results[12:]
+        for status, body, elapsed in streams:
+            assert status == 200 and elapsed < DEADLINE
+            assert body.endswith(b"data: [DONE]\n\n"), body[-200:]
+            # Completed, or a clean OpenAI-shaped error event naming the failure.
+            assert _complete(body) or b'"code": "upstream_stream_error"' in body.replace(b'":"', b'": "')
+        cut = [b for _, b, _ in streams if not _complete(b)]
+        assert cut, "some streams were on the killed decode mid-stream"
+        assert len(cut) < len(streams)
+        for status, body, _ in unaries:
+            # Nothing had reached these clients yet, so the router retried them on the survivor.
+            assert status == 200 and _complete(body), body[:300]
+        _wait_ejected(running, "decode", victim.url)
+        _traffic_continues(running, [survivor.url])
+        assert running.app.metrics.retries.labels("decode")._value.get() >= 1
+
+
+def test_kill_prefill_retries_transparently(cluster_factory: Callable[..., Cluster]) -> None:
+    cluster = cluster_factory(2, 2, prefill_delay=0.4, token_delay=0.005)
+    victim, survivor = cluster.prefills
+    with serve_router(cluster.config()) as running:
+        wait_ready(running.url)
+        results = asyncio.run(_load_with_fault(running.url, victim.kill, delay=0.15))
+        for status, body, elapsed in results:
+            assert status == 200 and elapsed < DEADLINE, body[:300]
+            assert _complete(body), body[-300:]
+        _wait_ejected(running, "prefill", victim.url)
+        # The decode legs of the failed attempts were aborted by request id.
+        aborts = [a for d in cluster.decodes for a in httpx.get(d.url + "/_test/state").json()["aborts"]]
+        assert aborts and all(a[0] in "su" for a in aborts)
+        assert running.app.registry.get(survivor.url, "prefill").healthy  # type: ignore[union-attr]
+        httpx.post(survivor.url + "/_test/config", json={"prefill_delay": 0})
+        _traffic_continues(running, [survivor.url])
+
+
+def _aborts(url: str) -> list[str]:
+    return list(httpx.get(url + "/_test/state").json()["aborts"])
+
+
+def _wait_aborts(urls: list[str], rid: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(rid in _aborts(u) for u in urls):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"abort_request for {rid} missing: {[_aborts(u) for u in urls]}")
+
+
+def test_client_disconnect_aborts_both_legs(cluster_factory: Callable[..., Cluster]) -> None:
+    cluster = cluster_factory(1, 1, token_delay=0.05, prefill_delay=0.3)
+    urls = [cluster.prefills[0].url, cluster.decodes[0].url]
+    with serve_router(cluster.config()) as running:
+        wait_ready(running.url)
+        # Streaming: read the first chunk, then hang up.
+        with httpx.Client(timeout=10) as client:
+            with client.stream("POST", running.url + CHAT, json=_chat(True, "x", tokens=100),
+                               headers={"x-request-id": "gone-stream"}) as resp:  # fmt: skip
+                next(resp.iter_raw())
+        _wait_aborts(urls, "gone-stream")
+        # Non-streaming: the client gives up while prefill is still working.
+        try:
+            httpx.post(running.url + CHAT, json=_chat(False, "y", tokens=100),
+                       headers={"x-request-id": "gone-unary"}, timeout=0.15)  # fmt: skip
+        except httpx.ReadTimeout:
+            pass
+        _wait_aborts(urls, "gone-unary")
+        assert running.app.registry.decode[0].in_flight == 0
+        assert running.app.registry.prefill[0].in_flight == 0
+
+
+def test_hung_worker_times_out_cleanly(cluster_factory: Callable[..., Cluster]) -> None:
+    cluster = cluster_factory(1, 1, prefill_delay=30, handshake_timeout=30)
+    with serve_router(cluster.config(request_timeout_s=1.0, max_retries=0)) as running:
+        wait_ready(running.url)
+        for stream in (False, True):
+            started = time.monotonic()
+            resp = httpx.post(running.url + CHAT, json=_chat(stream, "hang"), headers={"x-request-id": f"h{stream}"},
+                              timeout=10)  # fmt: skip
+            assert time.monotonic() - started < 3
+            assert resp.status_code == 504 and resp.json()["error"]["code"] == "upstream_timeout"
+            _wait_aborts([cluster.prefills[0].url, cluster.decodes[0].url], f"h{stream}")
+
+
+def test_5xx_trips_the_breaker_and_4xx_does_not(cluster_factory: Callable[..., Cluster]) -> None:
+    cluster = cluster_factory(1, 2)
+    bad, good = cluster.decodes
+    with serve_router(cluster.config(breaker_failure_threshold=3)) as running:
+        wait_ready(running.url)
+        httpx.post(bad.url + "/_test/config", json={"fail_status": 500, "fail_count": 100})
+        with httpx.Client(timeout=10) as client:
+            for i in range(8):
+                resp = client.post(running.url + CHAT, json=_chat(i % 2 == 1, f"r{i}", tokens=2))
+                assert resp.status_code == 200 and b'"error"' not in resp.content
+        worker = running.app.registry.get(bad.url, "decode")
+        assert worker is not None and worker.breaker.state is BreakerState.OPEN
+        assert worker.healthy, "health checks pass: the breaker alone ejected it"
+
+        # 4xx from an engine goes back to the client and never trips the breaker.
+        httpx.post(bad.url + "/_test/config", json={"fail_count": 0})
+        httpx.post(good.url + "/_test/config", json={"fail_status": 400, "fail_count": 5})
+        with httpx.Client(timeout=10) as client:
+            for i in range(5):
+                resp = client.post(running.url + CHAT, json=_chat(False, f"q{i}", tokens=2))
+                assert resp.status_code == 400 and resp.json()["error"]["message"] == "injected failure"
+        good_worker = running.app.registry.get(good.url, "decode")
+        assert good_worker is not None and good_worker.breaker.state is BreakerState.CLOSED
+
+
+def test_no_workers_is_503_and_not_ready() -> None:
+    with serve_router(FAST) as running:
+        resp = httpx.post(running.url + CHAT, json=_chat(False, "n"))
+        assert resp.status_code == 503 and resp.headers["retry-after"]
+        assert resp.json()["error"]["code"] == "no_healthy_worker"
+        assert httpx.get(running.url + "/readiness").status_code == 503
+        assert httpx.get(running.url + "/health").status_code == 200
