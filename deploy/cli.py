@@ -76,6 +76,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 # Verbs whose implementation lives in its own subpackage: verb -> (module, help).
 DELEGATED = {
+    "launch": ("sglang_pd.deploy.launch", "a pod's entrypoint: render this node's command, check the pod, exec it"),
     "router": ("sglang_pd.deploy.router.cli", "run the OpenAI-compatible PD router"),
 }
 

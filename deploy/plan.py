@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import yaml
+
 from sglang_pd.deploy.sglang_args import NodeCommand, Role, render_plan
 from sglang_pd.deploy.topology import RuleReport, SBOMode, Topology
 

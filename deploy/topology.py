@@ -37,6 +37,9 @@ __all__ = [
 # sglang's default for SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK (REFERENCE.md §1).
 DEFAULT_DISPATCH_TOKEN_BUDGET = 128
 DEFAULT_BOOTSTRAP_PORT = 8998
+# Model configs shipped with sglang-pd (e.g. deepseek-v3-config.json), found by file name when a
+# topology's relative `model.config_json` is not beside it (as in a pod's mounted ConfigMap).
+SHIPPED_CONFIGS_DIR = Path(__file__).parent / "presets"
 
 Port = Annotated[int, Field(ge=1, le=65535)]
 Fraction = Annotated[float, Field(gt=0.0, lt=1.0)]
@@ -63,7 +66,9 @@ class ModelSpec(_Strict):
     kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2", "bf16", "bfloat16"] = "auto"
     trust_remote_code: bool = False
     config_json: Path | None = Field(
-        None, description="Local config.json for shape checks (relative paths: to the topology file)."
+        None,
+        description="config.json for shape checks: a path relative to the topology file, or the name of "
+        "a shipped one (deepseek-v3-config.json).",
     )
 
     @property
@@ -210,9 +215,11 @@ class Topology(_Strict):
 
     def config_json_path(self) -> Path | None:
         p = self.model.config_json
-        if p is None or p.is_absolute() or self.source_dir is None:
+        if p is None or p.is_absolute():
             return p
-        return self.source_dir / p
+        beside = (self.source_dir or Path.cwd()) / p
+        shipped = SHIPPED_CONFIGS_DIR / p
+        return shipped if not beside.exists() and shipped.exists() else beside
 
     def load_model_config(self) -> dict[str, Any] | None:
         """The model's config.json as a dict, when the topology names one."""

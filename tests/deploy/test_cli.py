@@ -74,9 +74,9 @@ def test_missing_file_names_presets(capsys) -> None:
 
 def test_plan_is_fast_and_does_not_import_sglang() -> None:
     probe = (
-        "import sys; from sglang_pd.deploy.cli import main; rc = main(['plan', %r]); "
+        f"import sys; from sglang_pd.deploy.cli import main; rc = main(['plan', {R1!r}]); "
         "assert 'sglang' not in sys.modules and 'torch' not in sys.modules, 'plan imported sglang/torch'; "
-        "sys.exit(rc)" % R1
+        "sys.exit(rc)"
     )
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)

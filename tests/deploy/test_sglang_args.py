@@ -72,7 +72,9 @@ def test_local_instances_take_consecutive_ports(preset_dict) -> None:
     d = preset_dict("local-cpu")
     d["prefill"]["instances"] = 2
     t = parse_topology(d, source_dir=PRESET_DIR)
-    assert check_rules(t).errors == ["decode.port: port 30001 is also used by prefill.port on this host; choose another port."]
+    assert check_rules(t).errors == [
+        "decode.port: port 30001 is also used by prefill.port on this host; choose another port."
+    ]
     d["decode"]["port"] = 30010
     t = parse_topology(d, source_dir=PRESET_DIR)
     assert check_rules(t).ok

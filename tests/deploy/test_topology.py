@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from sglang_pd.deploy.topology import SBOMode, TopologyError, check_rules, load_topology, parse_topology
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "deploy" / "presets"

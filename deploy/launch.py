@@ -1,0 +1,193 @@
+"""`sglang-pd launch`: the entrypoint of every pod.
+
+It renders the role's command from the topology (the one renderer, `sglang_args`), takes the
+node rank and the leader's address from LeaderWorkerSet's environment, checks what the pod
+needs (GPUs, /dev/shm, locked memory for Mooncake, IB devices) and then execs sglang, or the
+router. `--dry-run` prints the exact argv and env instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from sglang_pd.deploy.sglang_args import NodeCommand, render_node
+from sglang_pd.deploy.topology import Topology, TopologyError, check_rules, load_topology
+
+__all__ = ["LaunchError", "PodCheck", "add_arguments", "pod_checks", "resolve_command", "run"]
+
+# LeaderWorkerSet's per-pod environment (https://lws.sigs.k8s.io/docs/reference/labels-annotations-and-environment-variables/).
+LWS_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"
+LWS_WORKER_INDEX = "LWS_WORKER_INDEX"
+LWS_GROUP_SIZE = "LWS_GROUP_SIZE"
+
+# sglang shares tensors between its processes through /dev/shm; NCCL needs more with many GPUs.
+MIN_SHM_BYTES = 16 << 30
+# Mooncake pins every registered KV region; a container's default 64 KiB limit fails registration.
+MIN_MEMLOCK_BYTES = 1 << 30
+INFINIBAND_SYSFS = Path("/sys/class/infiniband")
+
+
+class LaunchError(RuntimeError):
+    """The pod cannot start its role; the message says what to fix in the chart or the node."""
+
+
+@dataclass(frozen=True)
+class PodCheck:
+    name: str
+    ok: bool
+    detail: str
+
+
+def _node_rank(env: Mapping[str, str], nodes: int, role: str) -> tuple[int, str]:
+    """(node rank, leader host) from LWS's environment; single-node roles need none of it."""
+    if nodes == 1:
+        return 0, env.get(LWS_LEADER_ADDRESS, "127.0.0.1")
+    missing = [k for k in (LWS_LEADER_ADDRESS, LWS_WORKER_INDEX, LWS_GROUP_SIZE) if not env.get(k)]
+    if missing:
+        raise LaunchError(
+            f"{role} spans {nodes} nodes but {', '.join(missing)} is not set; run it as a LeaderWorkerSet pod "
+            f"(the chart does), or set {LWS_LEADER_ADDRESS}, {LWS_WORKER_INDEX} and {LWS_GROUP_SIZE} by hand."
+        )
+    try:
+        rank, size = int(env[LWS_WORKER_INDEX]), int(env[LWS_GROUP_SIZE])
+    except ValueError as exc:
+        raise LaunchError(f"{LWS_WORKER_INDEX} and {LWS_GROUP_SIZE} must be integers: {exc}") from exc
+    if size != nodes:
+        raise LaunchError(
+            f"{LWS_GROUP_SIZE}={size} but the topology's {role}.nodes={nodes}; the LeaderWorkerSet size must "
+            "equal the topology's nodes per instance/group (the chart derives both from one value)."
+        )
+    if not 0 <= rank < nodes:
+        raise LaunchError(f"{LWS_WORKER_INDEX}={rank} is outside 0..{nodes - 1}.")
+    return rank, env[LWS_LEADER_ADDRESS]
+
+
+def resolve_command(t: Topology, role: str, env: Mapping[str, str]) -> NodeCommand:
+    """This pod's sglang command: the plan's command for its node rank, with the real leader address."""
+    if role not in ("prefill", "decode"):
+        raise LaunchError(f"role {role!r} has no sglang command; choose prefill or decode.")
+    spec = t.prefill if role == "prefill" else t.decode
+    rank, leader = _node_rank(env, spec.nodes, role)
+    return render_node(t, role, node_rank=rank, leader_host=leader)  # type: ignore[arg-type]
+
+
+def _gpu_count() -> int:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") or os.environ.get("NVIDIA_VISIBLE_DEVICES")
+    if visible and visible not in ("all", "void", "none"):
+        return len([d for d in visible.split(",") if d.strip()])
+    return len(list(Path("/dev").glob("nvidia[0-9]*")))
+
+
+def pod_checks(t: Topology, role: str) -> list[PodCheck]:
+    """What a GPU pod of this role needs, checked before sglang spends minutes loading weights."""
+    checks: list[PodCheck] = []
+    if role == "router":
+        return checks
+    want = t.hardware.gpus_per_node
+    have = _gpu_count()
+    checks.append(
+        PodCheck(
+            "gpus",
+            have >= want,
+            f"{have} GPU(s) visible, topology needs {want} per node"
+            + ("" if have >= want else f"; request nvidia.com/gpu: {want} (values: gpu.perNode)"),
+        )
+    )
+    try:
+        shm = shutil.disk_usage("/dev/shm").total
+    except OSError:
+        shm = 0
+    checks.append(
+        PodCheck(
+            "shm",
+            shm >= MIN_SHM_BYTES,
+            f"/dev/shm is {shm / 2**30:.1f} GiB"
+            + ("" if shm >= MIN_SHM_BYTES else f"; mount a memory emptyDir of >= {MIN_SHM_BYTES >> 30} GiB"),
+        )
+    )
+    if t.transfer.backend.startswith("mooncake"):
+        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        ok = soft == resource.RLIM_INFINITY or soft >= MIN_MEMLOCK_BYTES
+        shown = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
+        checks.append(
+            PodCheck(
+                "memlock",
+                ok,
+                f"locked-memory limit {shown}"
+                + ("" if ok else "; Mooncake pins KV memory: add the IPC_LOCK capability and memlock=unlimited"),
+            )
+        )
+    if t.transfer.protocol == "rdma":
+        present = sorted(p.name for p in INFINIBAND_SYSFS.iterdir()) if INFINIBAND_SYSFS.is_dir() else []
+        wanted = sorted(set(t.transfer.ib_devices.values()))
+        missing = [d for d in wanted if d not in present]
+        ok = bool(present) and not missing
+        detail = f"IB devices present: {', '.join(present) or 'none'}"
+        if not present:
+            detail += "; expose RDMA (values: rdma.mode hostNetwork or devicePlugin) or set transfer.protocol: tcp"
+        elif missing:
+            detail += f"; missing {', '.join(missing)} named in transfer.ib_devices"
+        checks.append(PodCheck("rdma", ok, detail))
+    return checks
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--role", required=True, choices=("prefill", "decode", "router"))
+    parser.add_argument("--topology", required=True, metavar="FILE", help="the topology (the chart mounts it)")
+    parser.add_argument("--dry-run", action="store_true", help="print the argv and env as JSON; start nothing")
+    parser.add_argument(
+        "--skip-checks", action="store_true", help="start even when a pod check fails (not recommended)"
+    )
+    parser.add_argument("router_args", nargs=argparse.REMAINDER, help="after --: extra arguments for the router")
+
+
+def _router_argv(args: argparse.Namespace) -> list[str]:
+    extra = [a for a in args.router_args if a != "--"]
+    return [sys.executable, "-m", "sglang_pd.deploy.cli", "router", "--topology", args.topology, *extra]
+
+
+def run(args: argparse.Namespace) -> int:
+    t = load_topology(args.topology)
+    rules = check_rules(t)
+    if rules.errors:
+        raise TopologyError("the topology breaks its rules:\n" + "\n".join(f"  - {e}" for e in rules.errors))
+    if args.role == "router":
+        node_rank, argv, role_env = 0, _router_argv(args), {}
+    else:
+        try:
+            cmd = resolve_command(t, args.role, os.environ)
+        except LaunchError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        node_rank, argv, role_env = cmd.node_rank, cmd.argv, cmd.env
+    checks = pod_checks(t, args.role)
+    failed = [c for c in checks if not c.ok]
+    if args.dry_run:
+        doc = {
+            "role": args.role,
+            "node_rank": node_rank,
+            "argv": argv,
+            "env": role_env,
+            "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail} for c in checks],
+        }
+        print(json.dumps(doc, indent=2))
+        return 0
+    for c in checks:
+        print(f"pod check {c.name}: {'ok' if c.ok else 'FAILED'}: {c.detail}", file=sys.stderr)
+    if failed and not args.skip_checks:
+        print(f"error: {len(failed)} pod check(s) failed; fix them or pass --skip-checks.", file=sys.stderr)
+        return 1
+    sys.stdout.flush()
+    env = {**os.environ, **role_env}
+    if argv[0] == "python3":
+        argv = [sys.executable, *argv[1:]]
+    os.execvpe(argv[0], argv, env)
+    return 0  # unreachable: execvpe replaces this process
