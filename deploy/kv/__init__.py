@@ -1,0 +1,46 @@
+"""The KV-transfer layer: Mooncake transfer engine, page-run planning, typed errors, metrics."""
+
+from __future__ import annotations
+
+from .config import DEFAULT_KV_CONFIG, MAX_BATCH_ITEMS, KVConfig
+from .engine import EngineState, KVTransferEngine, get_engine
+from .exceptions import (
+    BadAddress,
+    DeviceMissing,
+    HandshakeFailed,
+    KVError,
+    KVSetupError,
+    PeerOverloaded,
+    PeerUnreachable,
+    RegistrationRefused,
+    TransferError,
+    TransferTimeout,
+    TransportUnavailable,
+)
+from .metrics import TransferMetrics, TransferResult
+from .pages import PagedLayout, merge_page_runs, plan_page_writes
+
+__all__ = [
+    "DEFAULT_KV_CONFIG",
+    "MAX_BATCH_ITEMS",
+    "BadAddress",
+    "DeviceMissing",
+    "EngineState",
+    "HandshakeFailed",
+    "KVConfig",
+    "KVError",
+    "KVSetupError",
+    "KVTransferEngine",
+    "PagedLayout",
+    "PeerOverloaded",
+    "PeerUnreachable",
+    "RegistrationRefused",
+    "TransferError",
+    "TransferMetrics",
+    "TransferResult",
+    "TransferTimeout",
+    "TransportUnavailable",
+    "get_engine",
+    "merge_page_runs",
+    "plan_page_writes",
+]

@@ -1,0 +1,151 @@
+"""A KV peer: a process that registers one buffer and lets others write into it.
+
+`python -m sglang_pd.deploy.kv.peer --size BYTES [--http-port P]` opens this process's transfer
+engine, registers a zeroed buffer and serves, over a tiny HTTP API on loopback (or `--listen`):
+`GET /info` (session id, buffer base and length), `GET /crc?offset=&length=` (crc32 of a slice),
+`GET /fill?offset=&length=&byte=` and `GET /quit`. The first stdout line is the /info JSON plus
+`http_port`. `kv-probe`, `scripts/bench_kv.py` and the tests use it as the decode side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import sys
+import threading
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlparse
+from urllib.request import urlopen
+
+from .config import KVConfig
+from .engine import get_engine
+
+__all__ = ["PeerInfo", "PeerProcess", "main", "start_peer"]
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    session_id: str
+    base: int
+    length: int
+    http: str  # http://host:port of the peer's control API
+
+
+def _serve(size: int, listen: str, http_port: int, config: KVConfig) -> None:
+    engine = get_engine(config)
+    buf = (ctypes.c_char * size)()
+    base = ctypes.addressof(buf)
+    engine.register(base, size)
+    view = memoryview(buf).cast("B")
+    info = {"session_id": engine.session_id, "base": base, "length": size}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: object) -> None:  # quiet
+            pass
+
+        def do_GET(self) -> None:
+            url = urlparse(self.path)
+            q = {k: v[0] for k, v in parse_qs(url.query).items()}
+            body: dict[str, object]
+            if url.path == "/info":
+                body = info
+            elif url.path == "/crc":
+                off, n = int(q["offset"]), int(q["length"])
+                body = {"crc": zlib.crc32(view[off : off + n])}
+            elif url.path == "/fill":
+                off, n = int(q["offset"]), int(q["length"])
+                view[off : off + n] = bytes([int(q.get("byte", "0"))]) * n
+                body = {"ok": True}
+            elif url.path == "/quit":
+                body = {"ok": True}
+                threading.Thread(target=server.shutdown, daemon=True).start()
+            else:
+                self.send_error(404)
+                return
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = ThreadingHTTPServer((listen, http_port), Handler)
+    print(json.dumps({**info, "http_port": server.server_address[1]}), flush=True)
+    server.serve_forever()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sglang_pd.deploy.kv.peer", description=__doc__)
+    p.add_argument("--size", type=int, default=64 << 20, help="bytes to register (default 64 MiB)")
+    p.add_argument("--listen", default="127.0.0.1", help="address of the control API")
+    p.add_argument("--http-port", type=int, default=0)
+    p.add_argument("--hostname", default=None, help="address Mooncake peers reach this engine at")
+    p.add_argument("--protocol", default=None, choices=("tcp", "rdma"))
+    p.add_argument("--device", default=None)
+    a = p.parse_args(argv)
+    config = KVConfig.from_env(hostname=a.hostname, protocol=a.protocol, device=a.device)
+    _serve(a.size, a.listen, a.http_port, config)
+    return 0
+
+
+class PeerProcess:
+    """A running peer child process (see `start_peer`)."""
+
+    def __init__(self, proc: object, info: PeerInfo) -> None:
+        import subprocess
+
+        assert isinstance(proc, subprocess.Popen)
+        self.proc = proc
+        self.info = info
+
+    def get(self, path: str) -> dict[str, object]:
+        with urlopen(self.info.http + path, timeout=30) as r:
+            result: dict[str, object] = json.loads(r.read())
+            return result
+
+    def crc(self, offset: int, length: int) -> int:
+        return int(self.get(f"/crc?offset={offset}&length={length}")["crc"])  # type: ignore[call-overload]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+@contextmanager
+def start_peer(size: int, *, env: dict[str, str] | None = None, timeout_s: float = 30.0) -> Iterator[PeerProcess]:
+    """Start a peer process on loopback, yield it, and always stop it."""
+    import os
+    import subprocess
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sglang_pd.deploy.kv.peer", "--size", str(size)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+    try:
+        assert proc.stdout is not None
+        ready: list[str] = []
+        reader = threading.Thread(target=lambda: ready.append(proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
+        reader.start()
+        reader.join(timeout_s)
+        if not ready or not ready[0]:
+            raise RuntimeError(f"The KV peer process did not start within {timeout_s:.0f} s (exit code {proc.poll()}).")
+        d = json.loads(ready[0])
+        info = PeerInfo(d["session_id"], d["base"], d["length"], f"http://127.0.0.1:{d['http_port']}")
+        yield PeerProcess(proc, info)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
