@@ -4,6 +4,7 @@ drain deadline, then close."""
 
 from __future__ import annotations
 
+import signal
 import socket
 from typing import Any
 
@@ -25,6 +26,9 @@ class RouterServer(uvicorn.Server):
             logger.info("draining", extra={"signal": sig, "deadline_s": self.router.config.drain_timeout_s})
         self.router.start_draining()
         super().handle_exit(sig, frame)
+        if sig == signal.SIGTERM:
+            # uvicorn re-raises captured signals on exit; a finished drain is a clean exit (0).
+            self._captured_signals.remove(sig)
 
 
 def uvicorn_config(app: RouterApp, **overrides: Any) -> uvicorn.Config:

@@ -275,6 +275,8 @@ def build_app(state: _State) -> Any:
             if state.role == "prefill":
                 return await prefill(request, path, body, n, rids)
             return await decode(request, path, body, n, rids)
+        except ConnectionResetError:  # the router hung up (abort, disconnect): nothing to answer
+            return web.Response(status=499)
         finally:
             state.in_flight -= 1
 

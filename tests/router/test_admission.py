@@ -1,0 +1,141 @@
+"""Admission (429 with Retry-After, queue timeout), /workers at run time, metrics, and graceful
+drain on SIGTERM of a router process started through its CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import httpx
+
+from .conftest import FAST, Cluster, serve_router, wait_ready
+
+CHAT = "/v1/chat/completions"
+BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
+
+
+def test_over_capacity_is_429_with_retry_after(cluster_factory: Callable[..., Cluster]) -> None:
+    cluster = cluster_factory(1, 1, token_delay=0.05)
+    config = cluster.config(max_concurrent_requests=2, max_queued_requests=1, queue_timeout_s=0.3)
+    with serve_router(config) as running:
+        wait_ready(running.url)
+
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=10) as client:
+                return await asyncio.gather(*[client.post(running.url + CHAT, json=BODY) for _ in range(6)])
+
+        responses = asyncio.run(burst())
+        codes = sorted(r.status_code for r in responses)
+        assert codes.count(200) == 2, codes
+        rejected = [r for r in responses if r.status_code == 429]
+        assert len(rejected) == 4
+        assert {r.json()["error"]["code"] for r in rejected} == {"queue_full", "queue_timeout"}
+        assert all(r.headers["retry-after"].isdigit() for r in rejected)
+        assert all(r.json()["error"]["type"] == "rate_limit_error" for r in rejected)
+        # A queued request that gets a slot in time is served.
+        config_ok = running.app.admission
+        assert config_ok.active == 0 and not config_ok._waiters
+
+
+def test_queued_request_is_served_when_a_slot_frees(cluster_factory: Callable[..., Cluster]) -> None:
+    cluster = cluster_factory(1, 1, token_delay=0.02)
+    with serve_router(cluster.config(max_concurrent_requests=1, max_queued_requests=4, queue_timeout_s=5)) as running:
+        wait_ready(running.url)
+
+        async def burst() -> list[int]:
+            async with httpx.AsyncClient(timeout=10) as client:
+                rs = await asyncio.gather(*[client.post(running.url + CHAT, json=BODY) for _ in range(4)])
+                return [r.status_code for r in rs]
+
+        assert asyncio.run(burst()) == [200] * 4
+
+
+def test_workers_added_and_removed_at_run_time(cluster_factory: Callable[..., Cluster]) -> None:
+    cluster = cluster_factory(1, 1)
+    admin = {"Authorization": "Bearer admin-secret"}
+    with serve_router(FAST.__class__(**{**FAST.__dict__, "admin_key": "admin-secret"})) as running:
+        url = running.url
+        assert httpx.get(url + "/readiness").status_code == 503
+        p, d = cluster.prefills[0], cluster.decodes[0]
+        added = httpx.post(url + "/workers", json={"url": p.url, "role": "prefill", "bootstrap_port": p.bootstrap_port},
+                           headers=admin)  # fmt: skip
+        assert added.status_code == 201 and added.json()["healthy"] is True
+        assert httpx.post(url + "/workers", json={"url": d.url, "role": "decode"}, headers=admin).status_code == 201
+        wait_ready(url)
+        assert httpx.post(url + CHAT, json=BODY).status_code == 200
+        assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "test-model"
+        removed = httpx.delete(url + "/workers", params={"url": d.url}, headers=admin)
+        assert removed.status_code == 200 and removed.json()["removed"][0]["role"] == "decode"
+        assert httpx.post(url + CHAT, json=BODY).status_code == 503
+        # An unreachable worker can be registered but is not used until it passes health checks.
+        dead = httpx.post(url + "/workers", json={"url": "http://127.0.0.1:9", "role": "decode"}, headers=admin)
+        assert dead.status_code == 201 and dead.json()["healthy"] is False
+        assert httpx.get(url + "/readiness").status_code == 503
+
+
+def test_metrics_after_traffic(cluster_1p1d: Cluster, router_1p1d) -> None:  # type: ignore[no-untyped-def]
+    with httpx.Client() as client:
+        client.post(router_1p1d.url + CHAT, json=BODY)
+        client.post(router_1p1d.url + CHAT, json={**BODY, "stream": True})
+        client.post(router_1p1d.url + CHAT, content=b"nope")
+        text = client.get(router_1p1d.url + "/metrics").text
+    for needle in (
+        'sglang_pd_router_requests_total{endpoint="/v1/chat/completions",status="200"}',
+        'sglang_pd_router_requests_total{endpoint="/v1/chat/completions",status="400"}',
+        "sglang_pd_router_request_duration_seconds_bucket",
+        "sglang_pd_router_time_to_first_byte_seconds_bucket",
+        f'sglang_pd_router_worker_in_flight{{role="decode",worker="{cluster_1p1d.decodes[0].url}"}} 0.0',
+        "sglang_pd_router_worker_breaker_state",
+        "sglang_pd_router_queue_depth",
+        "sglang_pd_router_retries_total",
+    ):
+        assert needle in text, needle
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_sigterm_drains_in_flight_streams(cluster_factory: Callable[..., Cluster]) -> None:
+    cluster = cluster_factory(1, 1, token_delay=0.05)
+    p, d = cluster.prefills[0], cluster.decodes[0]
+    port = _free_port()
+    cmd = [sys.executable, "-m", "sglang_pd.deploy.router.cli", "--host", "127.0.0.1", "--port", str(port),
+           "--prefill", p.url, str(p.bootstrap_port), "--decode", d.url, "--policy", "round_robin",
+           "--drain-timeout", "10", "--health-interval", "0.5", "--log-level", "warning"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, timeout=20)
+        with (
+            httpx.Client(timeout=15) as client,
+            client.stream("POST", url + CHAT, json={**BODY, "max_tokens": 30, "stream": True}) as resp,
+        ):
+            stream = resp.iter_raw()
+            chunks = [next(stream)]
+            os.kill(proc.pid, signal.SIGTERM)
+            time.sleep(0.3)
+            # New connections are refused while the stream goes on.
+            try:
+                refused = httpx.post(url + CHAT, json=BODY, timeout=2).status_code == 503
+            except httpx.ConnectError:
+                refused = True
+            assert refused
+            chunks += list(stream)
+        body = b"".join(chunks)
+        assert body.count(b" tok") == 30 and body.endswith(b"data: [DONE]\n\n")
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        assert proc.stderr is not None
+        proc.stderr.close()
