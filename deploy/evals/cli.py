@@ -1,0 +1,205 @@
+"""`sglang-pd eval gsm8k`: the accuracy gate of every rollout, against any OpenAI-compatible base URL.
+
+Exit codes (stable; the Helm test and the post-upgrade Job rely on them):
+  0  the run finished and every gate rule passed (or no rule was given)
+  1  a gate rule failed: the rule and its numbers are on stderr and in the report
+  2  bad usage: a bad flag value or an unreadable --baseline report
+  3  no data: offline without --data, an unreadable file, or a checksum mismatch
+  4  the endpoint is unreachable, too many questions failed after retries, or --timeout passed
+
+The report (`--output`) is written whenever the run started, whatever the exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+from .client import ClientConfig, RetryPolicy
+from .errors import DataUnavailable, EndpointError, EvalError, UsageError
+from .gate import DEFAULT_CONFIDENCE, DEFAULT_MAX_DROP
+from .gsm8k import DEFAULT_MAX_ERROR_RATE, DEFAULT_NUM_QUESTIONS, Gsm8kOptions, evaluate
+from .prompt import DEFAULT_NUM_SHOTS
+from .report import format_table
+
+__all__ = ["EXIT_DATA", "EXIT_ENDPOINT", "EXIT_GATE_FAILED", "EXIT_OK", "EXIT_USAGE", "add_arguments", "run"]
+
+EXIT_OK, EXIT_GATE_FAILED, EXIT_USAGE, EXIT_DATA, EXIT_ENDPOINT = 0, 1, 2, 3, 4
+
+
+def _num_questions(value: str) -> int | None:
+    if value == "all":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'all', not {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'all', not {value!r}")
+    return n
+
+
+def _fraction(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], not {value!r}") from None
+    if not 0.0 <= x <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], not {value!r}")
+    return x
+
+
+def _positive(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, not {value!r}") from None
+    if x <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, not {value!r}")
+    return x
+
+
+def _add_gsm8k(p: argparse.ArgumentParser) -> None:
+    target = p.add_argument_group("endpoint")
+    target.add_argument(
+        "--base-url",
+        default=os.environ.get("OPENAI_BASE_URL"),
+        help="OpenAI base URL ending in /v1, e.g. http://router:8000/v1 (default: $OPENAI_BASE_URL)",
+    )
+    target.add_argument("--api", choices=("completions", "chat"), default="completions", help="default: completions")
+    target.add_argument("--model", default=None, help="model name (default: the first one /v1/models lists)")
+    target.add_argument("--api-key", default=None, help="bearer key (default: $OPENAI_API_KEY)")
+
+    data = p.add_argument_group("questions")
+    data.add_argument("--data", type=Path, default=None, help="gsm8k jsonl (default: download test.jsonl once)")
+    data.add_argument("--num-shots", type=int, default=DEFAULT_NUM_SHOTS, help=f"default: {DEFAULT_NUM_SHOTS}")
+    data.add_argument(
+        "--num-questions",
+        type=_num_questions,
+        default=DEFAULT_NUM_QUESTIONS,
+        metavar="N|all",
+        help=f"the first N questions after the shots (default: {DEFAULT_NUM_QUESTIONS})",
+    )
+    data.add_argument("--sample", action="store_true", help="a seeded random sample of N instead of the first N")
+    data.add_argument("--seed", type=int, default=0, help="seed of --sample (default: 0)")
+    data.add_argument("--max-tokens", type=int, default=512, help="default: 512")
+
+    runp = p.add_argument_group("run")
+    runp.add_argument("--parallel", type=int, default=128, help="concurrent requests (default: 128)")
+    runp.add_argument("--retries", type=int, default=3, help="retries of a transient failure (default: 3)")
+    runp.add_argument("--retry-backoff", type=float, default=1.0, metavar="SECONDS", help="first backoff (default 1)")
+    runp.add_argument("--request-timeout", type=_positive, default=300.0, metavar="SECONDS", help="default: 300")
+    runp.add_argument("--connect-timeout", type=_positive, default=10.0, metavar="SECONDS", help="default: 10")
+    runp.add_argument(
+        "--timeout", type=_positive, default=None, metavar="SECONDS", help="limit on the whole run (exit 4 past it)"
+    )
+    runp.add_argument(
+        "--max-error-rate",
+        type=_fraction,
+        default=DEFAULT_MAX_ERROR_RATE,
+        help=f"fraction of failed questions that makes the run an error, exit 4 (default: {DEFAULT_MAX_ERROR_RATE})",
+    )
+    runp.add_argument("--output", type=Path, default=None, help="write the JSON report here")
+    runp.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    gate = p.add_argument_group("gate (exit 1 when a rule fails)")
+    gate.add_argument("--min-accuracy", type=_fraction, default=None, help="fail below this accuracy")
+    gate.add_argument("--baseline", type=Path, default=None, help="an earlier report to compare with")
+    gate.add_argument(
+        "--max-drop",
+        type=_fraction,
+        default=DEFAULT_MAX_DROP,
+        help=f"fail when the drop from --baseline exceeds this, with confidence (default: {DEFAULT_MAX_DROP})",
+    )
+    gate.add_argument(
+        "--confidence",
+        type=float,
+        default=DEFAULT_CONFIDENCE,
+        help=f"one-sided confidence of the baseline test (default: {DEFAULT_CONFIDENCE})",
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__.split("\n\n", 1)[0] if __doc__ else None
+    sub = parser.add_subparsers(dest="eval_name", required=True, metavar="EVAL")
+    p = sub.add_parser(
+        "gsm8k",
+        help="few-shot gsm8k in SGLang's convention, with a floor and a baseline gate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_gsm8k(p)
+
+
+def build_options(args: argparse.Namespace) -> Gsm8kOptions:
+    if not args.base_url:
+        raise UsageError("--base-url is required (or set OPENAI_BASE_URL), e.g. --base-url http://127.0.0.1:8000/v1.")
+    for flag, value, low in (
+        ("--parallel", args.parallel, 1),
+        ("--retries", args.retries, 0),
+        ("--max-tokens", args.max_tokens, 1),
+    ):
+        if value < low:
+            raise UsageError(f"{flag} must be at least {low}, not {value}.")
+    if args.retry_backoff < 0:
+        raise UsageError(f"--retry-backoff must be 0 or more, not {args.retry_backoff}.")
+    if not 0.0 < args.confidence < 1.0:
+        raise UsageError(f"--confidence must be in (0, 1), not {args.confidence}.")
+    client = ClientConfig(
+        base_url=args.base_url,
+        api=args.api,
+        model=args.model,
+        api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+        max_tokens=args.max_tokens,
+        parallel=args.parallel,
+        request_timeout_s=args.request_timeout,
+        connect_timeout_s=args.connect_timeout,
+        retry=RetryPolicy(max_retries=args.retries, backoff_s=args.retry_backoff),
+    )
+    return Gsm8kOptions(
+        client=client,
+        data=args.data,
+        num_shots=args.num_shots,
+        num_questions=args.num_questions,
+        sample=args.sample,
+        seed=args.seed,
+        timeout_s=args.timeout,
+        max_error_rate=args.max_error_rate,
+        min_accuracy=args.min_accuracy,
+        baseline=args.baseline,
+        max_drop=args.max_drop,
+        confidence=args.confidence,
+        progress=not args.quiet,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        options = build_options(args)
+        report = asyncio.run(evaluate(options))
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except DataUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_DATA
+    except EndpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ENDPOINT
+    except EvalError as exc:  # a new subclass without its own code: fail loudly, as an endpoint problem
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ENDPOINT
+    if args.output is not None:
+        report.write(args.output)
+    print(format_table(report))
+    if report.status == "error":
+        print(f"error: {report.error}", file=sys.stderr)
+        return EXIT_ENDPOINT
+    if report.gate is not None and not report.gate.passed:
+        for rule in report.gate.failures:
+            print(f"gate failed ({rule.rule}): {rule.message}", file=sys.stderr)
+        return EXIT_GATE_FAILED
+    return EXIT_OK
