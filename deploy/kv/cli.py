@@ -1,0 +1,216 @@
+"""`sglang-pd kv-probe`: a pre-flight check of KV transfer between a prefill and a decode host.
+
+On the decode host: `sglang-pd kv-probe --serve --hostname DECODE_IP` (prints the control URL).
+On the prefill host: `sglang-pd kv-probe --peer http://DECODE_IP:PORT --hostname PREFILL_IP`.
+With no `--peer` it starts a peer process here and checks this machine (loopback).
+
+It opens the transfer engine, registers page-shaped KV memory, probes the peer, measures the
+latency of one-page writes and the bandwidth of contiguous and fragmented page writes, checks
+the bytes arrived (crc32), and on failure prints a diagnosis a user can act on.
+Exit codes: 0 all checks passed, 1 a check failed, 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import random
+import resource
+import statistics
+import sys
+import time
+import zlib
+from contextlib import ExitStack
+from typing import Any
+from urllib.error import URLError
+from urllib.request import urlopen
+
+from .config import KVConfig
+from .engine import get_engine
+from .exceptions import (
+    BadAddress,
+    DeviceMissing,
+    KVError,
+    PeerUnreachable,
+    RegistrationRefused,
+    TransportUnavailable,
+)
+from .pages import PagedLayout
+
+__all__ = ["add_arguments", "diagnose", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--peer", metavar="URL", help="control URL of a `kv-probe --serve` peer (default: one here)")
+    parser.add_argument("--serve", action="store_true", help="be the decode side: register memory and wait")
+    parser.add_argument("--listen", default="0.0.0.0", help="address of the --serve control API (default 0.0.0.0)")
+    parser.add_argument("--http-port", type=int, default=18998, help="port of the --serve control API")
+    parser.add_argument("--hostname", default=None, help="address peers reach this engine at (SGLANG_PD_KV_HOSTNAME)")
+    parser.add_argument("--protocol", choices=("tcp", "rdma"), default=None, help="tcp, or rdma in clusters")
+    parser.add_argument("--device", default=None, help="RDMA device(s), e.g. mlx5_0")
+    parser.add_argument("--pages", type=int, default=256, help="pages per bandwidth write (default 256)")
+    parser.add_argument("--page-bytes", type=int, default=64 * 1152, help="bytes per page and layer (DeepSeek-V3)")
+    parser.add_argument("--layers", type=int, default=4, help="KV layers to write (default 4)")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--format", choices=("table", "json"), default="table")
+
+
+def diagnose(exc: BaseException) -> str:
+    """What a user should do about `exc`."""
+    if isinstance(exc, DeviceMissing):
+        return "mount /dev/infiniband and /sys/class/infiniband into the pod, or name an existing device (--device)."
+    if isinstance(exc, RegistrationRefused):
+        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
+        return (
+            f"the locked-memory limit is {limit}: run with `ulimit -l unlimited`, or give the container the "
+            "IPC_LOCK capability and memlock=-1."
+        )
+    if isinstance(exc, TransportUnavailable):
+        return (
+            "install exactly one Mooncake wheel (mooncake-transfer-engine-non-cuda without CUDA) and the Debian "
+            "package libibverbs1; check that --hostname is an address of this machine."
+        )
+    if isinstance(exc, PeerUnreachable):
+        return (
+            "the decode host's transfer engine does not answer: check it runs, that --hostname on the decode side is "
+            "an address the prefill host can reach, and that no firewall blocks its ports."
+        )
+    if isinstance(exc, BadAddress):
+        return "the peer rejected an address: prefill and decode must use the same page size and KV dtype."
+    if isinstance(exc, URLError | OSError):
+        return "the peer's control URL does not answer: start `sglang-pd kv-probe --serve` there, check host and port."
+    return "see the error above."
+
+
+def _get(url: str) -> dict[str, Any]:
+    with urlopen(url, timeout=10) as r:
+        result: dict[str, Any] = json.loads(r.read())
+        return result
+
+
+def _probe(args: argparse.Namespace, config: KVConfig, peer_url: str) -> dict[str, Any]:
+    report: dict[str, Any] = {"checks": []}
+
+    def check(name: str, detail: str) -> None:
+        report["checks"].append({"check": name, "ok": True, "detail": detail})
+
+    engine = get_engine(config)
+    check("engine", f"{config.protocol} engine at {engine.session_id}")
+    info = _get(peer_url + "/info")
+    peer, dst_base, dst_len = info["session_id"], int(info["base"]), int(info["length"])
+    page, layers = args.page_bytes, args.layers
+    pages = min(args.pages, dst_len // (page * layers))
+    if pages < 2:
+        raise ValueError(f"The peer registered {dst_len} bytes: too small for {layers} layers of {page}-byte pages.")
+    size = page * pages * layers
+    buf = (ctypes.c_char * size)()
+    view = memoryview(buf).cast("B")
+    view[:] = random.Random(1).randbytes(size)
+    base = ctypes.addressof(buf)
+    engine.register(base, size)
+    check("register", f"{size} bytes registered")
+    engine.probe(peer)
+    check("probe", f"peer {peer} answers")
+
+    src = PagedLayout(tuple(base + i * page * pages for i in range(layers)), page, pages)
+    dst = PagedLayout(tuple(dst_base + i * page * pages for i in range(layers)), page, pages)
+    lat = []
+    for _ in range(max(args.repeat * 4, 10)):
+        t0 = time.perf_counter()
+        engine.write(peer, [(base, dst_base, page)], pages=1)
+        lat.append(time.perf_counter() - t0)
+    check("latency", f"one {page}-byte page: p50 {statistics.median(lat) * 1e6:.0f} µs")
+    rows = []
+    for shape, dst_pages in (
+        ("contiguous", list(range(pages))),
+        ("fragmented", random.Random(2).sample(range(pages), pages)),
+    ):
+        times = []
+        for _ in range(args.repeat):
+            r = engine.write_pages(peer, src, dst, list(range(pages)), dst_pages)
+            times.append(r.seconds)
+        best = min(times)
+        rows.append(
+            {
+                "shape": shape,
+                "pages": pages,
+                "layers": layers,
+                "bytes": size,
+                "items": r.items,
+                "p50_ms": statistics.median(times) * 1e3,
+                "best_gbps": size / best / 1e9,
+            }
+        )
+        # every layer's pages must have arrived where the decode side expects them
+        want = zlib.crc32(
+            b"".join(
+                bytes(view[src_off : src_off + page])
+                for layer in range(layers)
+                for d in range(pages)
+                for src_off in [layer * page * pages + dst_pages.index(d) * page]
+            )
+        )
+        got = int(_get(f"{peer_url}/crc?offset=0&length={size}")["crc"])
+        if got != want:
+            raise BadAddress(f"The bytes the peer holds after the {shape} write differ from those sent (crc32).")
+    check("integrity", "crc32 of every written page matches")
+    report["bandwidth"] = rows
+    report["ok"] = True
+    return report
+
+
+def _format_table(report: dict[str, Any]) -> str:
+    out = [f"{'check':<10} {'ok':<4} detail"]
+    for c in report["checks"]:
+        out.append(f"{c['check']:<10} {'yes' if c['ok'] else 'NO':<4} {c['detail']}")
+    if report.get("bandwidth"):
+        out.append("")
+        out.append(f"{'shape':<11} {'pages':>6} {'layers':>6} {'MiB':>8} {'items':>6} {'p50 ms':>8} {'GB/s':>6}")
+        for r in report["bandwidth"]:
+            out.append(
+                f"{r['shape']:<11} {r['pages']:>6} {r['layers']:>6} {r['bytes'] / 2**20:>8.1f} {r['items']:>6} "
+                f"{r['p50_ms']:>8.2f} {r['best_gbps']:>6.2f}"
+            )
+    if not report["ok"]:
+        out.append("")
+        out.append(f"FAILED: {report['error']}")
+        out.append(f"what to do: {report['diagnosis']}")
+    return "\n".join(out)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = KVConfig.from_env(hostname=args.hostname, protocol=args.protocol, device=args.device)
+    if args.serve:
+        from .peer import _serve
+
+        size = args.page_bytes * args.pages * args.layers
+        print(f"kv-probe peer: control API on http://{args.listen}:{args.http_port}; Ctrl-C to stop", file=sys.stderr)
+        try:
+            _serve(size, args.listen, args.http_port, config)
+        except KeyboardInterrupt:
+            pass
+        except KVError as exc:
+            print(f"FAILED: {exc}\nwhat to do: {diagnose(exc)}", file=sys.stderr)
+            return 1
+        return 0
+    report: dict[str, Any]
+    with ExitStack() as stack:
+        try:
+            if args.peer:
+                peer_url = args.peer.rstrip("/")
+            else:
+                from .peer import start_peer
+
+                size = args.page_bytes * args.pages * args.layers
+                env = {k: v for k, v in os.environ.items() if k.startswith("SGLANG_PD_KV_")}
+                peer_url = stack.enter_context(start_peer(size, env=env)).info.http
+            report = _probe(args, config, peer_url)
+        except (KVError, OSError, ValueError, RuntimeError) as exc:
+            report = {"checks": [], "ok": False, "error": f"{type(exc).__name__}: {exc}", "diagnosis": diagnose(exc)}
+    print(json.dumps(report, indent=2) if args.format == "json" else _format_table(report))
+    return 0 if report["ok"] else 1
