@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+
 from sglang_pd.deploy.router import RouterApp, RouterConfig, create_app
 from sglang_pd.deploy.router.server import RouterServer, uvicorn_config
 from sglang_pd.deploy.router.testing import WorkerProcess, start_workers

@@ -4,6 +4,7 @@ import argparse
 from pathlib import Path
 
 import pytest
+
 import sglang_pd.deploy.router as router_pkg
 from sglang_pd.deploy.router.cli import add_arguments, build_config
 

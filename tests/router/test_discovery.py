@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 from kubernetes import watch
+
 from sglang_pd.deploy.router.config import KubernetesDiscoveryConfig
 from sglang_pd.deploy.router.discovery import KubernetesDiscovery, pod_endpoint
 from sglang_pd.deploy.router.workers import WorkerRegistry

@@ -12,24 +12,31 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+
 from sglang_pd.deploy.router.breaker import BreakerState
 
 from .conftest import FAST, Cluster, RunningRouter, serve_router, wait_ready
 
 DEADLINE = 12.0  # every request must end well within this (request timeout is 10 s)
 CHAT = "/v1/chat/completions"
-TOKENS = 20
+TOKENS = 40
 
 
 def _chat(stream: bool, rid: str, tokens: int = TOKENS) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": f"question {rid}"}], "max_tokens": tokens, "stream": stream}
 
 
+STREAMING: set[str] = set()  # ids of streams that have received their first chunk
+
+
 async def _stream(client: httpx.AsyncClient, url: str, rid: str) -> tuple[int, bytes, float]:
     started = time.monotonic()
+    chunks: list[bytes] = []
     async with client.stream("POST", url + CHAT, json=_chat(True, rid), headers={"x-request-id": rid}) as resp:
-        body = b"".join([chunk async for chunk in resp.aiter_raw()])
-    return resp.status_code, body, time.monotonic() - started
+        async for chunk in resp.aiter_raw():
+            chunks.append(chunk)
+            STREAMING.add(rid)
+    return resp.status_code, b"".join(chunks), time.monotonic() - started
 
 
 async def _unary(client: httpx.AsyncClient, url: str, rid: str) -> tuple[int, bytes, float]:
@@ -38,11 +45,18 @@ async def _unary(client: httpx.AsyncClient, url: str, rid: str) -> tuple[int, by
     return resp.status_code, resp.content, time.monotonic() - started
 
 
-async def _load_with_fault(url: str, fault: Callable[[], None], delay: float, n: int = 12) -> list[Any]:
+async def _load_with_fault(url: str, fault: Callable[[], None], when: Callable[[], bool], n: int = 12) -> list[Any]:
+    """n streaming and n non-streaming requests at once; `fault()` runs as soon as `when()`."""
+    STREAMING.clear()
     async with httpx.AsyncClient(timeout=DEADLINE + 5) as client:
         tasks = [asyncio.ensure_future(_stream(client, url, f"s{i}")) for i in range(n)]
         tasks += [asyncio.ensure_future(_unary(client, url, f"u{i}")) for i in range(n)]
-        await asyncio.sleep(delay)
+        for _ in range(500):
+            if when():
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the fault's moment never came")
         await asyncio.to_thread(fault)
         return await asyncio.wait_for(asyncio.gather(*tasks), DEADLINE)
 
@@ -76,11 +90,12 @@ def _traffic_continues(running: RunningRouter, live: list[str]) -> None:
 
 
 def test_kill_decode_mid_stream(cluster_factory: Callable[..., Cluster]) -> None:
-    cluster = cluster_factory(2, 2, token_delay=0.02)
+    cluster = cluster_factory(2, 2, token_delay=0.015)
     victim, survivor = cluster.decodes
     with serve_router(cluster.config()) as running:
         wait_ready(running.url)
-        results = asyncio.run(_load_with_fault(running.url, victim.kill, delay=0.2))
+        # Kill it once most streams are flowing, so some are cut mid-stream.
+        results = asyncio.run(_load_with_fault(running.url, victim.kill, when=lambda: len(STREAMING) >= 8))
         streams, unaries = results[:12], results[12:]
         for status, body, elapsed in streams:
             assert status == 200 and elapsed < DEADLINE
@@ -103,7 +118,10 @@ def test_kill_prefill_retries_transparently(cluster_factory: Callable[..., Clust
     victim, survivor = cluster.prefills
     with serve_router(cluster.config()) as running:
         wait_ready(running.url)
-        results = asyncio.run(_load_with_fault(running.url, victim.kill, delay=0.15))
+        registry = running.app.registry
+        # Kill it while it holds prefill legs whose decodes wait for the KV hand-off.
+        busy = lambda: registry.get(victim.url, "prefill").in_flight >= 3  # type: ignore[union-attr]  # noqa: E731
+        results = asyncio.run(_load_with_fault(running.url, victim.kill, when=busy))
         for status, body, elapsed in results:
             assert status == 200 and elapsed < DEADLINE, body[:300]
             assert _complete(body), body[-300:]

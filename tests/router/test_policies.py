@@ -3,6 +3,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+
 from sglang_pd.deploy.router.breaker import CircuitBreaker
 from sglang_pd.deploy.router.policies import (
     CacheAware,

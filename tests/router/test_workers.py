@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+
 from sglang_pd.deploy.router.exceptions import WorkerRegistrationError
 from sglang_pd.deploy.router.workers import WorkerRegistry, normalize_url
 
