@@ -76,7 +76,7 @@ def resolve_command(t: Topology, role: str, env: Mapping[str, str]) -> NodeComma
         raise LaunchError(f"role {role!r} has no sglang command; choose prefill or decode.")
     spec = t.prefill if role == "prefill" else t.decode
     rank, leader = _node_rank(env, spec.nodes, role)
-    return render_node(t, role, node_rank=rank, leader_host=leader)  # type: ignore[arg-type]
+    return render_node(t, role, node_rank=rank, leader_host=leader)
 
 
 def _gpu_count() -> int:
@@ -98,7 +98,7 @@ def pod_checks(t: Topology, role: str) -> list[PodCheck]:
             "gpus",
             have >= want,
             f"{have} GPU(s) visible, topology needs {want} per node"
-            + ("" if have >= want else f"; request nvidia.com/gpu: {want} (values: gpu.perNode)"),
+            + ("" if have >= want else f"; the pod must request {want} GPUs (hardware.gpus_per_node)"),
         )
     )
     try:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 __all__ = [
     "DecodeSpec",
@@ -206,7 +206,11 @@ class Topology(_Strict):
     transfer: TransferSpec = Field(default_factory=TransferSpec)
     router: RouterSpec = Field(default_factory=RouterSpec)
     # Where the file came from, for relative paths; not part of the file.
-    source_dir: Path | None = Field(None, exclude=True)
+    _source_dir: Path | None = PrivateAttr(None)
+
+    @property
+    def source_dir(self) -> Path | None:
+        return self._source_dir
 
     @property
     def is_local(self) -> bool:
@@ -269,9 +273,11 @@ def parse_topology(data: Any, source: str = "<topology>", source_dir: Path | Non
     if not isinstance(data, dict):
         raise TopologyError(f"{source}: a topology must be a YAML mapping at the top level, got {type(data).__name__}.")
     try:
-        return Topology.model_validate({**data, "source_dir": source_dir})
+        topology = Topology.model_validate(data)
     except ValidationError as exc:
         raise TopologyError(_format_validation_error(exc, source)) from exc
+    topology._source_dir = source_dir
+    return topology
 
 
 def load_topology(path: str | Path) -> Topology:

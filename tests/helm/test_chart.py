@@ -1,0 +1,331 @@
+"""The Helm chart: lint, render for every preset, schema-valid objects, and what must agree with the topology."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from sglang_pd.deploy.cli import main as cli_main
+from sglang_pd.deploy.sglang_args import LEADER_HOST_PLACEHOLDER
+from sglang_pd.deploy.sglang_check import sglang_available
+from sglang_pd.deploy.topology import check_rules, load_topology
+
+from .conftest import CHART, REPO, helm_python, one, preset_topology, preset_values
+
+PRESET_NAMES = ["deepseek-r1-h200-1p1d", "deepseek-v3-h20-3p2d", "local-cpu"]
+K8S_VERSIONS = ["1.30.0", "1.33.0"]
+# Custom resources Kubernetes' schemas do not know; LWS gets its own schema below.
+CUSTOM_KINDS = {"LeaderWorkerSet", "ServiceMonitor", "PodMonitor", "AnalysisTemplate"}
+LWS_SCHEMA = json.loads((Path(__file__).parent / "schemas" / "leaderworkerset-v1.json").read_text())
+EVERYTHING_ON = {
+    "gate": {"hook": {"enabled": True}, "analysisTemplate": {"enabled": True}},
+    "metrics": {
+        "serviceMonitor": {"enabled": True},
+        "podMonitor": {"enabled": True},
+        "grafanaDashboard": {"enabled": True},
+    },
+    "networkPolicy": {"enabled": True, "clientSelector": {"matchLabels": {"team": "apps"}}},
+    "router": {"ingress": {"enabled": True, "host": "llm.example.com", "tlsSecret": "llm-tls"}},
+}
+
+
+def lws_pod_templates(lws: dict) -> dict[str, dict]:
+    tpl = lws["spec"]["leaderWorkerTemplate"]
+    return {k: tpl[k] for k in ("leaderTemplate", "workerTemplate") if k in tpl}
+
+
+def as_pod(template: dict) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "x", **template["metadata"]},
+        "spec": template["spec"],
+    }
+
+
+def test_lint_strict() -> None:
+    report = helm_python.lint(str(CHART), strict=True)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+@pytest.mark.parametrize(
+    "values",
+    [{}, EVERYTHING_ON, *[preset_values(p) for p in PRESET_NAMES]],
+    ids=["default", "everything-on", *PRESET_NAMES],
+)
+@pytest.mark.parametrize("k8s", K8S_VERSIONS)
+def test_objects_pass_kubernetes_schemas(render, values, k8s) -> None:
+    docs = render(values)
+    assert docs
+    for doc in docs:
+        if doc["kind"] == "LeaderWorkerSet":
+            jsonschema.validate(doc, LWS_SCHEMA)
+            for tpl in lws_pod_templates(doc).values():
+                kubernetes_validate.validate(as_pod(tpl), k8s, strict=True)
+        elif doc["kind"] == "AnalysisTemplate":
+            job = doc["spec"]["metrics"][0]["provider"]["job"]
+            kubernetes_validate.validate(
+                {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "x"}, "spec": job["spec"]},
+                k8s,
+                strict=True,
+            )
+        elif doc["kind"] not in CUSTOM_KINDS:
+            kubernetes_validate.validate(doc, k8s, strict=True)
+
+
+def test_optional_objects_render_only_when_asked(render) -> None:
+    default = {d["kind"] for d in render()}
+    assert default == {
+        "ConfigMap",
+        "LeaderWorkerSet",
+        "PodDisruptionBudget",
+        "Deployment",
+        "Service",
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "Pod",
+    }
+    on = {d["kind"] for d in render(EVERYTHING_ON)}
+    assert {"Job", "AnalysisTemplate", "ServiceMonitor", "PodMonitor", "NetworkPolicy", "Ingress"} <= on
+
+
+@pytest.mark.parametrize("preset", PRESET_NAMES)
+def test_gpu_counts_sizes_and_replicas_follow_the_topology(render, preset) -> None:
+    t = preset_topology(preset)
+    docs = render(preset_values(preset))
+    for role, count in (("prefill", "instances"), ("decode", "groups")):
+        lws = one(docs, "LeaderWorkerSet", f"-{role}")
+        assert lws["spec"]["replicas"] == t[role][count]
+        assert lws["spec"]["leaderWorkerTemplate"]["size"] == t[role]["nodes"]
+        templates = lws_pod_templates(lws)
+        assert ("leaderTemplate" in templates) == (t[role]["nodes"] > 1)
+        for tpl in templates.values():
+            c = tpl["spec"]["containers"][0]
+            gpus = t["hardware"]["gpus_per_node"]
+            assert c["resources"]["limits"]["nvidia.com/gpu"] == gpus
+            assert c["resources"]["requests"]["nvidia.com/gpu"] == gpus
+            assert c["command"][:4] == ["sglang-pd", "launch", "--role", role]
+
+
+def test_probes_only_on_leaders(render) -> None:
+    lws = one(render(), "LeaderWorkerSet", "-decode")
+    leader = lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"][0]
+    worker = lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]
+    assert leader["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    # Big checkpoints load for 10-30 minutes: the startup budget covers 30.
+    assert leader["startupProbe"]["periodSeconds"] * leader["startupProbe"]["failureThreshold"] >= 1800
+    assert leader["livenessProbe"]["failureThreshold"] * leader["livenessProbe"]["periodSeconds"] >= 300
+    assert "readinessProbe" in leader
+    assert not {"startupProbe", "readinessProbe", "livenessProbe"} & set(worker)
+
+
+def test_ports_agree_between_router_and_workers(render) -> None:
+    topology = preset_topology("deepseek-r1-h200-1p1d")
+    topology["prefill"]["bootstrap_port"] = 9100
+    topology["router"]["port"] = 8080
+    docs = render({"topology": topology})
+    prefill = one(docs, "LeaderWorkerSet", "-prefill")["spec"]["leaderWorkerTemplate"]["workerTemplate"]
+    ann = prefill["metadata"]["annotations"]
+    assert (ann["sglang-pd/port"], ann["sglang-pd/bootstrap-port"]) == ("30000", "9100")
+    ports = {p["name"]: p["containerPort"] for p in prefill["spec"]["containers"][0]["ports"]}
+    assert ports == {"http": 30000, "bootstrap": 9100}
+    router = one(docs, "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]
+    args = router["command"]
+    assert args[args.index("--port") + 1] == "8080"
+    assert router["ports"] == [{"name": "http", "containerPort": 8080}]
+    sel = args[args.index("--k8s-prefill-selector") + 1]
+    assert sel == (
+        "app.kubernetes.io/instance=demo,app.kubernetes.io/component=prefill,leaderworkerset.sigs.k8s.io/worker-index=0"
+    )
+    assert args[args.index("--k8s-namespace") + 1] == "llm"
+    service = one(docs, "Service", "-router")
+    assert service["spec"]["ports"][0]["targetPort"] == "http"
+
+
+def test_gpu_pod_security_env_and_volumes(render) -> None:
+    values = {
+        "env": {"NCCL_IB_GID_INDEX": 3},
+        "decode": {"env": {"EP_MIN_TOKENS_PER_PART": "1"}},
+        "model": {"source": "hub", "hub": {"tokenSecret": {"name": "hf", "key": "token"}}},
+    }
+    lws = one(render(values), "LeaderWorkerSet", "-decode")
+    spec = lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]
+    c = spec["containers"][0]
+    assert c["securityContext"] == {"privileged": False, "capabilities": {"add": ["IPC_LOCK"]}}
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
+    assert env["NCCL_IB_GID_INDEX"] == "3" and env["EP_MIN_TOKENS_PER_PART"] == "1"
+    assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
+    assert volumes["infiniband"]["hostPath"]["path"] == "/dev/infiniband" and spec["hostNetwork"] is True
+    assert volumes["topology"]["configMap"]["name"] == "demo-sglang-pd-topology"
+
+
+def test_device_plugin_rdma_and_pvc_weights(render) -> None:
+    values = {
+        "rdma": {"mode": "devicePlugin", "devicePlugin": {"resourceName": "rdma/hca", "count": 2}},
+        "model": {"source": "pvc", "pvc": {"claimName": "weights"}},
+        "securityContext": {"sysRawio": True},
+    }
+    spec = one(render(values), "LeaderWorkerSet", "-prefill")["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]
+    c = spec["containers"][0]
+    assert c["resources"]["limits"]["rdma/hca"] == 2 and "hostNetwork" not in spec
+    assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK", "SYS_RAWIO"]
+    assert {v["name"]: v for v in spec["volumes"]}["model"]["persistentVolumeClaim"] == {
+        "claimName": "weights",
+        "readOnly": True,
+    }
+
+
+def test_gate_runs_gsm8k_against_the_router(render) -> None:
+    docs = render(
+        {
+            "gate": {"hook": {"enabled": True}, "gsm8k": {"minAccuracy": 0.93}},
+            "router": {"apiKeySecret": {"name": "keys"}},
+        }
+    )
+    job = one(docs, "Job", "-gate")
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "post-install,post-upgrade"
+    c = job["spec"]["template"]["spec"]["containers"][0]
+    cmd = c["command"]
+    assert cmd[:3] == ["sglang-pd", "eval", "gsm8k"]
+    assert cmd[cmd.index("--base-url") + 1] == "http://demo-sglang-pd-router:8000/v1"
+    assert cmd[cmd.index("--min-accuracy") + 1] == "0.93"
+    assert c["env"][0]["name"] == "OPENAI_API_KEY"
+    test = one(docs, "Pod", "-test-gsm8k")
+    assert test["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    probe = one(docs, "Pod", "-test-kv-probe")["spec"]["containers"][0]["command"]
+    assert probe[:4] == ["sglang-pd", "kv-probe", "--protocol", "rdma"]
+
+
+def _configmap_topology(render, values, tmp_path: Path) -> Path:
+    cm = one(render(values), "ConfigMap", "-topology")
+    path = tmp_path / "topology.yaml"
+    path.write_text(cm["data"]["topology.yaml"])
+    return path
+
+
+@pytest.mark.parametrize("preset", PRESET_NAMES)
+def test_configmap_topology_is_the_preset_and_passes_rules(render, preset, tmp_path) -> None:
+    path = _configmap_topology(render, preset_values(preset), tmp_path)
+    assert _normalized(yaml.safe_load(path.read_text())) == _normalized(preset_topology(preset))
+    assert check_rules(load_topology(path)).ok
+
+
+def test_own_topology_is_used_whole_not_merged(render, tmp_path) -> None:
+    topology = preset_topology("deepseek-v3-h20-3p2d")
+    del topology["router"]
+    path = _configmap_topology(render, {"topology": topology}, tmp_path)
+    rendered = yaml.safe_load(path.read_text())
+    assert "router" not in rendered and rendered["name"] == "deepseek-v3-h20-3p2d"
+
+
+def _normalized(t: dict) -> dict:
+    # Helm round-trips YAML through JSON: integer map keys (transfer.ib_devices) become strings.
+    return json.loads(json.dumps(t))
+
+
+@pytest.mark.sglang
+@pytest.mark.skipif(not sglang_available(), reason="sglang is not installed (the `validate` extra)")
+def test_configmap_topology_passes_plan_check(render, tmp_path, capsys) -> None:
+    path = _configmap_topology(render, {}, tmp_path)
+    assert cli_main(["plan", str(path), "--check", "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert all(c["ok"] for c in doc["sglang_check"])
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_launch_dry_run_matches_the_plan(render, tmp_path, capsys, rank) -> None:
+    path = _configmap_topology(render, {}, tmp_path)
+    assert cli_main(["plan", str(path), "--format", "json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["roles"]["decode"][rank]
+    env = {
+        **os.environ,
+        "LWS_LEADER_ADDRESS": "demo-sglang-pd-decode-0.demo-sglang-pd-decode.llm",
+        "LWS_WORKER_INDEX": str(rank),
+        "LWS_GROUP_SIZE": "2",
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sglang_pd.deploy.cli",
+            "launch",
+            "--role",
+            "decode",
+            "--topology",
+            str(path),
+            "--dry-run",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr
+    launched = json.loads(proc.stdout)
+    want = [a.replace(LEADER_HOST_PLACEHOLDER, env["LWS_LEADER_ADDRESS"]) for a in planned["argv"]]
+    assert launched["argv"] == want and launched["env"] == planned["env"]
+    assert launched["node_rank"] == rank
+    assert "--node-rank" in launched["argv"] and launched["argv"][launched["argv"].index("--node-rank") + 1] == str(
+        rank
+    )
+
+
+def test_schema_and_presets_are_in_sync_with_the_package() -> None:
+    proc = subprocess.run(
+        [sys.executable, "scripts/sync_chart.py", "--check"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+# --- values.schema.json and validateValues reject wrong values with messages naming the key ----
+
+BAD_VALUES = [
+    ({"image": {"tag": 123}}, "/image/tag"),
+    ({"imageTag": "x"}, "imageTag"),
+    ({"rdma": {"mode": "infiniband"}}, "/rdma/mode"),
+    ({"shmSizeLimit": "lots"}, "/shmSizeLimit"),
+    ({"router": {"replicas": 0}}, "/router/replicas"),
+    ({"gate": {"gsm8k": {"minAccuracy": 1.5}}}, "/gate/gsm8k/minAccuracy"),
+    ({"model": {"source": "s3"}}, "/model/source"),
+    ({"prefill": {"startupProbe": {"failureThreshold": 0}}}, "/prefill/startupProbe/failureThreshold"),
+    ({"topology": {"prefill": {"tp": "eight"}}}, "/topology/prefill/tp"),
+    ({"topology": {"decode": {"sbo_mode": "full"}}}, "sbo_mode"),
+    ({"topology": {"router": {"decode_policy": "fastest"}}}, "/topology/router/decode_policy"),
+    ({"metrics": {"serviceMonitor": {"interval": "soon"}}}, "/metrics/serviceMonitor/interval"),
+]
+
+
+@pytest.mark.parametrize(("values", "where"), BAD_VALUES, ids=[w for _, w in BAD_VALUES])
+def test_schema_rejects_wrong_values(chart, values, where) -> None:
+    with pytest.raises(helm_python.HelmError) as info:
+        chart.render(values, name="demo", namespace="llm")
+    assert "values don't meet the specifications of the schema" in str(info.value)
+    assert where in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"model": {"source": "pvc"}}, "model.pvc.claimName: model.source is pvc but no claim is named"),
+        ({"model": {"source": "hostPath"}}, "model.hostPath.path: model.source is hostPath but no path is set"),
+        ({"rdma": {"mode": "none"}}, "rdma.mode: none gives pods no RDMA NIC, but topology.transfer.protocol is rdma"),
+        ({"router": {"ingress": {"enabled": True}}}, "router.ingress.host: the Ingress needs a host name"),
+    ],
+)
+def test_validate_values_names_the_fix(chart, values, message) -> None:
+    with pytest.raises(helm_python.HelmError, match="VALUES VALIDATION") as info:
+        chart.render(values, name="demo", namespace="llm")
+    assert message in str(info.value)
