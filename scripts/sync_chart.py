@@ -57,8 +57,9 @@ def wanted_schema(current: dict[str, Any]) -> dict[str, Any]:
         "enum": sorted(p.stem for p in PRESETS.glob("*.yaml")),
     }
     props["topology"] = {
-        "description": "Your own topology (deploy/presets/*.yaml format), used whole; empty: the preset",
-        "anyOf": [{"type": "object", "maxProperties": 0}, {"$ref": "#/$defs/Topology"}],
+        "description": "Your own topology (deploy/presets/*.yaml format), used whole; empty: the preset. "
+        "A string is a whole topology file (--set-file topology=FILE), checked when pods start.",
+        "anyOf": [{"type": "object", "maxProperties": 0}, {"type": "string"}, {"$ref": "#/$defs/Topology"}],
     }
     return {**current, "properties": props, "$defs": defs}
 

@@ -230,6 +230,19 @@ def test_own_topology_is_used_whole_not_merged(render, tmp_path) -> None:
     assert "router" not in rendered and rendered["name"] == "deepseek-v3-h20-3p2d"
 
 
+def test_topology_file_as_string_from_set_file(render, tmp_path) -> None:
+    text = (REPO / "deploy" / "presets" / "deepseek-v3-h20-3p2d.yaml").read_text()
+    docs = render({"topology": text})
+    assert one(docs, "LeaderWorkerSet", "-prefill")["spec"]["replicas"] == 3
+    path = _configmap_topology(render, {"topology": text}, tmp_path)
+    assert _normalized(yaml.safe_load(path.read_text())) == _normalized(preset_topology("deepseek-v3-h20-3p2d"))
+
+
+def test_topology_string_that_is_not_yaml_is_explained(chart) -> None:
+    with pytest.raises(helm_python.HelmError, match="topology: the string given"):
+        chart.render({"topology": "name: [unclosed"}, name="demo", namespace="llm")
+
+
 def _normalized(t: dict) -> dict:
     # Helm round-trips YAML through JSON: integer map keys (transfer.ib_devices) become strings.
     return json.loads(json.dumps(t))

@@ -93,7 +93,14 @@ Return the effective topology as YAML: `topology` when set (used whole, never me
 Templates read it through "sglang-pd.topologyView"; the ConfigMap holds it verbatim.
 */}}
 {{- define "sglang-pd.topology" -}}
-{{- if .Values.topology -}}
+{{- if kindIs "string" .Values.topology -}}
+{{- /* --set-file topology=FILE passes the file as a string */ -}}
+{{- $parsed := fromYaml .Values.topology -}}
+{{- if or (not $parsed) (hasKey $parsed "Error") -}}
+{{- fail (printf "\nVALUES VALIDATION:\ntopology: the string given (--set-file topology=FILE?) is not a YAML mapping: %v. Check it with `sglang-pd plan FILE`." (get (default dict $parsed) "Error")) -}}
+{{- end -}}
+{{- toYaml $parsed -}}
+{{- else if .Values.topology -}}
 {{- toYaml .Values.topology -}}
 {{- else -}}
 {{- $file := printf "files/presets/%s.yaml" .Values.preset -}}
