@@ -153,7 +153,25 @@ def ensure_dataset(
     """`path` if given (any gsm8k-format file); else the cached canonical file, downloaded once."""
     if path is not None:
         return load_dataset(path)
-    dest = cache_path or default_cache_path()
-    if not (dest.exists() and sha256_of(dest) == sha256):
-        _download(url, dest, sha256, timeout_s)
-    return load_dataset(dest)
+    candidates = [cache_path] if cache_path is not None else [default_cache_path(), _fallback_cache_path()]
+    for dest in candidates:
+        if dest.exists() and sha256_of(dest) == sha256:
+            return load_dataset(dest)
+    for i, dest in enumerate(candidates):
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            _download(url, dest, sha256, timeout_s)
+        except OSError as exc:
+            # e.g. a pod running as `nobody` with no writable home: try the temp dir next.
+            if i + 1 < len(candidates):
+                continue
+            raise DataUnavailable(
+                f"Cannot write the gsm8k cache at {dest} ({exc.strerror or exc}). "
+                f"Set {CACHE_ENV} to a writable directory, or pass --data PATH."
+            ) from exc
+        return load_dataset(dest)
+    raise AssertionError("unreachable")
+
+
+def _fallback_cache_path() -> Path:
+    return Path(tempfile.gettempdir()) / "sglang-pd" / "gsm8k" / "test.jsonl"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.server
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -115,3 +116,23 @@ def test_custom_file_is_not_canonical(tmp_path: Path) -> None:
     path.write_text('{"question": "q", "answer": "1 + 1 = 2\\n#### 2"}\n')
     data = load_dataset(path)
     assert not data.canonical and data.problems[0].label == 2
+
+
+def test_unwritable_cache_falls_back_to_the_temp_dir(
+    file_server: _FileServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")  # the cache dir cannot be created under a file (root ignores chmod)
+    monkeypatch.setenv("SGLANG_PD_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    data = ensure_dataset(url=file_server.url)
+    assert data.canonical and data.path == tmp_path / "tmp" / "sglang-pd" / "gsm8k" / "test.jsonl"
+
+
+def test_no_writable_cache_says_what_to_set(file_server: _FileServer, tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    with pytest.raises(DataUnavailable, match="Set SGLANG_PD_CACHE_DIR to a writable directory, or pass --data PATH"):
+        ensure_dataset(url=file_server.url, cache_path=blocker / "test.jsonl")
