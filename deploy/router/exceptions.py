@@ -8,8 +8,8 @@
         ├── UpstreamTimeout     the worker did not answer within the timeout
         └── UpstreamStatusError the worker answered with a 5xx status
 
-`map_httpx_exceptions()` turns httpx's transport errors into the most specific UpstreamError,
-chained with `from exc`; anything else is re-raised unchanged.
+`map_client_exceptions()` turns the HTTP client's transport errors (aiohttp) into the most specific
+UpstreamError, chained with `from exc`; anything else is re-raised unchanged.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-import httpx
+import aiohttp
 
 if TYPE_CHECKING:
     from .workers import Worker
@@ -31,7 +31,7 @@ __all__ = [
     "UpstreamTimeout",
     "UpstreamUnreachable",
     "WorkerRegistrationError",
-    "map_httpx_exceptions",
+    "map_client_exceptions",
 ]
 
 
@@ -79,21 +79,21 @@ class UpstreamStatusError(UpstreamError):
         self.body = body
 
 
-# Most specific first: httpx's own hierarchy has ConnectTimeout under both TimeoutException
-# and TransportError.
-_HTTPX_MAP: tuple[tuple[type[Exception], type[UpstreamError]], ...] = (
-    (httpx.TimeoutException, UpstreamTimeout),
-    (httpx.TransportError, UpstreamUnreachable),
+# Most specific first: aiohttp's ServerTimeoutError and ConnectionTimeoutError are both
+# ClientErrors and TimeoutErrors; a `total` timeout is a bare TimeoutError.
+_CLIENT_MAP: tuple[tuple[type[BaseException], type[UpstreamError]], ...] = (
+    (TimeoutError, UpstreamTimeout),
+    (aiohttp.ClientError, UpstreamUnreachable),
 )
 
 
 @contextmanager
-def map_httpx_exceptions(worker: Worker, what: str) -> Iterator[None]:
-    """Translate httpx transport errors raised inside the block into UpstreamError subclasses."""
+def map_client_exceptions(worker: Worker, what: str) -> Iterator[None]:
+    """Translate transport errors raised inside the block into UpstreamError subclasses."""
     try:
         yield
-    except httpx.HTTPError as exc:
-        for source, target in _HTTPX_MAP:
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        for source, target in _CLIENT_MAP:
             if isinstance(exc, source):
                 detail = str(exc) or type(exc).__name__
                 raise target(f"{what} to {worker.role} worker {worker.url} failed: {detail}", worker) from exc

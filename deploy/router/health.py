@@ -8,10 +8,12 @@ import asyncio
 import contextlib
 from typing import Any
 
-import httpx
+import aiohttp
+import orjson
 
 from .log import logger
 from .metrics import RouterMetrics
+from .upstream import UpstreamPool
 from .workers import Worker, WorkerRegistry
 
 __all__ = ["HealthChecker"]
@@ -34,11 +36,9 @@ class HealthChecker:
         self.interval_s = interval_s
         self.failure_threshold = max(1, failure_threshold)
         self.success_threshold = max(1, success_threshold)
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 2.0)),
-            trust_env=False,
-            headers=headers,
-        )
+        self.pool = UpstreamPool(keepalive_s=max(30.0, interval_s * 3))
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(timeout_s, 2.0))
+        self.headers = headers or {}
         self._task: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[None]] = set()
         registry.subscribe(self._on_change)
@@ -53,7 +53,7 @@ class HealthChecker:
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
-        await self.client.aclose()
+        await self.pool.aclose()
 
     def _on_change(self, event: str, worker: Worker) -> None:
         if event == "added":
@@ -105,11 +105,15 @@ class HealthChecker:
 
     async def _probe(self, worker: Worker) -> tuple[bool, str]:
         try:
-            resp = await self.client.get(worker.url + "/health")
-        except httpx.HTTPError as exc:
-            return False, f"GET /health failed: {exc or type(exc).__name__}"
-        if resp.status_code != 200:
-            return False, f"GET /health answered {resp.status_code}"
+            async with self.pool.session.get(
+                worker.url + "/health", timeout=self.timeout, headers=self.headers
+            ) as resp:
+                await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return False, f"GET /health failed: {str(exc) or type(exc).__name__}"
+        if status != 200:
+            return False, f"GET /health answered {status}"
         return True, ""
 
     async def _refresh_info(self, worker: Worker) -> None:
@@ -124,9 +128,9 @@ class HealthChecker:
 
     async def _get_json(self, worker: Worker, path: str) -> Any:
         try:
-            resp = await self.client.get(worker.url + path)
-            if resp.status_code == 200:
-                return resp.json()
-        except (httpx.HTTPError, ValueError) as exc:
+            async with self.pool.session.get(worker.url + path, timeout=self.timeout, headers=self.headers) as resp:
+                if resp.status == 200:
+                    return orjson.loads(await resp.read())
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             logger.debug("worker info request failed", extra={"worker": worker.url, "path": path, "error": str(exc)})
         return None

@@ -8,12 +8,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import httpx
+import aiohttp
 import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -25,18 +25,18 @@ from .exceptions import (
     UpstreamError,
     UpstreamStatusError,
     UpstreamTimeout,
-    map_httpx_exceptions,
+    map_client_exceptions,
 )
 from .log import logger
 from .metrics import RouterMetrics
 from .policies import Policy, RoutingRequest
+from .upstream import UpstreamPool, make_timeouts
 from .validation import batch_size, routing_text
 from .workers import Worker, WorkerRegistry
 
 __all__ = ["PDProxy"]
 
 _MAX_ROOM = 2**63 - 1
-_ABORT_TIMEOUT = httpx.Timeout(2.0, connect=1.0)
 _BLAME_GRACE_S = 0.1
 
 
@@ -61,8 +61,7 @@ class Leg:
     status: int
     content_type: str
     body: bytes = b""
-    stream: httpx.Response | None = None
-    chunks: AsyncIterator[bytes] | None = None
+    stream: aiohttp.ClientResponse | None = None
 
 
 class PDProxy:
@@ -84,24 +83,13 @@ class PDProxy:
         self._headers = {"content-type": "application/json"}
         if worker_api_key:
             self._headers["authorization"] = f"Bearer {worker_api_key}"
-        self._unary_timeout = httpx.Timeout(
-            connect=config.connect_timeout_s,
-            read=config.request_timeout_s,
-            write=config.request_timeout_s,
-            pool=config.request_timeout_s,
+        self.timeouts = make_timeouts(
+            connect_s=config.connect_timeout_s,
+            request_s=config.request_timeout_s,
+            stream_idle_s=config.stream_idle_timeout_s,
+            health_s=config.health_timeout_s,
         )
-        self._stream_timeout = httpx.Timeout(
-            connect=config.connect_timeout_s,
-            read=config.stream_idle_timeout_s,
-            write=config.request_timeout_s,
-            pool=config.request_timeout_s,
-        )
-        self.client = httpx.AsyncClient(
-            timeout=self._unary_timeout,
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=30.0),
-            trust_env=False,
-            follow_redirects=False,
-        )
+        self.pool = UpstreamPool()
         self._background: set[asyncio.Task[Any]] = set()
         self._rng = random.Random()
         self._dp_counter = itertools.count()
@@ -109,7 +97,7 @@ class PDProxy:
     async def aclose(self) -> None:
         if self._background:
             await asyncio.wait(list(self._background), timeout=3.0)
-        await self.client.aclose()
+        await self.pool.aclose()
 
     def spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
@@ -207,18 +195,21 @@ class PDProxy:
     async def _unary_leg(self, worker: Worker, path: str, body: bytes, rid: str) -> Leg:
         self._begin(worker)
         try:
-            with map_httpx_exceptions(worker, f"POST {path}"):
-                resp = await self.client.post(
-                    worker.url + path, content=body, headers={**self._headers, "x-request-id": rid}
-                )
-            leg = Leg(resp.status_code, resp.headers.get("content-type", "application/json"), resp.content)
-            if resp.status_code >= 500:
+            with map_client_exceptions(worker, f"POST {path}"):
+                async with self.pool.session.post(
+                    worker.url + path,
+                    data=body,
+                    headers={**self._headers, "x-request-id": rid},
+                    timeout=self.timeouts.unary,
+                ) as resp:
+                    content = await resp.read()
+            leg = Leg(resp.status, resp.headers.get("content-type", "application/json"), content)
+            if resp.status >= 500:
                 raise UpstreamStatusError(
-                    f"POST {path} to {worker.role} worker {worker.url} answered {resp.status_code}: "
-                    f"{resp.content[:200]!r}",
+                    f"POST {path} to {worker.role} worker {worker.url} answered {resp.status}: {content[:200]!r}",
                     worker,
-                    resp.status_code,
-                    resp.content,
+                    resp.status,
+                    content,
                 )
             self._succeeded(worker)
             return leg
@@ -227,38 +218,32 @@ class PDProxy:
 
     async def _open_stream(self, worker: Worker, path: str, body: bytes, rid: str) -> Leg:
         """Send the decode leg and wait for its first body chunk. The worker's in-flight count
-        stays raised until the stream is finished (`_finish_stream`)."""
+        stays raised until RelayResponse finishes the stream."""
         self._begin(worker)
-        resp: httpx.Response | None = None
+        resp: aiohttp.ClientResponse | None = None
         try:
-            with map_httpx_exceptions(worker, f"POST {path}"):
-                request = self.client.build_request(
-                    "POST",
+            with map_client_exceptions(worker, f"POST {path}"):
+                resp = await self.pool.session.post(
                     worker.url + path,
-                    content=body,
+                    data=body,
                     headers={**self._headers, "x-request-id": rid},
-                    timeout=self._stream_timeout,
+                    timeout=self.timeouts.stream,
                 )
-                resp = await self.client.send(request, stream=True)
                 content_type = resp.headers.get("content-type", "text/event-stream")
-                if resp.status_code >= 400:
-                    content = await resp.aread()
-                    await resp.aclose()
-                    if resp.status_code >= 500:
+                if resp.status >= 400:
+                    content = await resp.read()
+                    resp.release()
+                    if resp.status >= 500:
                         raise UpstreamStatusError(
-                            f"POST {path} to decode worker {worker.url} answered {resp.status_code}: {content[:200]!r}",
+                            f"POST {path} to decode worker {worker.url} answered {resp.status}: {content[:200]!r}",
                             worker,
-                            resp.status_code,
+                            resp.status,
                             content,
                         )
                     self._succeeded(worker)
                     self._end(worker)
-                    return Leg(resp.status_code, content_type, content)
-                chunks = resp.aiter_raw()
-                try:
-                    first = await chunks.__anext__()
-                except StopAsyncIteration:
-                    first = b""
+                    return Leg(resp.status, content_type, content)
+                first = await resp.content.readany()
             if first[:24].replace(b" ", b"").startswith(b'data:{"error"'):
                 # sglang reports a failed KV transfer as the stream's first event: nothing has
                 # reached the client yet, so this attempt can still be retried.
@@ -268,10 +253,10 @@ class PDProxy:
                     502,
                     first,
                 )
-            return Leg(resp.status_code, content_type, first, stream=resp, chunks=chunks)
+            return Leg(resp.status, content_type, first, stream=resp)
         except BaseException:
             if resp is not None:
-                self.spawn(resp.aclose())
+                resp.close()
             self._end(worker)
             raise
 
@@ -282,13 +267,14 @@ class PDProxy:
         async def send() -> None:
             for rid in rids:
                 try:
-                    await self.client.post(
+                    async with self.pool.session.post(
                         worker.url + "/abort_request",
-                        content=orjson.dumps({"rid": rid}),
+                        data=orjson.dumps({"rid": rid}),
                         headers=self._headers,
-                        timeout=_ABORT_TIMEOUT,
-                    )
-                except httpx.HTTPError as exc:
+                        timeout=self.timeouts.abort,
+                    ) as resp:
+                        await resp.read()
+                except (aiohttp.ClientError, TimeoutError) as exc:
                     logger.info("abort_request failed", extra={"worker": worker.url, "rid": rid, "error": str(exc)})
 
         self.spawn(send())
@@ -412,7 +398,7 @@ class PDProxy:
         self._abort(pair.prefill, pair.rids)
         self._abort(pair.decode, pair.rids)
         if _finished_ok(decode_t) and (opened := decode_t.result().stream) is not None:
-            self.spawn(opened.aclose())
+            opened.close()
             self._end(pair.decode)
 
     def _watch_prefill(self, prefill_t: asyncio.Task[Leg]) -> None:
@@ -498,10 +484,11 @@ class RelayResponse(Response):
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         if self.first:
             await send({"type": "http.response.body", "body": self.first, "more_body": True})
-        assert self.leg.chunks is not None
+        upstream = self.leg.stream
+        assert upstream is not None
         try:
-            with map_httpx_exceptions(decode, "streaming the answer"):
-                async for chunk in self.leg.chunks:
+            with map_client_exceptions(decode, "streaming the answer"):
+                while chunk := await upstream.content.readany():
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             self.finished = True
             self.proxy._succeeded(decode)
@@ -524,7 +511,11 @@ class RelayResponse(Response):
 
     def _close(self) -> None:
         if self.leg.stream is not None:
-            self.proxy.spawn(self.leg.stream.aclose())
+            # A finished stream goes back to the pool; an unfinished one closes its connection.
+            if self.finished:
+                self.leg.stream.release()
+            else:
+                self.leg.stream.close()
         if not self.finished:
             # The client went away (or sending failed): stop both legs.
             self.proxy._abort(self.pair.decode, self.pair.rids)

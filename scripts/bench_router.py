@@ -1,0 +1,350 @@
+#!/usr/bin/env python
+"""Benchmark the PD router against going direct to the workers and against smg (a benchmark, not a test).
+
+Protocol-faithful test workers (sglang_pd.deploy.router.testing) run on loopback; a bounded,
+closed-loop load generator (aiohttp) sends OpenAI chat requests, streaming and not, at each
+concurrency, through each target in turn:
+
+- direct: the load generator does the PD fan-out itself (bootstrap fields, prefill and decode at
+  once, decode's answer), i.e. the same worker work as behind a router, minus the router hop.
+  The decode worker fetches the KV hand-off from the prefill by room, so decode alone cannot
+  answer a PD request: this is the "direct to decode" baseline of a PD system.
+- router: `sglang-pd router` (this package), as a separate process.
+- smg: `smg launch --pd-disaggregation` (PyPI smg 1.13.0), when installed.
+
+Prints a table and writes JSON. Targets (issue 3): router-added p50 at concurrency 1 <= 1 ms;
+router throughput at concurrency 16 >= 0.6 x smg's; zero errors.
+
+    .venv/bin/python scripts/bench_router.py --duration 3 --out out/bench_router.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from sglang_pd.deploy.router.testing import WorkerProcess, start_workers
+
+CHAT = "/v1/chat/completions"
+TARGETS = ("direct", "router", "smg")
+
+
+@dataclass
+class Cell:
+    target: str
+    stream: bool
+    concurrency: int
+    requests: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+    rps: float = 0.0
+    p50_ms: float = 0.0
+    p90_ms: float = 0.0
+    p99_ms: float = 0.0
+    ttfb_p50_ms: float = 0.0
+    error_samples: list[str] = field(default_factory=list)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+
+
+def _body(stream: bool, tokens: int) -> dict[str, Any]:
+    return {
+        "model": "test-model",
+        "messages": [{"role": "user", "content": "What is the capital of France? Answer briefly."}],
+        "max_tokens": tokens,
+        "stream": stream,
+    }
+
+
+Sender = Callable[[aiohttp.ClientSession, bool], Awaitable[float]]
+
+
+def _check(status: int, body: bytes, stream: bool) -> None:
+    if status != 200:
+        raise RuntimeError(f"HTTP {status}: {body[:200]!r}")
+    if stream and not body.endswith(b"data: [DONE]\n\n"):
+        raise RuntimeError(f"stream did not end with [DONE]: {body[-200:]!r}")
+    if b'"error"' in body:
+        raise RuntimeError(f"error in answer: {body[:200]!r}")
+
+
+def via_url(url: str, tokens: int) -> Sender:
+    async def send(session: aiohttp.ClientSession, stream: bool) -> float:
+        started = time.perf_counter()
+        ttfb = 0.0
+        async with session.post(url + CHAT, json=_body(stream, tokens)) as resp:
+            if stream:
+                chunks = []
+                async for chunk in resp.content.iter_any():
+                    if not ttfb:
+                        ttfb = time.perf_counter() - started
+                    chunks.append(chunk)
+                body = b"".join(chunks)
+            else:
+                body = await resp.read()
+                ttfb = time.perf_counter() - started
+            _check(resp.status, body, stream)
+        return ttfb
+
+    return send
+
+
+def direct(prefills: list[WorkerProcess], decodes: list[WorkerProcess], tokens: int) -> Sender:
+    counter = iter(range(10**12))
+
+    async def send(session: aiohttp.ClientSession, stream: bool) -> float:
+        i = next(counter)
+        p, d = prefills[i % len(prefills)], decodes[i % len(decodes)]
+        body = _body(stream, tokens)
+        body.update(bootstrap_host="127.0.0.1", bootstrap_port=p.bootstrap_port,
+                    bootstrap_room=random.getrandbits(63), rid=f"direct-{i}")  # fmt: skip
+        started = time.perf_counter()
+
+        async def prefill() -> None:
+            async with session.post(p.url + CHAT, json=body) as resp:
+                await resp.read()
+
+        prefill_task = asyncio.ensure_future(prefill())
+        ttfb = 0.0
+        async with session.post(d.url + CHAT, json=body) as resp:
+            if stream:
+                chunks = []
+                async for chunk in resp.content.iter_any():
+                    if not ttfb:
+                        ttfb = time.perf_counter() - started
+                    chunks.append(chunk)
+                content = b"".join(chunks)
+            else:
+                content = await resp.read()
+                ttfb = time.perf_counter() - started
+            _check(resp.status, content, stream)
+        await prefill_task
+        return ttfb
+
+    return send
+
+
+async def run_cell(send: Sender, cell: Cell, duration: float, warmup: float) -> None:
+    latencies: list[float] = []
+    ttfbs: list[float] = []
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        stop_at = time.perf_counter() + warmup + duration
+        measure_from = time.perf_counter() + warmup
+
+        async def loop() -> None:
+            while True:
+                started = time.perf_counter()
+                if started >= stop_at:
+                    return
+                try:
+                    ttfb = await send(session, cell.stream)
+                except Exception as exc:
+                    if started >= measure_from:
+                        cell.errors += 1
+                        if len(cell.error_samples) < 3:
+                            cell.error_samples.append(f"{type(exc).__name__}: {exc}"[:300])
+                    continue
+                if started >= measure_from:
+                    latencies.append(time.perf_counter() - started)
+                    ttfbs.append(ttfb)
+
+        began = time.perf_counter()
+        await asyncio.gather(*[loop() for _ in range(cell.concurrency)])
+        cell.seconds = time.perf_counter() - max(began, measure_from)
+    cell.requests = len(latencies)
+    cell.rps = cell.requests / cell.seconds if cell.seconds > 0 else 0.0
+    cell.p50_ms = _pct(latencies, 0.50)
+    cell.p90_ms = _pct(latencies, 0.90)
+    cell.p99_ms = _pct(latencies, 0.99)
+    cell.ttfb_p50_ms = _pct(ttfbs, 0.50)
+
+
+def _wait_http(url: str, path: str, timeout: float, proc: subprocess.Popen[bytes]) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
+        with contextlib.suppress(Exception), urllib.request.urlopen(url + path, timeout=1) as resp:
+            if resp.status == 200:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"{url}{path} not ready within {timeout} s")
+
+
+@contextlib.contextmanager
+def _process(cmd: list[str], url: str, ready_path: str, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_http(url, ready_path, 60, proc)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _router_cmd(port: int, prefills: list[WorkerProcess], decodes: list[WorkerProcess]) -> list[str]:
+    cmd = [sys.executable, "-m", "sglang_pd.deploy.router.cli", "--host", "127.0.0.1", "--port", str(port),
+           "--policy", "round_robin", "--log-level", "warning"]  # fmt: skip
+    for p in prefills:
+        cmd += ["--prefill", p.url, str(p.bootstrap_port)]
+    for d in decodes:
+        cmd += ["--decode", d.url]
+    return cmd
+
+
+def _smg_cmd(smg: str, port: int, prefills: list[WorkerProcess], decodes: list[WorkerProcess]) -> list[str]:
+    cmd = [smg, "launch", "--pd-disaggregation", "--host", "127.0.0.1", "--port", str(port),
+           "--policy", "round_robin", "--log-level", "warn", "--disable-retries"]  # fmt: skip
+    for p in prefills:
+        cmd += ["--prefill", p.url, str(p.bootstrap_port)]
+    for d in decodes:
+        cmd += ["--decode", d.url]
+    return cmd
+
+
+def _find_smg() -> str | None:
+    local = Path(sys.executable).parent / "smg"
+    return str(local) if local.exists() else shutil.which("smg")
+
+
+def _table(cells: list[Cell], direct_p50: dict[tuple[bool, int], float]) -> str:
+    head = f"{'target':<8} {'stream':<6} {'conc':>4} {'req/s':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} " \
+           f"{'ttfb p50':>9} {'+p50 vs direct':>15} {'errors':>6}"  # fmt: skip
+    lines = [head, "-" * len(head)]
+    for c in cells:
+        added = c.p50_ms - direct_p50.get((c.stream, c.concurrency), c.p50_ms)
+        lines.append(
+            f"{c.target:<8} {('yes' if c.stream else 'no'):<6} {c.concurrency:>4} {c.rps:>9.0f} {c.p50_ms:>8.2f} "
+            f"{c.p90_ms:>8.2f} {c.p99_ms:>8.2f} {c.ttfb_p50_ms:>9.2f} {added:>+15.2f} {c.errors:>6}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=3.0, help="measured seconds per cell")
+    parser.add_argument("--warmup", type=float, default=0.5, help="unmeasured seconds before each cell")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS))
+    parser.add_argument("--prefills", type=int, default=1)
+    parser.add_argument("--decodes", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=8, help="tokens per answer (streamed as 8 SSE events)")
+    parser.add_argument("--out", type=Path, default=Path("out/bench_router.json"))
+    args = parser.parse_args(argv)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+
+    smg = _find_smg()
+    targets = [t for t in args.targets if t != "smg" or smg]
+    if "smg" in args.targets and not smg:
+        print("smg is not installed (pip install smg==1.13.0): skipping it.", file=sys.stderr)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    logs = args.out.parent
+    prefills, decodes = start_workers(args.prefills, args.decodes, no_log=True)
+    cells: list[Cell] = []
+    meta: dict[str, Any] = {
+        "cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "prefills": args.prefills,
+        "decodes": args.decodes,
+        "tokens": args.tokens,
+        "duration_s": args.duration,
+        "smg": subprocess.run([smg, "--version"], capture_output=True, text=True).stdout.strip() if smg else None,
+    }
+    try:
+        for target in targets:
+            port = _free_port()
+            url = f"http://127.0.0.1:{port}"
+            if target == "direct":
+                ctx: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+                send = direct(prefills, decodes, args.tokens)
+            elif target == "router":
+                ctx = _process(_router_cmd(port, prefills, decodes), url, "/readiness", logs / "bench_router.log")
+                send = via_url(url, args.tokens)
+            else:
+                assert smg is not None
+                ctx = _process(_smg_cmd(smg, port, prefills, decodes), url, "/readiness", logs / "bench_smg.log")
+                send = via_url(url, args.tokens)
+            with ctx:
+                time.sleep(0.5)
+                for stream in (False, True):
+                    for conc in args.concurrency:
+                        cell = Cell(target, stream, conc)
+                        asyncio.run(run_cell(send, cell, args.duration, args.warmup))
+                        cells.append(cell)
+                        print(f"  {target:<6} stream={stream!s:<5} c={conc:<3} {cell.rps:8.0f} req/s  "
+                              f"p50 {cell.p50_ms:7.2f} ms  errors {cell.errors}", file=sys.stderr, flush=True)  # fmt: skip
+    finally:
+        for w in prefills + decodes:
+            w.stop()
+
+    direct_p50 = {(c.stream, c.concurrency): c.p50_ms for c in cells if c.target == "direct"}
+    by = {(c.target, c.stream, c.concurrency): c for c in cells}
+    verdict: dict[str, Any] = {}
+    if ("router", False, 1) in by and ("direct", False, 1) in by:
+        added = by["router", False, 1].p50_ms - by["direct", False, 1].p50_ms
+        verdict["router_added_p50_ms_c1"] = round(added, 3)
+        verdict["router_added_p50_ok"] = added <= 1.0
+    for stream in (False, True):
+        key = "stream" if stream else "unary"
+        if ("router", stream, 16) in by and ("smg", stream, 16) in by:
+            ratio = by["router", stream, 16].rps / max(by["smg", stream, 16].rps, 1e-9)
+            verdict[f"throughput_ratio_vs_smg_c16_{key}"] = round(ratio, 3)
+            verdict[f"throughput_ratio_ok_{key}"] = ratio >= 0.6
+    verdict["errors"] = sum(c.errors for c in cells)
+    verdict["zero_errors"] = verdict["errors"] == 0
+
+    print()
+    print(_table(cells, direct_p50))
+    print()
+    print(json.dumps(verdict, indent=1))
+    args.out.write_text(json.dumps({"meta": meta, "cells": [asdict(c) for c in cells], "verdict": verdict}, indent=1))
+    print(f"wrote {args.out}", file=sys.stderr)
+    ok = verdict["zero_errors"] and verdict.get("router_added_p50_ok", True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
