@@ -1,0 +1,103 @@
+"""`sglang-pd engine`: one reference engine (prefill, decode or both) on CPU.
+
+    sglang-pd engine --role prefill --port 30000 --bootstrap-port 8998
+    sglang-pd engine --role decode --port 30001
+    sglang-pd engine --role both --port 30000 --model /path/to/hf-model
+
+Prints one JSON log line a request event; `GET /health` answers once the model is loaded.
+Test hooks (environment): SGLANG_PD_REFENGINE_TEST_SLOW_TRANSFER_S spreads the prefill's KV
+writes over that many seconds; SGLANG_PD_REFENGINE_TEST_CORRUPT_PAGE=1 flips a value in one page
+after its checksum was taken; SGLANG_PD_REFENGINE_VERIFY_KV=0 turns the decode's check off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import time
+
+__all__ = ["add_arguments", "run"]
+
+ENV_PREFIX = "SGLANG_PD_REFENGINE_"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--role", choices=("prefill", "decode", "both"), default="both")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--bootstrap-port", type=int, default=8998, help="prefill: the PD bootstrap port (8998)")
+    parser.add_argument("--model", default=None, help="local HF model directory (default: the tiny DeepSeek-V3)")
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--seed", type=int, default=0, help="weight seed of the tiny model (same on both roles)")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (same on both roles)")
+    parser.add_argument("--kv-pages", type=int, default=2048, help="pages in the KV pool")
+    parser.add_argument("--max-running-requests", type=int, default=64)
+    parser.add_argument("--bootstrap-timeout", type=float, default=30.0, metavar="SECONDS")
+    parser.add_argument("--kv-hostname", default=None, help="address Mooncake peers reach this engine at")
+    parser.add_argument("--kv-protocol", choices=("tcp", "rdma"), default=None)
+    parser.add_argument("--kv-device", default=None, help="RDMA device(s)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from sglang_pd.deploy.kv import KVConfig, KVError
+
+    from .engine import EngineConfig, RefEngine
+    from .model import load_model
+    from .server import create_app, create_bootstrap_app
+
+    t0 = time.monotonic()
+    model = await asyncio.to_thread(load_model, args.model, seed=args.seed, threads=args.threads)
+    config = EngineConfig(
+        role=args.role,
+        served_name=args.served_model_name or model.name,
+        page_size=args.page_size,
+        kv_pages=args.kv_pages,
+        max_running_requests=args.max_running_requests,
+        bootstrap_port=args.bootstrap_port if args.role == "prefill" else None,
+        bootstrap_timeout_s=args.bootstrap_timeout,
+        kv=KVConfig.from_env(hostname=args.kv_hostname, protocol=args.kv_protocol, device=args.kv_device),
+        verify_kv=os.environ.get(ENV_PREFIX + "VERIFY_KV", "1") != "0",
+        test_slow_transfer_s=float(os.environ.get(ENV_PREFIX + "TEST_SLOW_TRANSFER_S", "0")),
+        test_corrupt_page=os.environ.get(ENV_PREFIX + "TEST_CORRUPT_PAGE", "0") == "1",
+    )
+    try:
+        engine = RefEngine(config, model)
+    except KVError as exc:
+        print(f"error: the KV transfer engine could not start: {exc}", file=sys.stderr)
+        return 1
+    level = args.log_level
+    servers = [
+        uvicorn.Server(uvicorn.Config(create_app(engine), args.host, args.port, log_level=level, access_log=False))
+    ]
+    if args.role == "prefill":
+        boot = create_bootstrap_app(engine)
+        servers.append(
+            uvicorn.Server(uvicorn.Config(boot, args.host, args.bootstrap_port, log_level=level, access_log=False))
+        )
+    logging.getLogger("sglang_pd").info(
+        '{"event": "engine_loaded", "role": "%s", "port": %d, "model": "%s", "seconds": %.2f}',
+        args.role,
+        args.port,
+        model.name,
+        time.monotonic() - t0,
+    )
+    try:
+        await asyncio.gather(*(s.serve() for s in servers))
+    finally:
+        await engine.close()
+    return 0 if all(s.started for s in servers) else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    return asyncio.run(_serve(args))

@@ -1,0 +1,442 @@
+"""The reference engine's core: requests, the model thread, the KV pool and the PD roles.
+
+One model thread runs every model step in arrival order, one step at a time (a prompt's
+prefill, or one decode token), so concurrent requests progress together and a long request never
+blocks a short one. Roles: `both` (prefill and decode here), `prefill` (compute the prompt's KV,
+write it into the decode engine's pages, answer with the first token) and `decode` (receive the
+KV, then generate). Without bootstrap fields every role serves a request on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import random
+import time
+from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import httpx
+
+from sglang_pd.deploy.kv import KVConfig, KVError, KVTransferEngine, PagedLayout, get_engine
+
+from .kvpool import KVPool, PoolExhausted
+from .model import LoadedModel, sample_token
+from .pd import Claim, ClaimRejected, RoomTable
+from .tokenizer import IncrementalDetokenizer
+
+__all__ = ["Bootstrap", "EngineConfig", "RefEngine", "RequestFailed", "SamplingParams", "StepOutput"]
+
+Role = Literal["prefill", "decode", "both"]
+T = TypeVar("T")
+log = logging.getLogger("sglang_pd.refengine")
+
+
+class RequestFailed(Exception):
+    """A request cannot be served; `status` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    role: Role = "both"
+    served_name: str = "tiny-deepseek-v3"
+    page_size: int = 16
+    kv_pages: int = 2048
+    max_running_requests: int = 64
+    bootstrap_port: int | None = None
+    bootstrap_timeout_s: float = 30.0
+    kv: KVConfig = field(default_factory=KVConfig)
+    verify_kv: bool = True  # decode checks the crc32 of the KV it received
+    # Test hooks (SGLANG_PD_REFENGINE_TEST_*): spread the prefill's writes over this many seconds,
+    # and flip bytes in one page after its crc was taken (as if corrupted in transit).
+    test_slow_transfer_s: float = 0.0
+    test_corrupt_page: bool = False
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    host: str
+    port: int
+    room: int
+
+
+@dataclass
+class StepOutput:
+    token_id: int | None  # None for a final step that adds no token
+    text: str  # the text this step adds
+    finish_reason: dict[str, Any] | None = None
+
+
+@dataclass
+class RequestContext:
+    rid: str
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def guard(self, aw: Any) -> Any:
+        """Await `aw` unless the request is aborted first (then raise RequestFailed)."""
+        task = asyncio.ensure_future(aw)
+        stop = asyncio.ensure_future(self.aborted.wait())
+        try:
+            done, _ = await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if task not in done:
+            task.cancel()
+            raise RequestFailed(f"Request {self.rid} was aborted.", status=499)
+        return task.result()
+
+
+class RefEngine:
+    def __init__(self, config: EngineConfig, model: LoadedModel) -> None:
+        self.config = config
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self.pool = KVPool(
+            layers=model.num_layers, row_floats=model.row_floats, page_size=config.page_size, num_pages=config.kv_pages
+        )
+        self.kv: KVTransferEngine | None = None
+        if config.role != "both":
+            self.kv = get_engine(config.kv)
+            self.kv.register(self.pool.base, self.pool.nbytes)
+        self.rooms = RoomTable()
+        self.requests: dict[str, RequestContext] = {}
+        self.started = time.time()
+        self.counters = {"requests": 0, "tokens": 0, "prompt_tokens": 0, "failed": 0, "aborted": 0}
+        self.transfers_in_flight = 0
+        self._http: httpx.AsyncClient | None = None
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    async def run_model(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def http(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.config.bootstrap_timeout_s + 30, connect=5.0))
+        return self._http
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _log(self, event: str, rid: str, **fields: Any) -> None:
+        log.info(json.dumps({"event": event, "rid": rid, "role": self.config.role, **fields}))
+
+    def begin(self, rid: str) -> RequestContext:
+        if len(self.requests) >= self.config.max_running_requests:
+            raise RequestFailed(
+                f"The engine already runs {len(self.requests)} requests (--max-running-requests); retry later.", 503
+            )
+        ctx = self.requests[rid] = RequestContext(rid)
+        self.counters["requests"] += 1
+        return ctx
+
+    def end(self, ctx: RequestContext) -> None:
+        self.requests.pop(ctx.rid, None)
+
+    def abort(self, rid: str | None) -> int:
+        """Abort one request (or all when rid is empty); returns how many were aborted."""
+        targets = list(self.requests.values()) if not rid else [c for c in [self.requests.get(rid)] if c]
+        for ctx in targets:
+            ctx.aborted.set()
+        self.counters["aborted"] += len(targets)
+        return len(targets)
+
+    def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise RequestFailed("The prompt is empty; send some text or input_ids.", 400)
+        if len(ids) + params.max_new_tokens > self.model.context_length:
+            raise RequestFailed(
+                f"The prompt has {len(ids)} tokens and max_new_tokens is {params.max_new_tokens}; together they "
+                f"exceed the context length {self.model.context_length}.",
+                400,
+            )
+
+    # -- generation -------------------------------------------------------------------------
+
+    async def generate(
+        self, ctx: RequestContext, ids: list[int], params: SamplingParams, bootstrap: Bootstrap | None
+    ) -> AsyncGenerator[StepOutput, None]:
+        """Decode-side generation (roles decode and both; prefill without bootstrap fields)."""
+        self.check_prompt(ids, params)
+        self.counters["prompt_tokens"] += len(ids)
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        pages: list[int] = []
+        try:
+            if bootstrap is not None and self.config.role == "decode":
+                pages = self._alloc(len(ids))
+                first, rows = await self._receive_kv(ctx, ids, pages, bootstrap)
+                cache = await self.run_model(self.model.cache_from_rows, rows)
+            else:
+                logits, rows = await ctx.guard(self.run_model(self.model.prefill, ids))
+                first = self._sample(logits, params, seed, 0)
+                cache = await self.run_model(self.model.cache_from_rows, rows)
+            detok = IncrementalDetokenizer(self.tokenizer)
+            token, n = first, 0
+            while True:
+                n += 1
+                self.counters["tokens"] += 1
+                step = self._step(token, n, params, detok)
+                yield step
+                if step.finish_reason is not None:
+                    return
+                if ctx.aborted.is_set():
+                    yield StepOutput(None, "", {"type": "abort", "message": "aborted"})
+                    return
+                logits = await self.run_model(self.model.decode_step, cache, token, len(ids) + n - 1)
+                token = self._sample(logits, params, seed, n)
+        finally:
+            if pages:
+                self.pool.free(pages)
+
+    def _sample(self, logits: Any, params: SamplingParams, seed: int, step: int) -> int:
+        return sample_token(
+            logits, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=seed, step=step
+        )
+
+    def _step(self, token: int, n: int, params: SamplingParams, detok: IncrementalDetokenizer) -> StepOutput:
+        eos = self.tokenizer.eos_token_id
+        if token == eos and not params.ignore_eos:
+            return StepOutput(token, "", {"type": "stop", "matched": token})
+        if token in params.stop_token_ids:
+            return StepOutput(token, "", {"type": "stop", "matched": token})
+        before = detok.text
+        delta = detok.add(token)
+        for s in params.stop:
+            at = detok.text.find(s, max(0, len(before) - len(s) + 1))
+            if s and at >= 0:
+                detok.text = detok.text[:at]
+                return StepOutput(token, detok.text[len(before) :], {"type": "stop", "matched": s})
+        if n >= params.max_new_tokens:
+            return StepOutput(token, delta, {"type": "length", "length": n})
+        return StepOutput(token, delta)
+
+    def _alloc(self, tokens: int) -> list[int]:
+        try:
+            return self.pool.alloc(tokens)
+        except PoolExhausted as exc:
+            raise RequestFailed(str(exc), 503) from exc
+
+    # -- decode side of PD ------------------------------------------------------------------
+
+    async def _receive_kv(self, ctx: RequestContext, ids: list[int], pages: list[int], b: Bootstrap) -> tuple[int, Any]:
+        assert self.kv is not None
+        url = f"http://{b.host}:{b.port}/kv/claim"
+        claim = {
+            "room": b.room,
+            "rid": ctx.rid,
+            "session_id": self.kv.session_id,
+            "layout": self.pool.layout().to_json(),
+            "dst_pages": pages,
+            "prompt_tokens": len(ids),
+            "page_size": self.config.page_size,
+            "weights_digest": self.model.weights_digest,
+        }
+        try:
+            r = await ctx.guard(self.http().post(url, json=claim))
+        except RequestFailed:
+            # Aborted: take the pages back only once the prefill cannot write into them any more.
+            await self._cancel_room(b)
+            raise
+        except httpx.HTTPError as exc:
+            raise RequestFailed(
+                f"The prefill bootstrap server {b.host}:{b.port} did not answer for room {b.room} "
+                f"({type(exc).__name__}: {exc}); check the prefill engine and its --bootstrap-port.",
+                502,
+            ) from exc
+        if r.status_code != 200:
+            detail = (
+                r.json().get("error", r.text)
+                if r.headers.get("content-type", "").startswith("application/json")
+                else r.text
+            )
+            raise RequestFailed(f"The prefill engine failed room {b.room}: {detail}", 502)
+        result = r.json()
+        rows = self.pool.read(pages, len(ids))
+        if self.config.verify_kv:
+            crc = self.pool.checksum(pages, len(ids))
+            if crc != result["crc"]:
+                self.counters["failed"] += 1
+                raise RequestFailed(
+                    f"KV integrity check failed for room {b.room}: the pages received (crc32 {crc:08x}) differ from "
+                    f"those sent ({result['crc']:08x}); the transfer corrupted data.",
+                    502,
+                )
+        self._log("kv_received", ctx.rid, room=b.room, pages=len(pages), seconds=result.get("seconds"))
+        return int(result["first_token"]), rows
+
+    async def _cancel_room(self, b: Bootstrap) -> None:
+        url = f"http://{b.host}:{b.port}/kv/cancel"
+        with contextlib.suppress(httpx.HTTPError, asyncio.CancelledError):  # a dead prefill writes nothing more
+            await asyncio.shield(self.http().post(url, json={"room": b.room}, timeout=10))
+
+    # -- prefill side of PD -----------------------------------------------------------------
+
+    async def prefill_and_send(
+        self, ctx: RequestContext, ids: list[int], params: SamplingParams, b: Bootstrap
+    ) -> StepOutput:
+        """Compute the prompt's KV, write it into the decode engine's pages, return the first token."""
+        assert self.kv is not None
+        self.check_prompt(ids, params)
+        self.counters["prompt_tokens"] += len(ids)
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        pages: list[int] = []
+        try:
+            logits, rows = await ctx.guard(self.run_model(self.model.prefill, ids))
+            first = self._sample(logits, params, seed, 0)
+            pages = self._alloc(len(ids))
+            await self.run_model(self.pool.write, pages, rows)
+            try:
+                room, claim = await ctx.guard(self.rooms.wait_claim(b.room, self.config.bootstrap_timeout_s))
+            except ClaimRejected as exc:
+                raise RequestFailed(str(exc), exc.status) from exc
+            self._check_claim(claim, len(ids))
+            crc = await self.run_model(self.pool.checksum, pages, len(ids))
+            if self.config.test_corrupt_page:
+                self.pool.buffer[0, pages[0], 0, 0] += 1.0
+            t0 = time.perf_counter()
+            async with room.writing:
+                if room.cancelled:
+                    raise RequestFailed(f"The decode engine cancelled room {b.room}.", 499)
+                self.transfers_in_flight += 1
+                try:
+                    await asyncio.to_thread(self._write, claim, pages)
+                except KVError as exc:
+                    self._log("kv_transfer_failed", ctx.rid, room=b.room, error=type(exc).__name__, detail=str(exc))
+                    raise RequestFailed(
+                        f"KV transfer to the decode engine ({claim.session_id}) failed: {type(exc).__name__}: {exc}",
+                        502,
+                    ) from exc
+                finally:
+                    self.transfers_in_flight -= 1
+            seconds = time.perf_counter() - t0
+            self._log("kv_sent", ctx.rid, room=b.room, pages=len(pages), seconds=round(seconds, 6))
+            if not room.result.done():
+                room.result.set_result({"first_token": first, "crc": crc, "seconds": seconds})
+            self.counters["tokens"] += 1
+            return self._step(first, 1, params, IncrementalDetokenizer(self.tokenizer))
+        except BaseException as exc:
+            self.counters["failed"] += 1
+            self.rooms.fail(b.room, exc if isinstance(exc, Exception) else RequestFailed("cancelled", 499))
+            raise
+        finally:
+            if pages:
+                self.pool.free(pages)
+
+    def _check_claim(self, claim: Claim, prompt_tokens: int) -> None:
+        problems = []
+        if claim.prompt_tokens != prompt_tokens:
+            problems.append(f"the decode engine counts {claim.prompt_tokens} prompt tokens, this one {prompt_tokens}")
+        if claim.page_size != self.config.page_size:
+            problems.append(f"page size {claim.page_size} on decode, {self.config.page_size} here")
+        if claim.weights_digest != self.model.weights_digest:
+            problems.append("the engines run different weights (model or seed differ)")
+        if problems:
+            raise RequestFailed(f"Prefill and decode disagree for room {claim.room}: " + "; ".join(problems) + ".", 500)
+
+    def _write(self, claim: Claim, pages: list[int]) -> None:
+        assert self.kv is not None
+        dst = PagedLayout.from_json(claim.layout)
+        if self.config.test_slow_transfer_s <= 0:
+            self.kv.write_pages(claim.session_id, self.pool.layout(), dst, pages, claim.dst_pages)
+            return
+        pause = self.config.test_slow_transfer_s / max(1, len(pages))
+        for s, d in zip(pages, claim.dst_pages, strict=True):
+            self.kv.write_pages(claim.session_id, self.pool.layout(), dst, [s], [d])
+            time.sleep(pause)
+
+    async def serve_claim(self, claim: Claim) -> dict[str, Any]:
+        """The bootstrap server's side: hand the claim to the prefill request, wait for its result."""
+        room = self.rooms.get(claim.room)
+        if room.claim.done():
+            raise ClaimRejected(f"Bootstrap room {claim.room} was already claimed.", 409)
+        room.claim.set_result(claim)
+        try:
+            return await asyncio.wait_for(
+                asyncio.shield(room.result), self.config.bootstrap_timeout_s + self.config.kv.timeout_s + 5
+            )
+        except TimeoutError:
+            self.rooms.drop(claim.room)
+            raise ClaimRejected(
+                f"No prefill request arrived for bootstrap room {claim.room} within "
+                f"{self.config.bootstrap_timeout_s:.0f} s; the router must send the request to both engines.",
+                504,
+            ) from None
+        except RequestFailed as exc:
+            raise ClaimRejected(str(exc), 502) from exc
+        finally:
+            if room.result.done():
+                self.rooms.drop(claim.room)
+
+    async def cancel_claim(self, room_id: int) -> None:
+        room = self.rooms.get(room_id)
+        room.cancelled = True
+        async with room.writing:  # wait out a write in flight
+            pass
+        self.rooms.fail(room_id, RequestFailed("cancelled by the decode engine", 499))
+
+    # -- introspection ----------------------------------------------------------------------
+
+    def metrics_text(self) -> str:
+        p = "sglang_pd_refengine"
+        lines = []
+        for name, value, kind in (
+            ("requests_total", self.counters["requests"], "counter"),
+            ("failed_requests_total", self.counters["failed"], "counter"),
+            ("aborted_requests_total", self.counters["aborted"], "counter"),
+            ("generation_tokens_total", self.counters["tokens"], "counter"),
+            ("prompt_tokens_total", self.counters["prompt_tokens"], "counter"),
+            ("running_requests", len(self.requests), "gauge"),
+            ("kv_pages_used", self.pool.used_pages, "gauge"),
+            ("kv_pages_total", self.pool.num_pages, "gauge"),
+            ("kv_transfers_in_flight", self.transfers_in_flight, "gauge"),
+            ("bootstrap_rooms", len(self.rooms), "gauge"),
+        ):
+            lines += [f"# TYPE {p}_{name} {kind}", f'{p}_{name}{{role="{self.config.role}"}} {value}']
+        text = "\n".join(lines) + "\n"
+        if self.kv is not None:
+            text += self.kv.metrics.prometheus()
+        return text
+
+    def server_info(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "model_path": self.model.name,
+            "served_model_name": c.served_name,
+            "disaggregation_mode": "null" if c.role == "both" else c.role,
+            "disaggregation_bootstrap_port": c.bootstrap_port,
+            "disaggregation_transfer_backend": "mooncake",
+            "page_size": c.page_size,
+            "max_running_requests": c.max_running_requests,
+            "context_length": self.model.context_length,
+            "kv_pages": c.kv_pages,
+            "kv_session_id": self.kv.session_id if self.kv else None,
+            "weights_digest": self.model.weights_digest,
+            "engine": "sglang-pd reference engine",
+            "pid": os.getpid(),
+            "uptime_s": time.time() - self.started,
+            "internal_states": [{"num_running_reqs": len(self.requests)}],
+        }

@@ -1,0 +1,390 @@
+"""The reference engine's HTTP API: SGLang's subset and PD fields, plus the bootstrap server.
+
+Main port: `/generate`, `/v1/completions`, `/v1/chat/completions` (JSON or SSE), `/v1/models`,
+`/health`, `/health_generate`, `/server_info` (and `/get_server_info`), `/get_model_info`,
+`/metrics`, `/abort_request`. Bootstrap port (prefill): `/kv/claim`, `/kv/cancel`, `/health`.
+PD fields come from the body (`bootstrap_host`, `bootstrap_port`, `bootstrap_room`) or from the
+`x-override-bootstrap-{host,port,room}` headers, as in sglang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from .engine import Bootstrap, RefEngine, RequestContext, RequestFailed, SamplingParams, StepOutput
+from .pd import Claim, ClaimRejected
+
+__all__ = ["create_app", "create_bootstrap_app"]
+
+Kind = str  # "generate" | "completion" | "chat"
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def _bootstrap(body: dict[str, Any], request: Request) -> Bootstrap | None:
+    h = request.headers
+    host = h.get("x-override-bootstrap-host") or body.get("bootstrap_host")
+    port = h.get("x-override-bootstrap-port") or body.get("bootstrap_port")
+    room = h.get("x-override-bootstrap-room") or body.get("bootstrap_room")
+    if host is None or room is None:
+        return None
+    if isinstance(room, list) or isinstance(host, list):
+        raise RequestFailed(
+            "Batch requests (a list of bootstrap rooms) are not supported by the reference engine.", 400
+        )
+    return Bootstrap(str(host), int(port or 8998), int(room))
+
+
+def _stop_list(v: Any) -> list[str]:
+    if v is None:
+        return []
+    return [v] if isinstance(v, str) else [str(s) for s in v]
+
+
+def _or(v: Any, default: float) -> Any:
+    return default if v is None else v
+
+
+def _params(body: dict[str, Any], kind: Kind) -> SamplingParams:
+    src = body.get("sampling_params") or {} if kind == "generate" else body
+    try:
+        max_new = src.get("max_new_tokens") if kind == "generate" else None
+        max_new = (
+            max_new or src.get("max_completion_tokens") or src.get("max_tokens") or (16 if kind != "chat" else 128)
+        )
+        seed = src.get("seed", src.get("sampling_seed"))
+        p = SamplingParams(
+            max_new_tokens=int(max_new),
+            temperature=float(_or(src.get("temperature"), 1.0)),
+            top_p=float(_or(src.get("top_p"), 1.0)),
+            top_k=int(_or(src.get("top_k"), -1)),
+            stop=_stop_list(src.get("stop")),
+            stop_token_ids=[int(t) for t in src.get("stop_token_ids") or []],
+            ignore_eos=bool(src.get("ignore_eos", False)),
+            seed=None if seed is None else int(seed),
+        )
+    except (TypeError, ValueError) as exc:
+        raise RequestFailed(f"Invalid sampling parameters: {exc}.", 400) from exc
+    if p.max_new_tokens < 1:
+        raise RequestFailed(f"max_tokens has value {p.max_new_tokens}; it must be at least 1.", 400)
+    if not 0 < p.top_p <= 1:
+        raise RequestFailed(f"top_p has value {p.top_p}; it must be in (0, 1].", 400)
+    if body.get("n", 1) not in (1, None):
+        raise RequestFailed("n > 1 is not supported by the reference engine; send n=1.", 400)
+    return p
+
+
+def _prompt_ids(engine: RefEngine, body: dict[str, Any], kind: Kind) -> list[int]:
+    tok = engine.tokenizer
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestFailed("'messages' must be a non-empty list of {role, content} objects.", 400)
+        return tok.encode(tok.apply_chat_template(messages))
+    if kind == "generate" and body.get("input_ids") is not None:
+        ids = body["input_ids"]
+        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            raise RequestFailed("'input_ids' must be one list of token ids (batches are not supported).", 400)
+        return list(ids)
+    text = body.get("text") if kind == "generate" else body.get("prompt")
+    if isinstance(text, list) and len(text) == 1:
+        text = text[0]
+    if not isinstance(text, str):
+        field = "text" if kind == "generate" else "prompt"
+        raise RequestFailed(f"'{field}' must be a string (batches are not supported by the reference engine).", 400)
+    return tok.encode(text)
+
+
+class _Formatter:
+    """Turns steps into SGLang-native or OpenAI response objects."""
+
+    def __init__(self, engine: RefEngine, kind: Kind, rid: str, prompt_tokens: int, body: dict[str, Any]) -> None:
+        self.kind, self.rid, self.prompt_tokens = kind, rid, prompt_tokens
+        self.model = str(body.get("model") or engine.config.served_name)
+        self.created = int(time.time())
+        self.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        self.text = ""
+        self.ids: list[int] = []
+        self.finish: dict[str, Any] | None = None
+        self.t0 = time.perf_counter()
+
+    def add(self, step: StepOutput) -> None:
+        self.text += step.text
+        if step.token_id is not None:
+            self.ids.append(step.token_id)
+        if step.finish_reason is not None:
+            self.finish = step.finish_reason
+
+    def _openai_finish(self) -> str | None:
+        if self.finish is None:
+            return None
+        return {"length": "length", "stop": "stop", "abort": "abort"}.get(self.finish["type"], "stop")
+
+    def usage(self) -> dict[str, int]:
+        n = len(self.ids)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
+
+    def meta(self) -> dict[str, Any]:
+        return {
+            "id": self.rid,
+            "finish_reason": self.finish,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": len(self.ids),
+            "cached_tokens": 0,
+            "e2e_latency": time.perf_counter() - self.t0,
+        }
+
+    def full(self) -> dict[str, Any]:
+        if self.kind == "generate":
+            return {"text": self.text, "output_ids": self.ids, "meta_info": self.meta()}
+        if self.kind == "completion":
+            choice: dict[str, Any] = {"index": 0, "text": self.text, "logprobs": None}
+            obj = "text_completion"
+        else:
+            choice = {"index": 0, "message": {"role": "assistant", "content": self.text}, "logprobs": None}
+            obj = "chat.completion"
+        choice["finish_reason"] = self._openai_finish()
+        choice["matched_stop"] = (self.finish or {}).get("matched")
+        return {
+            "id": self.rid,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self.usage(),
+        }
+
+    def chunk(self, step: StepOutput, first: bool) -> list[dict[str, Any]]:
+        if self.kind == "generate":
+            return [{"text": self.text, "output_ids": list(self.ids), "meta_info": self.meta()}]
+        out = []
+        if self.kind == "chat":
+            base = {"id": self.rid, "object": "chat.completion.chunk", "created": self.created, "model": self.model}
+            if first:
+                role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                out.append({**base, "choices": [role]})
+            if step.text or step.finish_reason is None:
+                out.append({**base, "choices": [{"index": 0, "delta": {"content": step.text}, "finish_reason": None}]})
+            if step.finish_reason is not None:
+                out.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": self._openai_finish()}]})
+        else:
+            base = {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model}
+            out.append(
+                {
+                    **base,
+                    "choices": [
+                        {"index": 0, "text": step.text, "logprobs": None, "finish_reason": self._openai_finish()}
+                    ],
+                }
+            )
+        if step.finish_reason is not None and self.include_usage:
+            out.append({**base, "choices": [], "usage": self.usage()})
+        return out
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _until_disconnect(request: Request, work: Awaitable[Any], ctx: RequestContext) -> Any:
+    """Await `work`; a client that goes away aborts the request (pages are freed by its own cleanup)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while not task.done():
+            if await request.is_disconnected():
+                ctx.aborted.set()
+                return
+            await asyncio.sleep(0.1)
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await task
+    finally:
+        watcher.cancel()
+
+
+def create_app(engine: RefEngine) -> FastAPI:
+    app = FastAPI(title="sglang-pd reference engine", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(RequestFailed)
+    async def _failed(_: Request, exc: RequestFailed) -> JSONResponse:
+        return _error(exc.status, str(exc))
+
+    async def serve(request: Request, kind: Kind) -> Response:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "The request body is not valid JSON.")
+        if not isinstance(body, dict):
+            return _error(400, "The request body must be a JSON object.")
+        bootstrap = _bootstrap(body, request)
+        params = _params(body, kind)
+        ids = _prompt_ids(engine, body, kind)
+        rid = str(body.get("rid") or request.headers.get("x-request-id") or uuid.uuid4().hex)
+        prefix = {"generate": "", "completion": "cmpl-", "chat": "chatcmpl-"}[kind]
+        fmt = _Formatter(engine, kind, prefix + rid if not rid.startswith(prefix) else rid, len(ids), body)
+        stream = bool(body.get("stream", False))
+        ctx = engine.begin(rid)
+        handed_off = False  # once the stream owns the request, it ends it
+        try:
+            if engine.config.role == "prefill" and bootstrap is not None:
+                # The prefill leg: its answer only matters to the router when it fails.
+                step = await _until_disconnect(request, engine.prefill_and_send(ctx, ids, params, bootstrap), ctx)
+                fmt.add(step)
+                if not stream:
+                    return JSONResponse(fmt.full())
+                payload = b"".join(_sse(c) for c in fmt.chunk(step, True)) + b"data: [DONE]\n\n"
+                return Response(payload, media_type="text/event-stream")
+            gen = engine.generate(ctx, ids, params, bootstrap)
+            if not stream:
+
+                async def collect() -> None:
+                    async for step in gen:
+                        fmt.add(step)
+
+                await _until_disconnect(request, collect(), ctx)
+                if fmt.finish and fmt.finish["type"] == "abort":
+                    return _error(499, f"Request {rid} was aborted.")
+                return JSONResponse(fmt.full())
+            # Start the work before answering 200, so that a failed handshake is a clean 5xx.
+            try:
+                first = await _until_disconnect(request, gen.__anext__(), ctx)
+            except BaseException:
+                await gen.aclose()
+                raise
+            handed_off = True
+        finally:
+            if not handed_off:
+                engine.end(ctx)
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                step, is_first = first, True
+                while True:
+                    fmt.add(step)
+                    for c in fmt.chunk(step, is_first):
+                        yield _sse(c)
+                    is_first = False
+                    if step.finish_reason is not None:
+                        break
+                    try:
+                        step = await gen.__anext__()
+                    except RequestFailed as exc:
+                        yield _sse({"error": {"message": str(exc), "code": exc.status}})
+                        break
+                yield b"data: [DONE]\n\n"
+            finally:
+                ctx.aborted.set()
+                await gen.aclose()
+                engine.end(ctx)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        return await serve(request, "generate")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serve(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await serve(request, "chat")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        # PD engines probe themselves without a peer: one local step of the model.
+        ctx = engine.begin(f"health-{uuid.uuid4().hex}")
+        try:
+            params = SamplingParams(max_new_tokens=1, temperature=0.0)
+            async for _ in engine.generate(ctx, engine.tokenizer.encode("ok"), params, None):
+                pass
+        finally:
+            engine.end(ctx)
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        name = engine.config.served_name
+        card = {"id": name, "object": "model", "created": int(engine.started), "owned_by": "sglang-pd", "root": name}
+        card["max_model_len"] = engine.model.context_length
+        return {"object": "list", "data": [card]}
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info() -> dict[str, Any]:
+        return engine.server_info()
+
+    @app.get("/get_model_info")
+    async def model_info() -> dict[str, Any]:
+        return {
+            "model_path": engine.model.name,
+            "tokenizer_path": engine.model.name,
+            "is_generation": True,
+            "served_model_name": engine.config.served_name,
+            "weights_digest": engine.model.weights_digest,
+        }
+
+    @app.get("/v1/loads")
+    async def loads() -> dict[str, Any]:
+        return {"loads": [{"dp_rank": 0, "num_running_reqs": len(engine.requests), "num_waiting_reqs": 0}]}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(engine.metrics_text(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> dict[str, Any]:
+        body = await request.json()
+        n = engine.abort(None if body.get("abort_all") else str(body.get("rid") or ""))
+        return {"aborted": n}
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> Response:
+        return Response(status_code=200)
+
+    return app
+
+
+def create_bootstrap_app(engine: RefEngine) -> FastAPI:
+    app = FastAPI(title="sglang-pd reference engine bootstrap", docs_url=None, redoc_url=None)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.post("/kv/claim")
+    async def claim(request: Request) -> Response:
+        try:
+            c = Claim.from_json(await request.json())
+        except (KeyError, TypeError, ValueError) as exc:
+            return JSONResponse({"error": f"Malformed claim: {exc}."}, status_code=400)
+        try:
+            return JSONResponse(await engine.serve_claim(c))
+        except ClaimRejected as exc:
+            return JSONResponse({"error": str(exc)}, status_code=exc.status)
+
+    @app.post("/kv/cancel")
+    async def cancel(request: Request) -> dict[str, Any]:
+        body = await request.json()
+        await engine.cancel_claim(int(body["room"]))
+        return {"ok": True}
+
+    return app
