@@ -86,6 +86,8 @@ def render_node(
     if m.kv_cache_dtype != "auto":
         a += ["--kv-cache-dtype", m.kv_cache_dtype]
     a += ["--host", "127.0.0.1" if t.is_local else "0.0.0.0", "--port", str(spec.port + offset)]
+    # Prometheus metrics (TTFT, ITL, queues, KV transfer) for the chart's PodMonitor and dashboard.
+    a.append("--enable-metrics")
 
     a += ["--disaggregation-mode", role, "--disaggregation-transfer-backend", t.transfer.backend]
     if role == "prefill":

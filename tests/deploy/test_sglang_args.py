@@ -31,6 +31,7 @@ def test_prefill_command(r1) -> None:
     assert flag(c.argv, "--deepep-mode") == "normal"
     assert "--nnodes" not in c.argv and "--attn-dp-size" not in c.argv
     assert "--enable-single-batch-overlap" not in c.argv
+    assert "--enable-metrics" in c.argv  # the chart's PodMonitor and dashboard read sglang's metrics
     assert c.env == {}
 
 
