@@ -78,6 +78,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 DELEGATED = {
     "launch": ("sglang_pd.deploy.launch", "a pod's entrypoint: render this node's command, check the pod, exec it"),
     "router": ("sglang_pd.deploy.router.cli", "run the OpenAI-compatible PD router"),
+    "kv-probe": ("sglang_pd.deploy.kv.cli", "check KV transfer (Mooncake) between a prefill and a decode host"),
+    "engine": ("sglang_pd.deploy.refengine.cli", "run one reference engine (prefill, decode or both) on CPU"),
+    "eval": ("sglang_pd.deploy.evals.cli", "run an accuracy gate against an OpenAI-compatible endpoint"),
 }
 
 
