@@ -10,6 +10,8 @@ TOPOLOGY ?= local-cpu
 .PHONY: run test lint unit gpu-test clean
 
 $(VENV)/.installed: pyproject.toml Makefile
+	@# Mooncake's non-CUDA wheel links libibverbs (Debian libibverbs1), even for TCP transfers.
+	@ldconfig -p | grep -q 'libibverbs.so.1 ' || { apt-get update -qq && apt-get install -y -qq libibverbs1; }
 	python3 -m venv $(VENV)
 	$(PIP) -e '.[dev,validate]'
 	# sglang's own pins pull CUDA-only wheels; its argument code needs only the `validate` extra.
