@@ -1,0 +1,301 @@
+"""`sglang-pd up [TOPOLOGY]`: run a whole PD topology on this machine.
+
+Starts the prefill and decode engines (the reference engine on a CPU topology; sglang itself where
+CUDA and sglang are installed) and the router, as child processes with role-prefixed logs; waits
+until every one is healthy; prints the time to ready, the OpenAI base URL and a curl example; and on
+Ctrl-C, SIGTERM or any child's exit stops every child (their whole process groups; children also
+die with this process, via PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from sglang_pd.deploy.topology import Topology, TopologyError, check_rules, load_topology
+
+__all__ = ["ChildSpec", "Stack", "add_arguments", "local_children", "run"]
+
+EXIT_OK, EXIT_INVALID, EXIT_FAILED = 0, 1, 4
+DEFAULT_TOPOLOGY = "local-cpu"
+TINY_MODEL = "tiny-deepseek-v3"
+
+
+@dataclass
+class ChildSpec:
+    """One child process of the stack and the URL that says it is ready."""
+
+    name: str
+    argv: list[str]
+    health_url: str
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "sglang_pd.deploy.cli", *args]
+
+
+def _model_arg(t: Topology) -> list[str]:
+    path = t.model.path
+    if path == TINY_MODEL:
+        return []
+    local = Path(path) if Path(path).is_absolute() else (t.source_dir or Path.cwd()) / path
+    if not (local / "config.json").exists():
+        raise TopologyError(
+            f"model.path: {path} is not a local model directory (no config.json); the reference engine runs "
+            f"`{TINY_MODEL}` or a local Hugging Face model directory."
+        )
+    return ["--model", str(local)]
+
+
+def local_children(t: Topology, *, host: str, port: int) -> list[ChildSpec]:
+    """The reference-engine stack of a CPU topology: engines, then the router."""
+    prefill, decode = t.static_workers()
+    common = [*_model_arg(t), "--served-model-name", t.model.name, "--page-size", str(t.model.page_size)]
+    children = []
+    for i, (url, bootstrap) in enumerate(prefill):
+        p = url.rsplit(":", 1)[1]
+        mrr = str(t.prefill.max_running_requests or 64)
+        argv = _cli("engine", "--role", "prefill", "--port", p, "--bootstrap-port", str(bootstrap), *common)
+        children.append(ChildSpec(f"prefill-{i}", [*argv, "--max-running-requests", mrr], f"{url}/health"))
+    for i, url in enumerate(decode):
+        p = url.rsplit(":", 1)[1]
+        mrr = str(t.decode.max_running_requests or 64)
+        argv = _cli("engine", "--role", "decode", "--port", p, *common, "--max-running-requests", mrr)
+        children.append(ChildSpec(f"decode-{i}", argv, f"{url}/health"))
+    router = _cli("router", "--host", host, "--port", str(port))
+    router += ["--prefill-policy", t.router.prefill_policy, "--decode-policy", t.router.decode_policy]
+    for url, bootstrap in prefill:
+        router += ["--prefill", url, str(bootstrap)]
+    for url in decode:
+        router += ["--decode", url]
+    children.append(ChildSpec("router", router, f"http://{_client_host(host)}:{port}/health"))
+    return children
+
+
+def _client_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def sglang_children(t: Topology, *, host: str, port: int) -> list[ChildSpec]:
+    """sglang itself from the same topology, where every instance fits this one node."""
+    from sglang_pd.deploy.sglang_args import render_plan
+
+    if t.prefill.nodes > 1 or t.decode.nodes > 1:
+        raise TopologyError(
+            f"{t.name}: instances span several nodes; run `sglang-pd launch` on each node (or use Helm) instead of up."
+        )
+    plan = render_plan(t, "127.0.0.1")
+    children = []
+    prefill_urls: list[str] = []
+    decode_urls: list[str] = []
+    for role, cmds in plan.items():
+        for c in cmds:
+            url = f"http://127.0.0.1:{c.port}"
+            (prefill_urls if role == "prefill" else decode_urls).append(url)
+            argv = [sys.executable, *c.argv[1:]] if c.argv[0].startswith("python") else c.argv
+            children.append(ChildSpec(f"{role}-{c.instance}", argv, f"{url}/health", c.env))
+    router = _cli("router", "--host", host, "--port", str(port))
+    for i, url in enumerate(prefill_urls):
+        router += ["--prefill", url, str(t.prefill.bootstrap_port + i)]
+    for url in decode_urls:
+        router += ["--decode", url]
+    children.append(ChildSpec("router", router, f"http://{_client_host(host)}:{port}/health"))
+    return children
+
+
+def _sglang_available() -> bool:
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return False
+        import importlib.util
+
+        return importlib.util.find_spec("sglang") is not None
+    except ImportError:
+        return False
+
+
+def _die_with_parent() -> None:
+    # Runs in the child between fork and exec: its own process group, and SIGTERM when we die.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class Stack:
+    """The running children: start, prefix their logs, wait for health, stop them all."""
+
+    def __init__(self, specs: list[ChildSpec], *, out: TextIO | None = None) -> None:
+        self.specs = specs
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._out = out or sys.stdout
+        self._print_lock = threading.Lock()
+        self.stopping = threading.Event()
+
+    def _echo(self, line: str) -> None:
+        with self._print_lock:
+            print(line, file=self._out, flush=True)
+
+    def _pump(self, name: str, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        width = max(len(s.name) for s in self.specs)
+        for raw in iter(proc.stdout.readline, b""):
+            self._echo(f"{name:<{width}} | {raw.decode(errors='replace').rstrip()}")
+
+    def start(self) -> None:
+        for spec in self.specs:
+            env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
+            proc = subprocess.Popen(
+                spec.argv,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+            self.procs[spec.name] = proc
+            threading.Thread(target=self._pump, args=(spec.name, proc), daemon=True).start()
+
+    def exited(self) -> list[tuple[str, int]]:
+        return [(n, p.returncode) for n, p in self.procs.items() if p.poll() is not None]
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Poll every child's health URL until all answer 200; raise RuntimeError naming the laggard."""
+        deadline = time.monotonic() + timeout_s
+        pending = {s.name: s.health_url for s in self.specs}
+        while pending:
+            if self.stopping.is_set():
+                raise RuntimeError("Stopped before the stack was ready.")
+            dead = self.exited()
+            if dead:
+                name, rc = dead[0]
+                raise RuntimeError(f"{name} exited with code {rc} before it was ready; see its log lines above.")
+            for name, url in list(pending.items()):
+                with contextlib.suppress(urllib.error.URLError, OSError), urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        del pending[name]
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{', '.join(pending)} not healthy after {timeout_s:.0f} s ({', '.join(pending.values())})."
+                )
+            time.sleep(0.25)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every child's process group, then SIGKILL what is left after `grace_s`."""
+        self.stopping.set()
+        for proc in reversed(list(self.procs.values())):
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in self.procs.values():
+            # The group may hold grandchildren even once the leader is gone.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument(
+        "topology",
+        nargs="?",
+        default=DEFAULT_TOPOLOGY,
+        metavar="TOPOLOGY",
+        help=f"topology YAML or preset name (default {DEFAULT_TOPOLOGY})",
+    )
+    parser.add_argument("--port", type=int, default=None, help="the router's port (default: the topology's)")
+    parser.add_argument("--host", default=None, help="the router's address (default: the topology's)")
+    parser.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS")
+    parser.add_argument(
+        "--engine",
+        choices=("auto", "reference", "sglang"),
+        default="auto",
+        help="auto: sglang where CUDA and sglang are present, else the reference engine",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from sglang_pd.deploy.cli import resolve_topology_path
+
+    t0 = time.monotonic()
+    t = load_topology(resolve_topology_path(args.topology))
+    rules = check_rules(t)
+    if rules.errors:
+        print(f"{args.topology}: the topology breaks {len(rules.errors)} rule(s):", file=sys.stderr)
+        for e in rules.errors:
+            print(f"  - {e}", file=sys.stderr)
+        return EXIT_INVALID
+    host = args.host or t.router.host
+    port = args.port or t.router.port
+    engine = args.engine
+    if engine == "auto":
+        engine = "reference" if t.is_local or not _sglang_available() else "sglang"
+    if engine == "sglang":
+        specs = sglang_children(t, host=host, port=port)
+    elif not t.is_local:
+        print(
+            f"error: {t.name} is a GPU topology ({t.hardware.gpu}) and this machine has no CUDA or no sglang; "
+            "run a CPU topology here (sglang-pd up local-cpu) or install sglang on a GPU machine.",
+            file=sys.stderr,
+        )
+        return EXIT_INVALID
+    else:
+        specs = local_children(t, host=host, port=port)
+
+    stack = Stack(specs)
+    received: list[int] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        received.append(signum)
+        stack.stopping.set()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        stack.start()
+        try:
+            stack.wait_ready(args.ready_timeout)
+        except RuntimeError as exc:
+            if received:
+                return EXIT_OK
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+        base = f"http://{_client_host(host)}:{port}"
+        body = json.dumps(
+            {"model": t.model.name, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}
+        )
+        print(f"ready in {time.monotonic() - t0:.1f} s ({engine} engine, topology {t.name})", flush=True)
+        print(f"OpenAI API: {base}/v1", flush=True)
+        print(f"try: curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'", flush=True)
+        while not stack.stopping.wait(0.5):
+            dead = stack.exited()
+            if dead:
+                name, rc = dead[0]
+                print(f"error: {name} exited with code {rc}; stopping the stack.", file=sys.stderr)
+                return EXIT_FAILED
+        return EXIT_OK
+    finally:
+        stack.stop()
+        for s, h in old.items():
+            signal.signal(s, h)
+        print("stopped: every child process has exited.", file=sys.stderr, flush=True)
