@@ -165,11 +165,9 @@ class PDProxy:
     def _begin(self, worker: Worker) -> None:
         worker.breaker.on_dispatch()
         worker.in_flight += 1
-        self.metrics.in_flight.labels(worker.role, worker.url).inc()
 
     def _end(self, worker: Worker) -> None:
         worker.in_flight -= 1
-        self.metrics.in_flight.labels(worker.role, worker.url).dec()
 
     def _failed(self, exc: UpstreamError) -> None:
         worker = exc.worker
