@@ -5,9 +5,12 @@ Exit codes (stable; the Helm test and the post-upgrade Job rely on them):
   1  a gate rule failed: the rule and its numbers are on stderr and in the report
   2  bad usage: a bad flag value or an unreadable --baseline report
   3  no data: offline without --data, an unreadable file, or a checksum mismatch
-  4  the endpoint is unreachable, too many questions failed after retries, or --timeout passed
+  4  the endpoint is unreachable, too many questions failed after retries, --timeout passed,
+     or SIGTERM stopped the run
 
-The report (`--output`) is written whenever the run started, whatever the exit code.
+The report (`--output`) is written whenever the run started, whatever the exit code. For a Job with
+activeDeadlineSeconds, pass --timeout somewhat below it: the run then ends with a report and exit 4
+rather than being killed (SIGTERM also ends the run with a report, within the grace period).
 """
 
 from __future__ import annotations

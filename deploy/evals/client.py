@@ -107,6 +107,8 @@ class EndpointClient:
         self.config = config
         self.base_url = config.base_url.rstrip("/")
         self.model: str | None = config.model
+        # Every retry of a question's request, including those of requests cancelled mid-way.
+        self.retries = 0
         headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         self._http = httpx.AsyncClient(
             headers=headers,
@@ -205,6 +207,7 @@ class EndpointClient:
             except _Transient as exc:
                 if attempt == retry.max_retries:
                     raise RequestFailed(f"{exc} (gave up after {attempt} retries)", attempt) from exc
+                self.retries += 1
                 await asyncio.sleep(retry.delay(attempt, exc.retry_after))
                 continue
             if response.status_code != 200:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import math
+import signal
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +55,23 @@ def questions_fingerprint(data_sha256: str, items: list[Item], num_shots: int, a
     return hashlib.sha256(f"{data_sha256}|{num_shots}|{api}|{ids}".encode()).hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def _sigterm_sets() -> Iterator[asyncio.Event]:
+    """An event set on SIGTERM (a Job past its deadline, a pod being deleted), so that the run stops
+    and the report is still written. Where no handler can be installed (not the main thread), none is."""
+    event = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGTERM, event.set)
+    except (NotImplementedError, RuntimeError, ValueError):
+        yield event
+        return
+    try:
+        yield event
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
 async def evaluate(options: Gsm8kOptions) -> Report:
     """Run the evaluation and the gate. Raises EvalError subclasses for usage, data and endpoint problems
     found before the run; problems during the run are in the report's status ("error")."""
@@ -67,14 +88,16 @@ async def evaluate(options: Gsm8kOptions) -> Report:
     max_errors = math.floor(options.max_error_rate * len(items))
     async with EndpointClient(options.client) as client:
         model = await client.resolve_model()
-        run = await run_items(
-            client,
-            items,
-            parallel=options.client.parallel,
-            max_errors=max_errors,
-            timeout_s=options.timeout_s,
-            progress=options.progress,
-        )
+        with _sigterm_sets() as interrupt:
+            run = await run_items(
+                client,
+                items,
+                parallel=options.client.parallel,
+                max_errors=max_errors,
+                timeout_s=options.timeout_s,
+                interrupt=interrupt,
+                progress=options.progress,
+            )
     metrics = compute_metrics(run)
 
     rules: list[RuleResult] = []
@@ -94,7 +117,9 @@ async def evaluate(options: Gsm8kOptions) -> Report:
     gate = GateResult(tuple(rules)) if rules else None
 
     error: str | None = None
-    if run.stopped == "timeout":
+    if run.stopped == "interrupted":
+        error = f"the run was interrupted by SIGTERM ({metrics.errors} questions unanswered or failed)"
+    elif run.stopped == "timeout":
         error = (
             f"the run did not finish within --timeout {options.timeout_s:g} s "
             f"({metrics.errors} questions unanswered or failed)"

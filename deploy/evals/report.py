@@ -75,7 +75,7 @@ def compute_metrics(run: RunResult) -> Metrics:
         invalid_rate=invalid / n if n else 0.0,
         errors=errors,
         error_rate=errors / n if n else 0.0,
-        retries=sum(r.retries for r in records),
+        retries=run.retries,
         latency_s={
             "p50": percentile(latencies, 50),
             "p90": percentile(latencies, 90),

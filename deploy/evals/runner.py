@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 from tqdm import tqdm
 
@@ -40,8 +42,10 @@ class RunResult:
     records: tuple[QuestionRecord, ...]
     started_at: datetime
     wall_s: float
-    # Why the run stopped before every question was asked ("timeout" / "errors"), else None.
+    # Why the run stopped before every question was answered ("timeout", "interrupted", "errors"), else None.
     stopped: str | None
+    # All retries, counting those of requests cancelled when the run stopped early.
+    retries: int
 
 
 class _Progress(tqdm):
@@ -88,10 +92,12 @@ async def run_items(
     parallel: int,
     max_errors: int | None = None,
     timeout_s: float | None = None,
+    interrupt: asyncio.Event | None = None,
     progress: bool = True,
 ) -> RunResult:
     """Ask `items` through `parallel` workers. Stops early once more than `max_errors` questions failed
-    (the gate can no longer pass) or after `timeout_s`; the questions not asked are recorded as errors."""
+    (the gate can no longer pass), after `timeout_s`, or when `interrupt` is set (SIGTERM); the questions
+    not answered then are recorded as errors."""
     started_at = datetime.now(UTC)
     start = time.perf_counter()
     done: dict[int, QuestionRecord] = {}
@@ -121,21 +127,35 @@ async def run_items(
                     raise _TooManyErrors
 
     tasks = [asyncio.create_task(worker()) for _ in range(max(1, min(parallel, len(items))))]
+    everything = asyncio.gather(*tasks)
+    interrupted = asyncio.create_task((interrupt or asyncio.Event()).wait())
+    waitables: set[asyncio.Future[Any]] = {everything, interrupted}
     try:
-        async with asyncio.timeout(timeout_s):
-            await asyncio.gather(*tasks)
-    except TimeoutError:
-        stopped = "timeout"
+        finished, _ = await asyncio.wait(waitables, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        if everything in finished:
+            everything.result()  # re-raises a worker's unexpected error
+        else:
+            stopped = "interrupted" if interrupted in finished else "timeout"
     except _TooManyErrors:
         stopped = "errors"
     finally:
-        for t in tasks:
+        for t in [*tasks, interrupted]:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, interrupted, return_exceptions=True)
+        everything.cancel()
+        with contextlib.suppress(asyncio.CancelledError, _TooManyErrors):
+            await everything
         bar.close()
-    if stopped == "timeout":
-        reason = f"not answered within --timeout {timeout_s:g} s"
-    else:
-        reason = f"not finished: the run stopped after more than {max_errors} failed questions"
+    reason = {
+        "timeout": f"not answered within --timeout {timeout_s} s",
+        "interrupted": "not answered: the run was interrupted (SIGTERM)",
+        "errors": f"not finished: the run stopped after more than {max_errors} failed questions",
+    }.get(stopped or "", "not finished")
     records = tuple(done.get(i) or _failed(item, reason) for i, item in enumerate(items))
-    return RunResult(records=records, started_at=started_at, wall_s=time.perf_counter() - start, stopped=stopped)
+    return RunResult(
+        records=records,
+        started_at=started_at,
+        wall_s=time.perf_counter() - start,
+        stopped=stopped,
+        retries=client.retries,
+    )

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
@@ -213,3 +218,28 @@ def test_no_threads_left_behind(dataset: Dataset, eval_cli: Any) -> None:
     with Gsm8kTestServer(_script(dataset, lambda i: True)) as server:
         assert eval_cli(server.base_url, "--num-questions", "5").code == 0
     assert set(threading.enumerate()) <= before
+
+
+def test_sigterm_ends_the_run_with_a_report(dataset: Dataset, serve: Serve, gsm8k_path: Path, tmp_path: Path) -> None:
+    # No answer ever comes (endless 503s): only SIGTERM ends this run, as when a Job hits its deadline.
+    server = serve(_script(dataset, lambda i: True, flaky={p.question: 10**6 for p in dataset.problems}))
+    report_path = tmp_path / "report.json"
+    argv = [sys.executable, "-m", "sglang_pd.deploy.cli", "eval", "gsm8k", "--base-url", server.base_url]
+    argv += ["--data", str(gsm8k_path), "--num-questions", "5", "--retries", "1000000", "--retry-backoff", "0.01"]
+    proc = subprocess.Popen([*argv, "--quiet", "--output", str(report_path)], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while sum(server.attempts.values()) < 10 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 4 and "interrupted by SIGTERM" in err
+    report = json.loads(report_path.read_text())
+    assert report["status"] == "error" and report["stopped_early"] == "interrupted"
+    assert report["metrics"]["errors"] == 5
+    # The retries of the cancelled requests are counted too (the server saw them all).
+    assert report["metrics"]["retries"] >= 10
