@@ -1,1 +1,11 @@
-"""sglang general plugin (entry point `sglang.srt.plugins`) wiring sglang-pd kernels into sglang."""
+"""sglang general plugin (entry point `sglang.srt.plugins`) wiring sglang-pd kernels into sglang.
+
+Single-batch overlap (SBO) on Hopper: sglang 0.5.23 refuses it on sm_90; these hooks enable
+its shared-expert half, and with our signal down-GEMM (`sglang_pd.kernels.signal_gemm`) its
+combine half, as `SGLANG_PD_SBO_MODE` (rendered from the topology's `decode.sbo`) asks.
+`sglang-pd doctor` reports what this machine can run and why not.
+"""
+
+from sglang_pd.sglang_patches.plugin import register
+
+__all__ = ["register"]

@@ -1,0 +1,70 @@
+"""Hook specifications: what each hook patches, in which sglang version, and the check that it is there.
+
+An sglang upgrade that renames or reshapes a target must fail at start with a message naming
+the version and the missing piece, not misbehave in the middle of a decode step.
+"""
+
+from __future__ import annotations
+
+import inspect
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sglang_pd.sglang_patches.status import distribution_version
+
+__all__ = ["SGLANG_TARGET_VERSION", "HookSpec", "HookTargetMissing", "check_target"]
+
+#: The sglang release every hook below was written against and tested with.
+SGLANG_TARGET_VERSION = "0.5.23"
+
+
+class HookTargetMissing(RuntimeError):
+    """A hook's target (or a parameter it relies on) is not in the installed sglang."""
+
+
+@dataclass(frozen=True)
+class HookSpec:
+    """One hook: `target` is the dotted path HookRegistry patches; `hook_type` a HookType name."""
+
+    name: str
+    target: str
+    hook: Callable[..., Any]
+    hook_type: str  # "around" | "after" | ...; resolved to sglang's HookType at registration
+    params: tuple[str, ...] = ()  # parameters of the target the hook reads by name
+    requires: tuple[str, ...] = ()  # other sglang names the hook calls
+    sglang_version: str = SGLANG_TARGET_VERSION
+    why: str = ""
+
+
+def _resolve(path: str) -> Any:
+    return pkgutil.resolve_name(path)
+
+
+def check_target(spec: HookSpec) -> str | None:
+    """None when the spec's target, parameters and requirements exist; else the message to fail with."""
+    installed = distribution_version("sglang") or "(not installed)"
+    problems: list[str] = []
+    for path in (spec.target, *spec.requires):
+        try:
+            obj = _resolve(path)
+        except Exception as exc:  # ImportError, AttributeError, ValueError: all mean "not there"
+            problems.append(f"{path} is missing ({type(exc).__name__}: {exc})")
+            continue
+        if path == spec.target and spec.params:
+            try:
+                have = set(inspect.signature(obj).parameters)
+            except (TypeError, ValueError):
+                have = set()
+            lacking = [p for p in spec.params if p not in have]
+            if lacking:
+                problems.append(f"{path} has no parameter(s) {', '.join(lacking)}")
+    if not problems:
+        return None
+    return (
+        f"sglang-pd plugin: hook {spec.name!r} was written for sglang {spec.sglang_version}, but in the installed "
+        f"sglang {installed} " + "; ".join(problems) + ". Install sglang=="
+        f"{spec.sglang_version}, or update sglang_pd/sglang_patches for sglang {installed}; "
+        "until then this hook is not applied (SBO on sm_90 stays refused)."
+    )
