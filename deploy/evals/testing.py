@@ -59,6 +59,8 @@ class ServerScript:
     broken: frozenset[str] = frozenset()
     default: str = " I do not know."
     model: str = "gsm8k-test"
+    # When set, every request must carry `Authorization: Bearer <api_key>` (else 401).
+    api_key: str | None = None
 
 
 def _question_of(prompt: str) -> str:
@@ -89,8 +91,15 @@ class Gsm8kTestServer:
         self._ready = threading.Event()
         self._failure: BaseException | None = None
 
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self.script.api_key and request.headers.get("Authorization") != f"Bearer {self.script.api_key}":
+            return web.json_response({"error": {"message": "invalid API key"}}, status=401)
+        response: web.StreamResponse = await handler(request)
+        return response
+
     def _app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._auth])
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)

@@ -243,3 +243,13 @@ def test_sigterm_ends_the_run_with_a_report(dataset: Dataset, serve: Serve, gsm8
     assert report["metrics"]["errors"] == 5
     # The retries of the cancelled requests are counted too (the server saw them all).
     assert report["metrics"]["retries"] >= 10
+
+
+def test_api_key(dataset: Dataset, serve: Serve, eval_cli: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    server = serve(_script(dataset, lambda i: True, api_key="s3cret"))
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    denied = eval_cli(server.base_url, "--num-questions", "3")
+    assert denied.code == 4 and "HTTP 401" in denied.err and "--api-key or OPENAI_API_KEY" in denied.err
+    assert eval_cli(server.base_url, "--num-questions", "3", "--api-key", "s3cret").code == 0
+    monkeypatch.setenv("OPENAI_API_KEY", "s3cret")
+    assert eval_cli(server.base_url, "--num-questions", "3").code == 0
