@@ -6,7 +6,7 @@
 
 Prints one JSON log line a request event; `GET /health` answers once the model is loaded.
 Test hooks (environment): SGLANG_PD_REFENGINE_TEST_SLOW_TRANSFER_S spreads the prefill's KV
-writes over that many seconds; SGLANG_PD_REFENGINE_TEST_CORRUPT_PAGE=1 flips a value in one page
+writes over that many seconds; SGLANG_PD_REFENGINE_TEST_CORRUPT_PAGE=1 overwrites one page with noise
 after its checksum was taken; SGLANG_PD_REFENGINE_VERIFY_KV=0 turns the decode's check off.
 """
 

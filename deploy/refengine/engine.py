@@ -57,7 +57,7 @@ class EngineConfig:
     kv: KVConfig = field(default_factory=KVConfig)
     verify_kv: bool = True  # decode checks the crc32 of the KV it received
     # Test hooks (SGLANG_PD_REFENGINE_TEST_*): spread the prefill's writes over this many seconds,
-    # and flip bytes in one page after its crc was taken (as if corrupted in transit).
+    # and overwrite one page with noise after its crc was taken (as if corrupted in transit).
     test_slow_transfer_s: float = 0.0
     test_corrupt_page: bool = False
 
@@ -316,7 +316,7 @@ class RefEngine:
             self._check_claim(claim, len(ids))
             crc = await self.run_model(self.pool.checksum, pages, len(ids))
             if self.config.test_corrupt_page:
-                self.pool.buffer[0, pages[0], 0, 0] += 1.0
+                self._corrupt(pages[0])
             t0 = time.perf_counter()
             async with room.writing:
                 if room.cancelled:
@@ -345,6 +345,13 @@ class RefEngine:
         finally:
             if pages:
                 self.pool.free(pages)
+
+    def _corrupt(self, page: int) -> None:
+        # Test hook: noise over one page of the first layer, after its checksum was taken.
+        import torch
+
+        shape = self.pool.buffer[0, page].shape
+        self.pool.buffer[0, page] = torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 10
 
     def _check_claim(self, claim: Claim, prompt_tokens: int) -> None:
         problems = []
