@@ -12,10 +12,14 @@ concurrency, through each target in turn:
 - router: `sglang-pd router` (this package), as a separate process.
 - smg: `smg launch --pd-disaggregation` (PyPI smg 1.13.0), when installed.
 
+All targets run at once (idle when not measured); they take turns cell by cell in a rotating
+order, each cell is measured --rounds times and the median round is reported, so that a noisy,
+shared machine biases no target.
+
 Prints a table and writes JSON. Targets (issue 3): router-added p50 at concurrency 1 <= 1 ms;
 router throughput at concurrency 16 >= 0.6 x smg's; zero errors.
 
-    .venv/bin/python scripts/bench_router.py --duration 3 --out out/bench_router.json
+    .venv/bin/python scripts/bench_router.py --out out/bench_router.json
 """
 
 from __future__ import annotations
@@ -124,8 +128,12 @@ def direct(prefills: list[WorkerProcess], decodes: list[WorkerProcess], tokens: 
         i = next(counter)
         p, d = prefills[i % len(prefills)], decodes[i % len(decodes)]
         body = _body(stream, tokens)
-        body.update(bootstrap_host="127.0.0.1", bootstrap_port=p.bootstrap_port,
-                    bootstrap_room=random.getrandbits(63), rid=f"direct-{i}")  # fmt: skip
+        body.update(
+            bootstrap_host="127.0.0.1",
+            bootstrap_port=p.bootstrap_port,
+            bootstrap_room=random.getrandbits(63),
+            rid=f"direct-{i}",
+        )
         started = time.perf_counter()
 
         async def prefill() -> None:
@@ -221,8 +229,19 @@ def _process(cmd: list[str], url: str, ready_path: str, log: Path) -> Iterator[s
 
 
 def _router_cmd(port: int, prefills: list[WorkerProcess], decodes: list[WorkerProcess]) -> list[str]:
-    cmd = [sys.executable, "-m", "sglang_pd.deploy.router.cli", "--host", "127.0.0.1", "--port", str(port),
-           "--policy", "round_robin", "--log-level", "warning"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang_pd.deploy.router.cli",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--policy",
+        "round_robin",
+        "--log-level",
+        "warning",
+    ]
     for p in prefills:
         cmd += ["--prefill", p.url, str(p.bootstrap_port)]
     for d in decodes:
@@ -231,8 +250,20 @@ def _router_cmd(port: int, prefills: list[WorkerProcess], decodes: list[WorkerPr
 
 
 def _smg_cmd(smg: str, port: int, prefills: list[WorkerProcess], decodes: list[WorkerProcess]) -> list[str]:
-    cmd = [smg, "launch", "--pd-disaggregation", "--host", "127.0.0.1", "--port", str(port),
-           "--policy", "round_robin", "--log-level", "warn", "--disable-retries"]  # fmt: skip
+    cmd = [
+        smg,
+        "launch",
+        "--pd-disaggregation",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--policy",
+        "round_robin",
+        "--log-level",
+        "warn",
+        "--disable-retries",
+    ]
     for p in prefills:
         cmd += ["--prefill", p.url, str(p.bootstrap_port)]
     for d in decodes:
@@ -246,8 +277,10 @@ def _find_smg() -> str | None:
 
 
 def _table(cells: list[Cell], direct_p50: dict[tuple[bool, int], float]) -> str:
-    head = f"{'target':<8} {'stream':<6} {'conc':>4} {'req/s':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} " \
-           f"{'ttfb p50':>9} {'+p50 vs direct':>15} {'errors':>6}"  # fmt: skip
+    head = (
+        f"{'target':<8} {'stream':<6} {'conc':>4} {'req/s':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} "
+        f"{'ttfb p50':>9} {'+p50 vs direct':>15} {'errors':>6}"
+    )
     lines = [head, "-" * len(head)]
     for c in cells:
         added = c.p50_ms - direct_p50.get((c.stream, c.concurrency), c.p50_ms)
@@ -260,7 +293,8 @@ def _table(cells: list[Cell], direct_p50: dict[tuple[bool, int], float]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--duration", type=float, default=3.0, help="measured seconds per cell")
+    parser.add_argument("--duration", type=float, default=2.0, help="measured seconds per cell and round")
+    parser.add_argument("--rounds", type=int, default=3, help="measurements per cell; the median is reported")
     parser.add_argument("--warmup", type=float, default=0.5, help="unmeasured seconds before each cell")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS))
@@ -293,32 +327,66 @@ def main(argv: list[str] | None = None) -> int:
         "duration_s": args.duration,
         "smg": subprocess.run([smg, "--version"], capture_output=True, text=True).stdout.strip() if smg else None,
     }
+    senders: dict[str, Sender] = {}
     try:
-        for target in targets:
-            port = _free_port()
-            url = f"http://127.0.0.1:{port}"
-            if target == "direct":
-                ctx: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-                send = direct(prefills, decodes, args.tokens)
-            elif target == "router":
-                ctx = _process(_router_cmd(port, prefills, decodes), url, "/readiness", logs / "bench_router.log")
-                send = via_url(url, args.tokens)
-            else:
-                assert smg is not None
-                ctx = _process(_smg_cmd(smg, port, prefills, decodes), url, "/readiness", logs / "bench_smg.log")
-                send = via_url(url, args.tokens)
-            with ctx:
-                time.sleep(0.5)
+        with contextlib.ExitStack() as stack:
+            for target in targets:
+                port = _free_port()
+                url = f"http://127.0.0.1:{port}"
+                if target == "direct":
+                    senders[target] = direct(prefills, decodes, args.tokens)
+                    continue
+                if target == "router":
+                    cmd = _router_cmd(port, prefills, decodes)
+                else:
+                    assert smg is not None
+                    cmd = _smg_cmd(smg, port, prefills, decodes)
+                stack.enter_context(_process(cmd, url, "/readiness", logs / f"bench_{target}.log"))
+                senders[target] = via_url(url, args.tokens)
+            time.sleep(1.0)
+            # The machine is shared and noisy: targets take turns cell by cell (in a rotating
+            # order), each cell is measured `rounds` times, and the median round is reported.
+            rounds: dict[tuple[str, bool, int], list[Cell]] = {}
+            for r in range(args.rounds):
                 for stream in (False, True):
                     for conc in args.concurrency:
-                        cell = Cell(target, stream, conc)
-                        asyncio.run(run_cell(send, cell, args.duration, args.warmup))
-                        cells.append(cell)
-                        print(f"  {target:<6} stream={stream!s:<5} c={conc:<3} {cell.rps:8.0f} req/s  "
-                              f"p50 {cell.p50_ms:7.2f} ms  errors {cell.errors}", file=sys.stderr, flush=True)  # fmt: skip
+                        order = targets[r % len(targets) :] + targets[: r % len(targets)]
+                        for target in order:
+                            cell = Cell(target, stream, conc)
+                            asyncio.run(run_cell(senders[target], cell, args.duration, args.warmup))
+                            rounds.setdefault((target, stream, conc), []).append(cell)
+                            print(
+                                f"  round {r} {target:<6} stream={stream!s:<5} c={conc:<3} {cell.rps:8.0f} req/s  "
+                                f"p50 {cell.p50_ms:7.2f} ms  errors {cell.errors}",
+                                file=sys.stderr,
+                                flush=True,
+                            )
     finally:
         for w in prefills + decodes:
             w.stop()
+    for target in targets:
+        for stream in (False, True):
+            for conc in args.concurrency:
+                runs = rounds[target, stream, conc]
+                median = sorted(runs, key=lambda c: c.rps)[len(runs) // 2]
+                merged = Cell(
+                    target,
+                    stream,
+                    conc,
+                    requests=sum(c.requests for c in runs),
+                    errors=sum(c.errors for c in runs),
+                    seconds=sum(c.seconds for c in runs),
+                    rps=median.rps,
+                    p50_ms=statistics.median(c.p50_ms for c in runs),
+                    p90_ms=statistics.median(c.p90_ms for c in runs),
+                    p99_ms=statistics.median(c.p99_ms for c in runs),
+                    ttfb_p50_ms=statistics.median(c.ttfb_p50_ms for c in runs),
+                    error_samples=[e for c in runs for e in c.error_samples][:3],
+                )
+                cells.append(merged)
+    meta["rounds"] = {
+        f"{t}|{'stream' if st else 'unary'}|{c}": [asdict(x) for x in runs] for (t, st, c), runs in rounds.items()
+    }
 
     direct_p50 = {(c.stream, c.concurrency): c.p50_ms for c in cells if c.target == "direct"}
     by = {(c.target, c.stream, c.concurrency): c for c in cells}

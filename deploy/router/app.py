@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 import uuid
@@ -195,10 +196,11 @@ class RouterApp:
             counter = self._requests[endpoint, status] = self.metrics.requests.labels(endpoint, str(status))
         counter.inc()
         self._latency[endpoint].observe(elapsed)
-        if status >= 400 or logger.isEnabledFor(10):
+        level = logging.WARNING if status >= 500 else logging.INFO
+        if logger.isEnabledFor(level):
             token = request_id_var.set(rid)
             logger.log(
-                30 if status >= 500 else 20,
+                level,
                 "request finished",
                 extra={"endpoint": endpoint, "status": status, "duration_ms": round(elapsed * 1000, 3)},
             )

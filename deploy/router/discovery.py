@@ -84,7 +84,7 @@ class KubernetesDiscovery:
         kind = event.get("type")
         pod = event.get("raw_object")
         if not isinstance(pod, dict):
-            obj = event.get("object")
+            obj: Any = event.get("object")
             pod = obj.to_dict() if hasattr(obj, "to_dict") else obj
             if not isinstance(pod, dict):
                 return

@@ -34,6 +34,7 @@ from typing import Any
 __all__ = ["WorkerProcess", "start_worker", "start_workers"]
 
 ENDPOINTS = ("/generate", "/v1/completions", "/v1/chat/completions")
+_SEEN_HEADERS = ("authorization", "x-request-id", "connection", "x-client-secret", "cookie", "te", "upgrade")
 _MAX_TOKENS = 512  # a fake engine has no context limit; this keeps fuzzed requests short
 
 
@@ -268,6 +269,7 @@ def build_app(state: _State) -> Any:
                     "port": body["bootstrap_port"],
                     "routed_dp_rank": body.get("routed_dp_rank"),
                     "stream": bool(body.get("stream")),
+                    "headers": {k.lower(): v for k, v in request.headers.items() if k.lower() in _SEEN_HEADERS},
                 }
             )
         state.in_flight += 1
