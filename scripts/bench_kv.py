@@ -29,13 +29,22 @@ from sglang_pd.deploy.kv.peer import start_peer
 LAYERS, ROW_BYTES, PAGE_TOKENS = 61, 1152, 64
 
 
+def raw_write(te: object, session: str, items: list[tuple[int, int, int]]) -> None:
+    """The baseline: the same items straight into Mooncake, 1024 at a time."""
+    for k in range(0, len(items), MAX_BATCH_ITEMS):
+        chunk = items[k : k + MAX_BATCH_ITEMS]
+        srcs, dsts, lens = [i[0] for i in chunk], [i[1] for i in chunk], [i[2] for i in chunk]
+        rc = te.batch_transfer_sync_write(session, srcs, dsts, lens)  # type: ignore[attr-defined]
+        assert rc == 0, f"raw batch_transfer_sync_write failed with {rc}"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
     p.add_argument("--layers", type=int, default=LAYERS)
     p.add_argument("--row-bytes", type=int, default=ROW_BYTES)
     p.add_argument("--page-tokens", type=int, default=PAGE_TOKENS)
-    p.add_argument("--repeat", type=int, default=3, help="timed runs per cell (ours and raw alternate)")
+    p.add_argument("--repeat", type=int, default=5, help="timed runs per cell (ours and raw alternate)")
     p.add_argument("--json", default="bench_kv.json", help="where to write the JSON report")
     a = p.parse_args()
 
@@ -50,6 +59,7 @@ def main() -> int:
     engine.register(base, size)
     te = engine._te  # the raw Mooncake engine, for the baseline
     rows = []
+    print(f"best of {a.repeat} runs each, ours and raw alternating")
     print(f"{'tokens':>7} {'shape':<11} {'MiB':>8} {'items':>6} {'raw GB/s':>9} {'ours GB/s':>10} {'ours/raw':>9}")
     with start_peer(size) as peer:
         session = peer.info.session_id
@@ -66,20 +76,19 @@ def main() -> int:
                 items = plan_page_writes(src, dst, src_pages, dst_pages)
                 nbytes = sum(i[2] for i in items)
                 raw_t, ours_t = [], []
-                for _ in range(a.repeat):
-                    t0 = time.perf_counter()
-                    for k in range(0, len(items), MAX_BATCH_ITEMS):
-                        chunk = items[k : k + MAX_BATCH_ITEMS]
-                        rc = te.batch_transfer_sync_write(
-                            session, [i[0] for i in chunk], [i[1] for i in chunk], [i[2] for i in chunk]
-                        )
-                        assert rc == 0, f"raw batch_transfer_sync_write failed with {rc}"
-                    raw_t.append(time.perf_counter() - t0)
-                    t0 = time.perf_counter()
-                    engine.write_pages(session, src, dst, src_pages, dst_pages)
-                    ours_t.append(time.perf_counter() - t0)
-                raw_gbps = nbytes / statistics.median(raw_t) / 1e9
-                ours_gbps = nbytes / statistics.median(ours_t) / 1e9
+                for rep in range(a.repeat):
+                    # alternate who goes first, so that neither always meets a warm or a cold peer
+                    for who in ("raw", "ours") if rep % 2 == 0 else ("ours", "raw"):
+                        t0 = time.perf_counter()
+                        if who == "raw":
+                            raw_write(te, session, items)
+                            raw_t.append(time.perf_counter() - t0)
+                        else:
+                            engine.write_pages(session, src, dst, src_pages, dst_pages)
+                            ours_t.append(time.perf_counter() - t0)
+                # best of N: on shared cores the minimum is the least noisy estimate of what each can do
+                raw_gbps = nbytes / min(raw_t) / 1e9
+                ours_gbps = nbytes / min(ours_t) / 1e9
                 row = {
                     "tokens": tokens,
                     "shape": shape,
@@ -88,8 +97,10 @@ def main() -> int:
                     "items": len(items),
                     "raw_s": raw_t,
                     "ours_s": ours_t,
-                    "raw_gbps": raw_gbps,
-                    "ours_gbps": ours_gbps,
+                    "raw_gbps_best": raw_gbps,
+                    "raw_gbps_median": nbytes / statistics.median(raw_t) / 1e9,
+                    "ours_gbps_best": ours_gbps,
+                    "ours_gbps_median": nbytes / statistics.median(ours_t) / 1e9,
                     "ratio": ours_gbps / raw_gbps,
                 }
                 rows.append(row)

@@ -16,7 +16,7 @@ import sys
 import threading
 import zlib
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
@@ -117,6 +117,15 @@ class PeerProcess:
         self.proc.wait(timeout=10)
 
 
+def _die_with_parent() -> None:
+    # In the child before exec: SIGTERM when the starting process dies, however it dies.
+    import ctypes
+    import signal
+
+    with suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 @contextmanager
 def start_peer(size: int, *, env: dict[str, str] | None = None, timeout_s: float = 30.0) -> Iterator[PeerProcess]:
     """Start a peer process on loopback, yield it, and always stop it."""
@@ -129,6 +138,7 @@ def start_peer(size: int, *, env: dict[str, str] | None = None, timeout_s: float
         stderr=subprocess.DEVNULL,
         text=True,
         env={**os.environ, **(env or {})},
+        preexec_fn=_die_with_parent,
     )
     try:
         assert proc.stdout is not None
