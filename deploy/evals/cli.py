@@ -97,6 +97,13 @@ def _add_gsm8k(p: argparse.ArgumentParser) -> None:
     runp.add_argument("--request-timeout", type=_positive, default=300.0, metavar="SECONDS", help="default: 300")
     runp.add_argument("--connect-timeout", type=_positive, default=10.0, metavar="SECONDS", help="default: 10")
     runp.add_argument(
+        "--wait-ready",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="keep retrying an unreachable endpoint or one that lists no model yet this long (default: 0)",
+    )
+    runp.add_argument(
         "--timeout", type=_positive, default=None, metavar="SECONDS", help="limit on the whole run (exit 4 past it)"
     )
     runp.add_argument(
@@ -147,6 +154,8 @@ def build_options(args: argparse.Namespace) -> Gsm8kOptions:
     ):
         if value < low:
             raise UsageError(f"{flag} must be at least {low}, not {value}.")
+    if args.wait_ready < 0:
+        raise UsageError(f"--wait-ready must be 0 or more, not {args.wait_ready}.")
     if args.retry_backoff < 0:
         raise UsageError(f"--retry-backoff must be 0 or more, not {args.retry_backoff}.")
     if not 0.0 < args.confidence < 1.0:
@@ -170,6 +179,7 @@ def build_options(args: argparse.Namespace) -> Gsm8kOptions:
         sample=args.sample,
         seed=args.seed,
         timeout_s=args.timeout,
+        wait_ready_s=args.wait_ready,
         max_error_rate=args.max_error_rate,
         min_accuracy=args.min_accuracy,
         baseline=args.baseline,

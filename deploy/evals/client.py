@@ -95,6 +95,16 @@ def _retry_after(response: httpx.Response) -> float | None:
         return None
 
 
+def _model_ids(response: httpx.Response) -> list[str]:
+    try:
+        return [str(m["id"]) for m in response.json()["data"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise EndpointUnreachable(
+            f"{response.request.url} did not answer an OpenAI model list ({response.text[:200]!r}); "
+            "check --base-url (it should end in /v1)."
+        ) from exc
+
+
 def _describe(response: httpx.Response) -> str:
     body = response.text.strip().replace("\n", " ")
     return f"HTTP {response.status_code} from {response.request.url}: {body[:300]}"
@@ -125,36 +135,45 @@ class EndpointClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def resolve_model(self) -> str:
-        """Check that the endpoint answers `GET /models`; return --model, else the first model it serves."""
+    async def resolve_model(self, wait_s: float = 0.0) -> str:
+        """Check that the endpoint answers `GET /models`; return --model, else the first model it serves.
+
+        Connection errors, 408/429/5xx and an empty model list (a router whose workers are not healthy
+        yet) are retried `max_retries` times, and for at least `wait_s` seconds (a Job started beside
+        the pods it checks)."""
         url = f"{self.base_url}/models"
-        hint = "Check --base-url (the server's OpenAI base URL, ending in /v1) and that the server is up."
+        hint = "Check --base-url (the server's OpenAI base URL, ending in /v1) and that the server is up"
         retry = self.config.retry
-        for attempt in range(retry.max_retries + 1):
+        deadline = time.monotonic() + wait_s
+        attempt = 0
+        while True:
+            cause: Exception | None = None
+            retry_after: float | None = None
             try:
                 response = await self._http.get(url)
             except httpx.TransportError as exc:
-                if attempt == retry.max_retries:
-                    raise EndpointUnreachable(f"Cannot reach {url} ({type(exc).__name__}: {exc}). {hint}") from exc
-                await asyncio.sleep(retry.delay(attempt))
-                continue
-            if response.status_code in TRANSIENT_STATUS and attempt < retry.max_retries:
-                await asyncio.sleep(retry.delay(attempt, _retry_after(response)))
-                continue
-            break
-        if response.status_code in (401, 403):
-            raise EndpointUnreachable(f"{_describe(response)}. Pass the key with --api-key or OPENAI_API_KEY.")
-        if response.status_code == 404:
-            raise EndpointUnreachable(f"{_describe(response)}. {hint}")
-        if response.status_code != 200:
-            raise EndpointUnreachable(f"{_describe(response)}. {hint}")
-        if self.model is not None:
-            return self.model
-        try:
-            self.model = str(response.json()["data"][0]["id"])
-        except (ValueError, KeyError, IndexError, TypeError) as exc:
-            raise EndpointUnreachable(f"{url} lists no model ({response.text[:200]!r}); pass --model NAME.") from exc
-        return self.model
+                problem, cause = f"Cannot reach {url} ({type(exc).__name__}: {exc}). {hint}", exc
+            else:
+                if response.status_code in (401, 403):
+                    raise EndpointUnreachable(f"{_describe(response)}. Pass the key with --api-key or OPENAI_API_KEY.")
+                if response.status_code in TRANSIENT_STATUS:
+                    problem, retry_after = f"{_describe(response)}. {hint}", _retry_after(response)
+                elif response.status_code != 200:
+                    raise EndpointUnreachable(f"{_describe(response)}. {hint}.")
+                else:
+                    models = _model_ids(response)
+                    if models:
+                        self.model = self.model or models[0]
+                        return self.model
+                    problem = f"{url} lists no model yet (a router with no healthy worker?): {response.text[:200]!r}"
+            remaining = deadline - time.monotonic()
+            if attempt >= retry.max_retries and remaining <= 0:
+                if self.model is not None and cause is None and retry_after is None:
+                    return self.model  # a server that lists no model but was named one: let the requests tell
+                raise EndpointUnreachable(f"{problem}; --wait-ready SECONDS waits longer.") from cause
+            delay = retry.delay(attempt, retry_after)
+            await asyncio.sleep(min(delay, 5.0, remaining) if remaining > 0 else delay)
+            attempt += 1
 
     def _body(self, prompt: str) -> tuple[str, dict[str, Any]]:
         common: dict[str, Any] = {

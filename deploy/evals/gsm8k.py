@@ -41,6 +41,7 @@ class Gsm8kOptions:
     sample: bool = False
     seed: int = 0
     timeout_s: float | None = None
+    wait_ready_s: float = 0.0
     max_error_rate: float = DEFAULT_MAX_ERROR_RATE
     min_accuracy: float | None = None
     baseline: Path | None = None
@@ -87,7 +88,7 @@ async def evaluate(options: Gsm8kOptions) -> Report:
     fingerprint = questions_fingerprint(dataset.sha256, items, options.num_shots, options.client.api)
     max_errors = math.floor(options.max_error_rate * len(items))
     async with EndpointClient(options.client) as client:
-        model = await client.resolve_model()
+        model = await client.resolve_model(wait_s=options.wait_ready_s)
         with _sigterm_sets() as interrupt:
             run = await run_items(
                 client,
@@ -146,6 +147,7 @@ async def evaluate(options: Gsm8kOptions) -> Report:
         "max_retries": options.client.retry.max_retries,
         "request_timeout_s": options.client.request_timeout_s,
         "timeout_s": options.timeout_s,
+        "wait_ready_s": options.wait_ready_s,
         "max_error_rate": options.max_error_rate,
         "min_accuracy": options.min_accuracy,
         "baseline": str(options.baseline) if options.baseline else None,

@@ -61,6 +61,8 @@ class ServerScript:
     model: str = "gsm8k-test"
     # When set, every request must carry `Authorization: Bearer <api_key>` (else 401).
     api_key: str | None = None
+    # The first this many `GET /v1/models` list no model (a router before its workers are healthy).
+    empty_model_lists: int = 0
 
 
 def _question_of(prompt: str) -> str:
@@ -80,6 +82,7 @@ class Gsm8kTestServer:
         # Attempts seen per question, and the request bodies (for checks on what the harness sends).
         self.attempts: Counter[str] = Counter()
         self.bodies: list[dict[str, Any]] = []
+        self.model_lists = 0
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(("127.0.0.1", 0))
@@ -106,6 +109,9 @@ class Gsm8kTestServer:
         return app
 
     async def _models(self, _: web.Request) -> web.Response:
+        self.model_lists += 1
+        if self.model_lists <= self.script.empty_model_lists:
+            return web.json_response({"object": "list", "data": []})
         return web.json_response({"object": "list", "data": [{"id": self.script.model, "object": "model"}]})
 
     def _answer(self, question: str) -> web.Response | str:

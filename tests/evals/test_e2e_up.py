@@ -85,7 +85,8 @@ def test_gate_against_sglang_pd_up(gsm8k_path: Path, tmp_path: Path) -> None:
     with _stack() as base_url:
         start = time.monotonic()
         flags = ["--data", str(gsm8k_path), "--num-questions", "20", "--max-tokens", "16", "--parallel", "4"]
-        flags += ["--min-accuracy", "0.5", "--timeout", "240", "--quiet", "--output", str(report_path)]
+        flags += ["--min-accuracy", "0.5", "--wait-ready", "60", "--timeout", "240", "--quiet"]
+        flags += ["--output", str(report_path)]
         result = subprocess.run(
             [*CLI, "eval", "gsm8k", "--base-url", base_url, *flags],
             capture_output=True,

@@ -177,7 +177,17 @@ def test_unreachable_endpoint_exits_4(eval_cli: Any, closed_port: int) -> None:
     result = eval_cli(f"http://127.0.0.1:{closed_port}/v1", "--retries", "1", report=True)
     assert result.code == 4 and result.report is None
     assert f"error: Cannot reach http://127.0.0.1:{closed_port}/v1/models (ConnectError" in result.err
-    assert "Check --base-url" in result.err
+    assert "Check --base-url" in result.err and "--wait-ready SECONDS waits longer" in result.err
+
+
+def test_waits_for_a_router_to_list_its_model(dataset: Dataset, serve: Serve, eval_cli: Any) -> None:
+    server = serve(_script(dataset, lambda i: True, empty_model_lists=2))
+    assert eval_cli(server.base_url, "--num-questions", "3").code == 0
+    assert server.model_lists == 3
+    never = serve(_script(dataset, lambda i: True, empty_model_lists=10**6))
+    result = eval_cli(never.base_url, "--num-questions", "3", "--retries", "1", "--wait-ready", "0.3")
+    assert result.code == 4 and "lists no model yet" in result.err and "--wait-ready SECONDS" in result.err
+    assert never.model_lists >= 3  # kept asking for the whole --wait-ready, not just the retries
 
 
 def test_base_url_without_v1_says_so(dataset: Dataset, serve: Serve, eval_cli: Any) -> None:
