@@ -201,6 +201,8 @@ def test_gate_runs_gsm8k_against_the_router(render) -> None:
     assert cmd[:3] == ["sglang-pd", "eval", "gsm8k"]
     assert cmd[cmd.index("--base-url") + 1] == "http://demo-sglang-pd-router:8000/v1"
     assert cmd[cmd.index("--min-accuracy") + 1] == "0.93"
+    # The gate ends (with a report) before the Job's deadline kills it.
+    assert int(cmd[cmd.index("--timeout") + 1]) < job["spec"]["activeDeadlineSeconds"]
     assert c["env"][0]["name"] == "OPENAI_API_KEY"
     test = one(docs, "Pod", "-test-gsm8k")
     assert test["metadata"]["annotations"]["helm.sh/hook"] == "test"

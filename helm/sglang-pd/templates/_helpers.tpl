@@ -401,6 +401,11 @@ Return the gsm8k gate's container: call with (dict "context" $ "name" "gsm8k-gat
     - {{ $g.minAccuracy | quote }}
     - --output
     - /tmp/gsm8k-report.json
+    # Wait for the router to list a model; end with a report (exit 4) before Kubernetes kills the pod.
+    - --wait-ready
+    - "300"
+    - --timeout
+    - {{ sub (int $g.timeoutSeconds) 30 | quote }}
     {{- if $g.dataConfigMap }}
     - --data
     - /data/gsm8k/test.jsonl
