@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from sglang_pd.deploy.topology import DISPATCH_BUDGET_ENV, DecodeSpec, SBOMode, Topology
+from sglang_pd.sglang_patches.status import SBO_MODE_ENV
 
 __all__ = [
     "DIST_INIT_PORT",
@@ -128,6 +129,10 @@ def render_node(
     if isinstance(spec, DecodeSpec):
         if spec.sbo is not SBOMode.OFF:
             a.append("--enable-single-batch-overlap")
+            # Read by the sglang-pd plugin (sglang_patches), which sglang loads from its entry point in
+            # every process. SGLANG_PLUGINS is left unset: it is a whitelist and would switch off any
+            # other plugin installed in the image.
+            env[SBO_MODE_ENV] = spec.sbo.value
         if spec.cuda_graph_max_bs is not None:
             a += ["--cuda-graph-max-bs-decode", str(spec.cuda_graph_max_bs)]
         if spec.moe_a2a_backend == "deepep":

@@ -47,7 +47,17 @@ def test_decode_commands_per_node(r1) -> None:
         assert flag(c.argv, "--cuda-graph-max-bs-decode") == "64"
         # Deprecated / ambiguous spellings of REFERENCE.md §1 are never rendered.
         assert "--enable-dp-attention" not in c.argv and "--cuda-graph-max-bs" not in c.argv
-        assert c.env == {"SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK": "128"}
+        assert c.env == {"SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK": "128", "SGLANG_PD_SBO_MODE": "full"}
+
+
+@pytest.mark.parametrize(("sbo", "env"), [("full", "full"), ("shared-only", "shared-only"), ("off", None)])
+def test_decode_sbo_mode_reaches_the_plugin(preset_dict, sbo: str, env: str | None) -> None:
+    data = preset_dict()
+    data["decode"]["sbo"] = sbo
+    c = render_node(parse_topology(data), "decode")
+    assert c.env.get("SGLANG_PD_SBO_MODE") == env
+    assert ("--enable-single-batch-overlap" in c.argv) == (env is not None)
+    assert "SGLANG_PLUGINS" not in c.env  # a whitelist would switch off the image's other sglang plugins
 
 
 def test_leader_address_from_launcher(r1) -> None:
@@ -111,5 +121,7 @@ def test_ib_devices_in_gpu_order(preset_dict) -> None:
 def test_shell_line_quotes_values_and_expands_leader(r1) -> None:
     c = render_node(r1, "decode")
     line = c.shell()
-    assert line.startswith("SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK=128 python3 -m sglang.launch_server")
+    assert line.startswith(
+        "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK=128 SGLANG_PD_SBO_MODE=full python3 -m sglang.launch_server"
+    )
     assert f'--dist-init-addr "{LEADER_HOST_PLACEHOLDER}:5000"' in line
