@@ -63,7 +63,26 @@ class Cell:
     p90_ms: float = 0.0
     p99_ms: float = 0.0
     ttfb_p50_ms: float = 0.0
+    cpu_ms_per_req: float = 0.0  # the router process's CPU (user + system, all threads) per request
     error_samples: list[str] = field(default_factory=list)
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU of processes (all their threads) so far, from Linux /proc."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+async def _cpu_during(pids: list[int], start: float, stop: float) -> float:
+    await asyncio.sleep(max(0.0, start - time.perf_counter()))
+    before = _cpu_seconds(pids)
+    await asyncio.sleep(max(0.0, stop - time.perf_counter()))
+    return _cpu_seconds(pids) - before
 
 
 def _free_port() -> int:
@@ -160,7 +179,7 @@ def direct(prefills: list[WorkerProcess], decodes: list[WorkerProcess], tokens: 
     return send
 
 
-async def run_cell(send: Sender, cell: Cell, duration: float, warmup: float) -> None:
+async def run_cell(send: Sender, cell: Cell, duration: float, warmup: float, pids: list[int]) -> None:
     latencies: list[float] = []
     ttfbs: list[float] = []
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=False)
@@ -187,7 +206,9 @@ async def run_cell(send: Sender, cell: Cell, duration: float, warmup: float) -> 
                     ttfbs.append(ttfb)
 
         began = time.perf_counter()
+        measure = asyncio.ensure_future(_cpu_during(pids, measure_from, stop_at))
         await asyncio.gather(*[loop() for _ in range(cell.concurrency)])
+        cpu = await measure
         cell.seconds = time.perf_counter() - max(began, measure_from)
     cell.requests = len(latencies)
     cell.rps = cell.requests / cell.seconds if cell.seconds > 0 else 0.0
@@ -195,6 +216,7 @@ async def run_cell(send: Sender, cell: Cell, duration: float, warmup: float) -> 
     cell.p90_ms = _pct(latencies, 0.90)
     cell.p99_ms = _pct(latencies, 0.99)
     cell.ttfb_p50_ms = _pct(ttfbs, 0.50)
+    cell.cpu_ms_per_req = cpu * 1000 / cell.requests if cell.requests and pids else 0.0
 
 
 def _wait_http(url: str, path: str, timeout: float, proc: subprocess.Popen[bytes]) -> None:
@@ -279,14 +301,15 @@ def _find_smg() -> str | None:
 def _table(cells: list[Cell], direct_p50: dict[tuple[bool, int], float]) -> str:
     head = (
         f"{'target':<8} {'stream':<6} {'conc':>4} {'req/s':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} "
-        f"{'ttfb p50':>9} {'+p50 vs direct':>15} {'errors':>6}"
+        f"{'ttfb p50':>9} {'+p50 vs direct':>15} {'cpu ms/req':>10} {'errors':>6}"
     )
     lines = [head, "-" * len(head)]
     for c in cells:
         added = c.p50_ms - direct_p50.get((c.stream, c.concurrency), c.p50_ms)
         lines.append(
             f"{c.target:<8} {('yes' if c.stream else 'no'):<6} {c.concurrency:>4} {c.rps:>9.0f} {c.p50_ms:>8.2f} "
-            f"{c.p90_ms:>8.2f} {c.p99_ms:>8.2f} {c.ttfb_p50_ms:>9.2f} {added:>+15.2f} {c.errors:>6}"
+            f"{c.p90_ms:>8.2f} {c.p99_ms:>8.2f} {c.ttfb_p50_ms:>9.2f} {added:>+15.2f} "
+            f"{(f'{c.cpu_ms_per_req:.3f}' if c.cpu_ms_per_req else '-'):>10} {c.errors:>6}"
         )
     return "\n".join(lines)
 
@@ -328,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         "smg": subprocess.run([smg, "--version"], capture_output=True, text=True).stdout.strip() if smg else None,
     }
     senders: dict[str, Sender] = {}
+    pids: dict[str, list[int]] = {"direct": []}
     try:
         with contextlib.ExitStack() as stack:
             for target in targets:
@@ -341,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     assert smg is not None
                     cmd = _smg_cmd(smg, port, prefills, decodes)
-                stack.enter_context(_process(cmd, url, "/readiness", logs / f"bench_{target}.log"))
+                proc = stack.enter_context(_process(cmd, url, "/readiness", logs / f"bench_{target}.log"))
+                pids[target] = [proc.pid]
                 senders[target] = via_url(url, args.tokens)
             time.sleep(1.0)
             # The machine is shared and noisy: targets take turns cell by cell (in a rotating
@@ -353,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
                         order = targets[r % len(targets) :] + targets[: r % len(targets)]
                         for target in order:
                             cell = Cell(target, stream, conc)
-                            asyncio.run(run_cell(senders[target], cell, args.duration, args.warmup))
+                            asyncio.run(run_cell(senders[target], cell, args.duration, args.warmup, pids[target]))
                             rounds.setdefault((target, stream, conc), []).append(cell)
                             print(
                                 f"  round {r} {target:<6} stream={stream!s:<5} c={conc:<3} {cell.rps:8.0f} req/s  "
@@ -381,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
                     p90_ms=statistics.median(c.p90_ms for c in runs),
                     p99_ms=statistics.median(c.p99_ms for c in runs),
                     ttfb_p50_ms=statistics.median(c.ttfb_p50_ms for c in runs),
+                    cpu_ms_per_req=statistics.median(c.cpu_ms_per_req for c in runs),
                     error_samples=[e for c in runs for e in c.error_samples][:3],
                 )
                 cells.append(merged)

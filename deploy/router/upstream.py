@@ -50,6 +50,7 @@ class UpstreamPool:
             self._session = aiohttp.ClientSession(
                 connector=connector,
                 auto_decompress=False,
+                cookie_jar=aiohttp.DummyCookieJar(),  # workers set no cookies the router should keep
                 skip_auto_headers=("User-Agent", "Accept-Encoding"),
                 trust_env=False,
             )
