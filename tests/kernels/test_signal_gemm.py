@@ -1,0 +1,372 @@
+"""Tests for kernels/signal_gemm.py: the sm_90 masked grouped down GEMM with completion signals.
+
+GPU tests run on the device machine (``pytest -m gpu tests/kernels``); CI has no CUDA and skips
+them. ``test_interpreter_smoke`` runs the same kernel through Triton's CPU interpreter, so CI checks
+the FP8 path, both signal layouts and the TMA variant whenever triton is installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+import zlib
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from sglang_pd.kernels import signal_gemm as sg  # noqa: E402
+from sglang_pd.kernels.signal_consumer import copy_when_signalled  # noqa: E402
+
+#: ‖out − ref‖ / ‖ref‖ for exact FP8 operands, fp32 accumulation and a bf16 output: the bf16
+#: rounding of the output alone gives about 1.5e-3 (METHOD.md: bf16 lands between 1e-3 and 1e-2).
+FP8_RTOL = 4e-3
+#: bf16 operands accumulate in fp32; same output rounding.
+BF16_RTOL = 4e-3
+
+
+# %%
+# Inputs: DeepSeek-V3's FP8 recipe, on fresh random data every time
+# ---------------------------------------------------------------
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, M, K] → FP8 e4m3 and one float32 scale per token per 128 channels."""
+    E, M, K = x.shape
+    blocks = x.float().view(E, M, K // 128, 128)
+    scale = blocks.abs().amax(-1).clamp(min=1e-4) / 448.0
+    return (blocks / scale[..., None]).view(E, M, K).to(torch.float8_e4m3fn), scale
+
+
+def quantize_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] → FP8 e4m3 and one float32 scale per 128×128 block."""
+    E, N, K = w.shape
+    nb = -(-N // 128)
+    padded = torch.zeros(E, nb * 128, K, device=w.device)
+    padded[:, :N] = w.float()
+    blocks = padded.view(E, nb, 128, K // 128, 128)
+    scale = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-4) / 448.0
+    q = (blocks / scale[:, :, None, :, None]).view(E, nb * 128, K)[:, :N].contiguous()
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def make_fp8_problem(E: int, M_max: int, N: int, K: int, device: str = "cuda"):
+    # Varied magnitudes per expert and channel, so that the scales matter.
+    x = torch.randn(E, M_max, K, device=device) * torch.rand(E, 1, K, device=device).add(0.1)
+    w = torch.randn(E, N, K, device=device) * torch.rand(E, N, 1, device=device).add(0.1)
+    a, a_scale = quantize_activations(x)
+    b, b_scale = quantize_weights(w)
+    return a, a_scale, b, b_scale
+
+
+def poisoned(E: int, M_max: int, N: int) -> torch.Tensor:
+    return torch.full((E, M_max, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+
+
+def check_output(out: torch.Tensor, ref: torch.Tensor, masked_m: torch.Tensor, rtol: float) -> None:
+    """Rows < masked_m[e] match the reference; rows at or beyond it still hold the poison."""
+    for e, m in enumerate(masked_m.tolist()):
+        assert out[e, m:].isnan().all(), f"expert {e}: a row at or beyond masked_m={m} was written"
+        if m == 0:
+            continue
+        got = out[e, :m].double()
+        assert not got.isnan().any(), f"expert {e}: a row below masked_m={m} was not written"
+        err = ((got - ref[e, :m]).norm() / ref[e, :m].norm()).item()
+        assert err < rtol, f"expert {e} (masked_m={m}): relative error {err:.2e} exceeds {rtol:.0e}"
+
+
+SHAPES = [
+    # (E, M_max, N, K): DeepSeek-V3 down projection at test scale, then an odd one.
+    (4, 256, 7168, 2048),
+    (3, 70, 200, 256),
+]
+
+MASKS = {
+    "all0": lambda E, M: [0] * E,
+    "all1": lambda E, M: [1] * E,
+    "all63": lambda E, M: [min(63, M)] * E,
+    "all64": lambda E, M: [min(64, M)] * E,
+    "all65": lambda E, M: [min(65, M)] * E,
+    "allMmax": lambda E, M: [M] * E,
+    "mix": None,  # random per expert, zeros included
+}
+
+VARIANTS = [
+    sg.GemmConfig(block_m=64, block_n=128, num_stages=4, num_warps=4),
+    sg.GemmConfig(block_m=64, block_n=256, num_stages=4, num_warps=8),
+    sg.GemmConfig(block_m=128, block_n=128, num_stages=3, num_warps=8),
+    sg.GemmConfig(block_m=64, block_n=128, num_stages=4, num_warps=8, swap_ab=True),
+    sg.GemmConfig(block_m=64, block_n=128, num_stages=4, num_warps=4, use_tma=True),
+    sg.GemmConfig(block_m=64, block_n=64, num_stages=6, num_warps=4, flatten=False),
+    sg.GemmConfig(block_m=64, block_n=256, num_stages=3, num_warps=8, use_tma=True, signal_asm=True),
+    sg.GemmConfig(block_m=64, block_n=128, num_stages=4, num_warps=4, flatten=False, signal_asm=True),
+]
+
+
+def masked_m_for(name: str, E: int, M_max: int, gen: torch.Generator) -> torch.Tensor:
+    if MASKS[name] is None:
+        values = torch.randint(0, M_max + 1, (E,), generator=gen)
+        values[torch.randint(0, E, (1,), generator=gen)] = 0
+        return values.to(torch.int32).cuda()
+    return torch.tensor(MASKS[name](E, M_max), dtype=torch.int32, device="cuda")
+
+
+# %%
+# Correctness
+# -----------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("config", [None, *VARIANTS], ids=lambda c: "picked" if c is None else repr(c))
+@pytest.mark.parametrize("mode", [sg.SIGNAL_NONE, sg.SIGNAL_SGLANG, sg.SIGNAL_DEEPEP])
+def test_fp8_masked_gemm(shape, mask, config, mode):
+    E, M_max, N, K = shape
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, mask, config, mode)).encode()))
+    masked_m = masked_m_for(mask, E, M_max, gen)
+    a, a_scale, b, b_scale = make_fp8_problem(E, M_max, N, K)
+    cfg = config or sg.pick_config(int(masked_m.float().mean().item()) or 1)
+    signal = torch.zeros(
+        E * -(-M_max // cfg.block_m) if mode == sg.SIGNAL_SGLANG else E,
+        dtype=torch.int32 if mode != sg.SIGNAL_DEEPEP else torch.uint32,
+        device="cuda",
+    )
+    out = poisoned(E, M_max, N)
+    num_sms = 7 if mode == sg.SIGNAL_DEEPEP else None  # fewer programs than tiles and than experts
+    result = sg.masked_grouped_gemm(
+        a,
+        b,
+        out,
+        masked_m,
+        a_scale=a_scale,
+        b_scale=b_scale,
+        signal=signal,
+        signal_mode=mode,
+        config=cfg,
+        num_sms=num_sms,
+    )
+    torch.cuda.synchronize()
+    ref = sg.reference_masked_grouped_gemm(a, b, masked_m, a_scale, b_scale)
+    check_output(out, ref, masked_m, FP8_RTOL)
+    if mode == sg.SIGNAL_SGLANG:
+        assert result == (cfg.block_m, -(-N // cfg.block_n))
+        expected = sg.reference_sglang_signal(masked_m, M_max, N, cfg.block_m, cfg.block_n)
+        assert torch.equal(signal.cpu(), expected), "sglang-layout signals differ from the reference"
+    elif mode == sg.SIGNAL_DEEPEP:
+        assert result == (7, 7)
+        expected = sg.reference_deepep_signal(E, 7)
+        assert torch.equal(signal.view(torch.int32).cpu(), expected), "DeepEP-layout signals differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_bf16_masked_gemm(mask, swap_ab):
+    E, M_max, N, K = 4, 192, 1536, 1024
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((mask, swap_ab)).encode()))
+    masked_m = masked_m_for(mask, E, M_max, gen)
+    a = torch.randn(E, M_max, K, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16)
+    out = poisoned(E, M_max, N)
+    cfg = sg.GemmConfig(block_m=64, block_n=128, num_stages=3, num_warps=8 if swap_ab else 4, swap_ab=swap_ab)
+    signal = torch.zeros(E * -(-M_max // 64), dtype=torch.int32, device="cuda")
+    assert sg.bf16_m_grouped_gemm_nt_masked(
+        a, b, out, masked_m, 64, enable_overlap=True, signal=signal, config=cfg
+    ) == (64, -(-N // 128))
+    torch.cuda.synchronize()
+    check_output(out, sg.reference_masked_grouped_gemm(a, b, masked_m), masked_m, BF16_RTOL)
+    assert torch.equal(signal.cpu(), sg.reference_sglang_signal(masked_m, M_max, N, 64, 128))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_deepgemm_compatible_entry():
+    """Same argument order and return value as ``deep_gemm.fp8_m_grouped_gemm_nt_masked``."""
+    E, M_max, N, K = 4, 128, 7168, 2048
+    a, a_scale, b, b_scale = make_fp8_problem(E, M_max, N, K)
+    masked_m = torch.tensor([5, 64, 0, 128], dtype=torch.int32, device="cuda")
+    out = poisoned(E, M_max, N)
+    assert sg.fp8_m_grouped_gemm_nt_masked((a, a_scale), (b, b_scale), out, masked_m, 64) == (None, None)
+    signal = torch.zeros(E * 2, dtype=torch.int32, device="cuda")
+    block_m, threshold = sg.fp8_m_grouped_gemm_nt_masked(
+        (a, a_scale), (b, b_scale), out, masked_m, 64, enable_overlap=True, max_block_n=160, signal=signal
+    )
+    assert block_m == 64 and threshold == -(-N // 128)  # block_n capped to 128 by max_block_n=160
+    torch.cuda.synchronize()
+    check_output(out, sg.reference_masked_grouped_gemm(a, b, masked_m, a_scale, b_scale), masked_m, FP8_RTOL)
+    assert torch.equal(signal.cpu(), sg.reference_sglang_signal(masked_m, M_max, N, block_m, 128))
+    # DeepEP's layout: uint32 per expert, expected value = number of programs.
+    sig = torch.zeros(E, dtype=torch.uint32, device="cuda")
+    programs, _ = sg.fp8_m_grouped_gemm_nt_masked(
+        (a, a_scale), (b, b_scale), out, masked_m, 64, enable_overlap=True, signal=sig, signal_layout="deepep"
+    )
+    torch.cuda.synchronize()
+    assert torch.equal(sig.view(torch.int32).cpu(), sg.reference_deepep_signal(E, programs))
+
+
+# %%
+# Ordering: a consumer on another stream never sees a torn row-block
+# -------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layout", ["sglang", "deepep"])
+@pytest.mark.parametrize("signal_asm", [False, True], ids=["triton-atomic", "ptx-release"])
+def test_signal_ordering_with_polling_consumer(layout, signal_asm, request):
+    """Over 1000 randomized runs, a consumer that copies each unit as soon as its signal completes
+    copies exactly the final output: no unit is ever announced before its rows are stored."""
+    if not signal_asm:
+        # Triton's own atomic path is kept for comparison, not used by default. Seen on the H200
+        # (2026-11-30): in the flattened loop it costs +120 % and its consumer sometimes gives up
+        # (the GEMM did not progress while the consumer polled); see kernels/README.md.
+        request.applymarker(pytest.mark.xfail(reason="Triton-atomic signals: see kernels/README.md", strict=False))
+    runs = int(os.environ.get("SIGNAL_ORDERING_RUNS", "1000"))
+    E, M_max, N, K = 8, 256, 7168, 2048
+    consumer_programs = 3
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count - consumer_programs
+    a, a_scale, b, b_scale = make_fp8_problem(E, M_max, N, K)
+    out = torch.empty(E, M_max, N, dtype=torch.bfloat16, device="cuda")
+    copy = torch.empty_like(out)
+    side = torch.cuda.Stream()
+    gen = torch.Generator().manual_seed(7 if layout == "sglang" else 8)
+
+    # One run of each kernel before the loop, so that no module load happens while a consumer spins.
+    def pick(m: int) -> sg.GemmConfig:
+        return dataclasses.replace(sg.pick_config(m, signalled=True), signal_asm=signal_asm)
+
+    for cfg in {pick(m) for m in (1, 64, 128, M_max)}:
+        warm = torch.zeros(E * -(-M_max // cfg.block_m), dtype=torch.int32, device="cuda")
+        full = torch.full((E,), M_max, dtype=torch.int32, device="cuda")
+        mode = sg.SIGNAL_DEEPEP if layout == "deepep" else sg.SIGNAL_SGLANG
+        sg.masked_grouped_gemm(
+            a,
+            b,
+            out,
+            full,
+            a_scale=a_scale,
+            b_scale=b_scale,
+            signal=warm,
+            signal_mode=mode,
+            num_sms=num_sms,
+            config=cfg,
+        )
+        target = num_sms if layout == "deepep" else -(-N // cfg.block_n)
+        copy_when_signalled(warm, full, out, copy, target, per_expert=layout == "deepep", block_m=cfg.block_m)
+    torch.cuda.synchronize()
+    mismatches, waited_units, gave_up, units = 0, 0, 0, 0
+    stuck: list = []  # (masked_m, final signals, waited) of runs where the consumer gave up
+    for run in range(runs):
+        masked_m = torch.randint(0, M_max + 1, (E,), generator=gen).to(torch.int32).cuda()
+        if run % 4 == 0:
+            a, a_scale, _, _ = make_fp8_problem(E, M_max, 128, K)  # fresh activations now and then
+        out.fill_(float("nan"))
+        copy.fill_(float("-inf"))
+        cfg = pick(int(masked_m.float().mean().item()) or 1)
+        per_expert = layout == "deepep"
+        signal = torch.zeros(E if per_expert else E * -(-M_max // cfg.block_m), dtype=torch.int32, device="cuda")
+        target = num_sms if per_expert else -(-N // cfg.block_n)
+        torch.cuda.synchronize()
+        delay_consumer, delay_gemm = torch.randint(0, 20000, (2,), generator=gen).tolist()
+        with torch.cuda.stream(side):
+            if run % 3 == 1:
+                torch.cuda._sleep(delay_consumer)
+            waited = copy_when_signalled(
+                signal,
+                masked_m,
+                out,
+                copy,
+                target,
+                per_expert=per_expert,
+                block_m=cfg.block_m,
+                num_programs=consumer_programs,
+            )
+        if run % 3 != 1:
+            torch.cuda._sleep(delay_gemm)
+        sg.masked_grouped_gemm(
+            a,
+            b,
+            out,
+            masked_m,
+            a_scale=a_scale,
+            b_scale=b_scale,
+            signal=signal,
+            signal_mode=sg.SIGNAL_DEEPEP if per_expert else sg.SIGNAL_SGLANG,
+            num_sms=num_sms,
+            config=cfg,
+        )
+        torch.cuda.synchronize()
+        rows = torch.arange(M_max, device="cuda")[None, :] < masked_m[:, None]
+        same = torch.where(rows[:, :, None], copy.view(torch.int16) == out.view(torch.int16), True)
+        mismatches += int((~same).any().item())
+        waited_units += int((waited == 1).sum().item())
+        if (waited == 2).any():
+            stuck.append((masked_m.tolist(), signal.tolist(), waited.tolist()))
+        gave_up += int((waited == 2).sum().item())
+        units += waited.numel()
+    assert gave_up == 0, f"the consumer gave up on {gave_up} units (target {target}): {stuck[:3]}"
+    assert mismatches == 0, f"{mismatches} of {runs} runs copied a unit before its rows were stored"
+    # The test only has teeth if the consumer really polled while the GEMM ran.
+    assert waited_units > 0, "the consumer never found an unfinished unit: no overlap happened"
+    print(
+        f"{layout} signal_asm={signal_asm}: {runs} runs, {waited_units}/{units} units copied while the GEMM was running"
+    )
+
+
+# %%
+# CPU: the same kernel through Triton's interpreter (runs in CI when triton is installed)
+# ---------------------------------------------------------------------------------------
+
+_INTERPRETER_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from sglang_pd.kernels import signal_gemm as sg
+
+    torch.manual_seed(0)
+    E, M, N, K = 3, 70, 200, 256
+    a, a_scale = quantize_activations(torch.randn(E, M, K))
+    b, b_scale = quantize_weights(torch.randn(E, N, K))
+    masked_m = torch.tensor([0, 65, 7], dtype=torch.int32)
+    ref = sg.reference_masked_grouped_gemm(a, b, masked_m, a_scale, b_scale)
+    for cfg in (sg.GemmConfig(block_m=64, block_n=64, num_stages=2),
+                sg.GemmConfig(block_m=64, block_n=128, swap_ab=True),
+                sg.GemmConfig(block_m=64, block_n=64, use_tma=True)):
+        for mode in (sg.SIGNAL_NONE, sg.SIGNAL_SGLANG, sg.SIGNAL_DEEPEP):
+            out = torch.full((E, M, N), float("nan"), dtype=torch.bfloat16)
+            sig = torch.zeros(E * 2 if mode == sg.SIGNAL_SGLANG else E, dtype=torch.int32)
+            sg.masked_grouped_gemm(a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale, signal=sig,
+                                   signal_mode=mode, num_sms=5, config=cfg)
+            for e, m in enumerate(masked_m.tolist()):
+                assert out[e, m:].isnan().all(), (cfg, mode, e)
+                if m:
+                    err = ((out[e, :m].double() - ref[e, :m]).norm() / ref[e, :m].norm()).item()
+                    assert err < 4e-3, (cfg, mode, e, err)
+            if mode == sg.SIGNAL_SGLANG:
+                assert torch.equal(sig, sg.reference_sglang_signal(masked_m, M, N, cfg.block_m, cfg.block_n))
+            if mode == sg.SIGNAL_DEEPEP:
+                assert torch.equal(sig, sg.reference_deepep_signal(E, 5))
+    print("ok")
+    """
+)
+
+
+def test_interpreter_smoke():
+    """FP8 path, both signal layouts and the TMA variant, on the CPU through TRITON_INTERPRET=1.
+    (The interpreter's bf16 dot is wrong on CPU in triton 3.9, so the bf16 variant is GPU-only.)"""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    helpers = "".join(inspect.getsource(f) for f in (quantize_activations, quantize_weights))
+    script = "import torch\n" + helpers + _INTERPRETER_SCRIPT
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
