@@ -48,7 +48,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.check:
         from dataclasses import replace
 
+        from sglang_pd.deploy.doctor import sbo_topology_warnings
         from sglang_pd.deploy.sglang_check import SglangUnavailable, check_with_sglang
+
+        # SBO asked for on a GPU type this build cannot serve it on (warnings, not errors).
+        sbo_warnings = sbo_topology_warnings(t)
+        if sbo_warnings:
+            plan = replace(plan, rules=replace(rules, warnings=[*rules.warnings, *sbo_warnings]))
 
         try:
             checks = check_with_sglang(t)
@@ -80,7 +86,9 @@ DELEGATED = {
     "router": ("sglang_pd.deploy.router.cli", "run the OpenAI-compatible PD router"),
     "kv-probe": ("sglang_pd.deploy.kv.cli", "check KV transfer (Mooncake) between a prefill and a decode host"),
     "engine": ("sglang_pd.deploy.refengine.cli", "run one reference engine (prefill, decode or both) on CPU"),
+    "up": ("sglang_pd.deploy.local", "run a topology here: engines and router as child processes"),
     "eval": ("sglang_pd.deploy.evals.cli", "run an accuracy gate against an OpenAI-compatible endpoint"),
+    "doctor": ("sglang_pd.deploy.doctor", "what this machine can serve: versions, GPU, SBO halves and why not"),
 }
 
 

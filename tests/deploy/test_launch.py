@@ -67,7 +67,10 @@ def test_dry_run_prints_argv_env_and_checks(capsys, monkeypatch) -> None:
         monkeypatch.setenv(k, v)
     assert main(["launch", "--role", "decode", "--topology", str(R1), "--dry-run"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["node_rank"] == 1 and doc["env"] == {"SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK": "128"}
+    assert doc["node_rank"] == 1 and doc["env"] == {
+        "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK": "128",
+        "SGLANG_PD_SBO_MODE": "full",
+    }
     assert doc["argv"][doc["argv"].index("--node-rank") + 1] == "1"
     assert {c["name"] for c in doc["checks"]} == {"gpus", "shm", "memlock", "rdma"}
 
