@@ -147,30 +147,48 @@ def _wait_aborts(urls: list[str], rid: str, timeout: float = 5.0) -> None:
     raise AssertionError(f"abort_request for {rid} missing: {[_aborts(u) for u in urls]}")
 
 
+def _legs_of(cluster: Cluster, rid: str) -> list[str]:
+    """URLs of the prefill and the decode worker that received request `rid`."""
+    return [
+        w.url
+        for w in cluster.prefills + cluster.decodes
+        if any(r["rid"] == rid for r in httpx.get(w.url + "/_test/state").json()["requests"])
+    ]
+
+
+async def _hang_up(url: str, rid: str, stream: bool) -> None:
+    """Send a request and disconnect: after the first chunk (stream) or after 0.15 s (unary)."""
+    async with httpx.AsyncClient(timeout=10) as client:
+        if stream:
+            async with client.stream("POST", url + CHAT, json=_chat(True, rid, tokens=200),
+                                     headers={"x-request-id": rid}) as resp:  # fmt: skip
+                async for _ in resp.aiter_raw():
+                    break
+        else:
+            with contextlib.suppress(httpx.ReadTimeout):
+                await client.post(url + CHAT, json=_chat(False, rid, tokens=200), headers={"x-request-id": rid},
+                                  timeout=0.15)  # fmt: skip
+
+
 def test_client_disconnect_aborts_both_legs(cluster_factory: Callable[..., Cluster]) -> None:
-    cluster = cluster_factory(1, 1, token_delay=0.05, prefill_delay=0.3)
-    urls = [cluster.prefills[0].url, cluster.decodes[0].url]
+    cluster = cluster_factory(2, 2, token_delay=0.02, prefill_delay=0.05)
     with serve_router(cluster.config()) as running:
         wait_ready(running.url)
-        # Streaming: read the first chunk, then hang up.
-        headers = {"x-request-id": "gone-stream"}
-        with (
-            httpx.Client(timeout=10) as client,
-            client.stream("POST", running.url + CHAT, json=_chat(True, "x", tokens=100), headers=headers) as resp,
-        ):
-            next(resp.iter_raw())
-        _wait_aborts(urls, "gone-stream")
-        # Non-streaming: the client gives up while prefill is still working.
-        with contextlib.suppress(httpx.ReadTimeout):
-            httpx.post(
-                running.url + CHAT,
-                json=_chat(False, "y", tokens=100),
-                headers={"x-request-id": "gone-unary"},
-                timeout=0.15,
-            )
-        _wait_aborts(urls, "gone-unary")
-        assert running.app.registry.decode[0].in_flight == 0
-        assert running.app.registry.prefill[0].in_flight == 0
+
+        async def scenario() -> list[Any]:
+            async with httpx.AsyncClient(timeout=DEADLINE + 5) as client:
+                load = [asyncio.ensure_future(_stream(client, running.url, f"bg-s{i}")) for i in range(6)]
+                load += [asyncio.ensure_future(_unary(client, running.url, f"bg-u{i}")) for i in range(6)]
+                await asyncio.gather(*[_hang_up(running.url, f"gone-{k}{i}", k == "s") for k in "su" for i in range(3)])
+                return await asyncio.wait_for(asyncio.gather(*load), DEADLINE)
+
+        background = asyncio.run(scenario())
+        assert all(status == 200 and _complete(body) for status, body, _ in background), "others unaffected"
+        for rid in [f"gone-{k}{i}" for k in "su" for i in range(3)]:
+            legs = _legs_of(cluster, rid)
+            assert len(legs) == 2, (rid, legs)
+            _wait_aborts(legs, rid)
+        assert all(w.in_flight == 0 for w in running.app.registry.all())
 
 
 def test_hung_worker_times_out_cleanly(cluster_factory: Callable[..., Cluster]) -> None:
