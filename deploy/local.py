@@ -82,7 +82,7 @@ def local_children(t: Topology, *, host: str, port: int) -> list[ChildSpec]:
         router += ["--prefill", url, str(bootstrap)]
     for url in decode:
         router += ["--decode", url]
-    children.append(ChildSpec("router", router, f"http://{_client_host(host)}:{port}/health"))
+    children.append(ChildSpec("router", router, f"http://{_client_host(host)}:{port}/readiness"))
     return children
 
 
@@ -113,7 +113,7 @@ def sglang_children(t: Topology, *, host: str, port: int) -> list[ChildSpec]:
         router += ["--prefill", url, str(t.prefill.bootstrap_port + i)]
     for url in decode_urls:
         router += ["--decode", url]
-    children.append(ChildSpec("router", router, f"http://{_client_host(host)}:{port}/health"))
+    children.append(ChildSpec("router", router, f"http://{_client_host(host)}:{port}/readiness"))
     return children
 
 

@@ -70,7 +70,9 @@ def _wait_healthy(procs: list[Proc], timeout_s: float = 120) -> None:
             if p.proc.poll() is not None:
                 raise RuntimeError(f"{p.name} exited with {p.proc.returncode}:\n{p.log.read_text()[-3000:]}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{p.url}/health", timeout=2).status_code == 200:
+                # a router is ready once it has seen a healthy worker of each role
+                path = "/readiness" if p.name.startswith("router") else "/health"
+                if httpx.get(f"{p.url}{path}", timeout=2).status_code == 200:
                     pending.remove(p)
         if time.monotonic() > deadline:
             raise RuntimeError(f"not healthy after {timeout_s} s: {[p.name for p in pending]}")
