@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     except TopologyError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INVALID
+    except BrokenPipeError:  # `sglang-pd plan ... | head`: the reader left; not an error
+        sys.stderr.close()
+        return EXIT_OK
 
 
 if __name__ == "__main__":

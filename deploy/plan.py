@@ -80,37 +80,18 @@ def _parallelism(role: Role, t: Topology) -> str:
 
 def _table(p: Plan) -> str:
     t = p.topology
+    ports = {
+        "prefill": f"http {t.prefill.port}, bootstrap {t.prefill.bootstrap_port}",
+        "decode": f"http {t.decode.port}",
+    }
+    counts = {"prefill": t.prefill.instances, "decode": t.decode.groups}
     rows = [("role", "count", "nodes", "GPUs", "parallelism", "ports")]
-    rows.append(
-        (
-            "prefill",
-            str(t.prefill.instances),
-            str(p.nodes["prefill"]),
-            str(p.gpus["prefill"]),
-            _parallelism("prefill", t),
-            f"http {t.prefill.port}, bootstrap {t.prefill.bootstrap_port}",
-        )
-    )
-    rows.append(
-        (
-            "decode",
-            str(t.decode.groups),
-            str(p.nodes["decode"]),
-            str(p.gpus["decode"]),
-            _parallelism("decode", t),
-            f"http {t.decode.port}",
-        )
-    )
-    rows.append(
-        (
-            "router",
-            "1",
-            "-",
-            "-",
-            f"prefill {t.router.prefill_policy}, decode {t.router.decode_policy}",
-            f"http {t.router.port}",
-        )
-    )
+    rows += [
+        (role, str(counts[role]), str(p.nodes[role]), str(p.gpus[role]), _parallelism(role, t), ports[role])
+        for role in ("prefill", "decode")
+    ]
+    policies = f"prefill {t.router.prefill_policy}, decode {t.router.decode_policy}"
+    rows.append(("router", "1", "-", "-", policies, f"http {t.router.port}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [
         f"topology {t.name}: {t.model.path} served as {t.model.name!r} on {t.hardware.gpu} "
