@@ -13,13 +13,14 @@ $(VENV)/.installed: pyproject.toml Makefile
 	@# Mooncake's non-CUDA wheel links libibverbs (Debian libibverbs1), even for TCP transfers.
 	@ldconfig -p | grep -q 'libibverbs.so.1 ' || { apt-get update -qq && apt-get install -y -qq libibverbs1; }
 	python3 -m venv $(VENV)
-	$(PIP) -e '.[dev,validate]'
+	$(PIP) -e '.[dev,validate,kv-cpu]'
 	# sglang's own pins pull CUDA-only wheels; its argument code needs only the `validate` extra.
 	$(PIP) --no-deps sglang==$(SGLANG_VERSION)
 	touch $@
 
-run: $(VENV)/.installed  ## plan the embedded default topology and check it with sglang itself
-	$(VENV)/bin/sglang-pd plan $(TOPOLOGY) --check
+run: $(VENV)/.installed  ## the whole PD system here: engines, KV over Mooncake TCP, router (Ctrl-C stops it)
+	$(VENV)/bin/sglang-pd plan $(TOPOLOGY)
+	$(VENV)/bin/sglang-pd up $(TOPOLOGY)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -10,39 +10,18 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from pathlib import Path
 
-from sglang_pd.deploy.topology import TopologyError, check_rules, load_topology
+from sglang_pd.deploy.topology import TopologyError, load_checked_topology
 
-__all__ = ["PRESETS_DIR", "main", "resolve_topology_path"]
-
-PRESETS_DIR = Path(__file__).parent / "presets"
+__all__ = ["main"]
 
 EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_CHECK_UNAVAILABLE = 0, 1, 2, 3
-
-
-def resolve_topology_path(name: str) -> Path:
-    """A topology file path, or the name of a shipped preset (`local-cpu`, ...)."""
-    path = Path(name)
-    if path.exists():
-        return path
-    preset = PRESETS_DIR / f"{name.removesuffix('.yaml')}.yaml"
-    if preset.exists() and path.parent == Path("."):
-        return preset
-    presets = ", ".join(sorted(p.stem for p in PRESETS_DIR.glob("*.yaml")))
-    raise TopologyError(f"{name}: no such topology file, nor a preset of that name (presets: {presets}).")
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from sglang_pd.deploy.plan import build_plan, format_plan
 
-    t = load_topology(resolve_topology_path(args.topology))
-    rules = check_rules(t)
-    if rules.errors:
-        print(f"{args.topology}: the topology breaks {len(rules.errors)} rule(s):", file=sys.stderr)
-        for e in rules.errors:
-            print(f"  - {e}", file=sys.stderr)
-        return EXIT_INVALID
+    t, rules = load_checked_topology(args.topology)
     plan = build_plan(t, rules)
     status = EXIT_OK
     if args.check:

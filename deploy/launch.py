@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sglang_pd.deploy.sglang_args import NodeCommand, render_node
-from sglang_pd.deploy.topology import Topology, TopologyError, check_rules, load_topology
+from sglang_pd.deploy.topology import Topology, load_checked_topology
 
 __all__ = ["LaunchError", "PodCheck", "add_arguments", "pod_checks", "resolve_command", "run"]
 
@@ -155,10 +155,7 @@ def _router_argv(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    t = load_topology(args.topology)
-    rules = check_rules(t)
-    if rules.errors:
-        raise TopologyError("the topology breaks its rules:\n" + "\n".join(f"  - {e}" for e in rules.errors))
+    t, _ = load_checked_topology(args.topology)
     if args.role == "router":
         node_rank, argv, role_env = 0, _router_argv(args), {}
     else:

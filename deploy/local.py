@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from sglang_pd.deploy.topology import Topology, TopologyError, check_rules, load_topology
+from sglang_pd.deploy.topology import Topology, TopologyError, load_checked_topology
 
 __all__ = ["ChildSpec", "Stack", "add_arguments", "local_children", "run"]
 
@@ -214,6 +214,40 @@ class Stack:
                 proc.wait(timeout=5)
 
 
+def smoke_check(base: str, model: str, timeout_s: float = 60.0) -> str:
+    """One chat completion, then the same streamed, through the router: what `up` promises works."""
+    body = {"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16}
+
+    def post(payload: dict[str, object]) -> urllib.request.Request:
+        return urllib.request.Request(
+            f"{base}/v1/chat/completions",
+            data=json.dumps(payload).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+
+    t = time.monotonic()
+    with urllib.request.urlopen(post(body), timeout=timeout_s) as resp:
+        answer = json.loads(resp.read())
+    plain_ms = (time.monotonic() - t) * 1e3
+    tokens = answer["usage"]["completion_tokens"]
+    t = time.monotonic()
+    chunks, done = 0, False
+    with urllib.request.urlopen(post({**body, "stream": True}), timeout=timeout_s) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if line == "data: [DONE]":
+                done = True
+                break
+            chunks += line.startswith("data: ")
+    if not done:
+        raise RuntimeError("the streamed answer ended without `data: [DONE]`")
+    stream_ms = (time.monotonic() - t) * 1e3
+    return (
+        f"smoke: chat completion ok in {plain_ms:.0f} ms ({tokens} tokens); "
+        f"streamed ok in {stream_ms:.0f} ms ({chunks} chunks)"
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -227,6 +261,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=None, help="the router's port (default: the topology's)")
     parser.add_argument("--host", default=None, help="the router's address (default: the topology's)")
     parser.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS")
+    parser.add_argument("--no-smoke", action="store_true", help="skip the chat requests sent once ready")
     parser.add_argument(
         "--engine",
         choices=("auto", "reference", "sglang"),
@@ -236,16 +271,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sglang_pd.deploy.cli import resolve_topology_path
-
     t0 = time.monotonic()
-    t = load_topology(resolve_topology_path(args.topology))
-    rules = check_rules(t)
-    if rules.errors:
-        print(f"{args.topology}: the topology breaks {len(rules.errors)} rule(s):", file=sys.stderr)
-        for e in rules.errors:
-            print(f"  - {e}", file=sys.stderr)
-        return EXIT_INVALID
+    t, _ = load_checked_topology(args.topology)
     host = args.host or t.router.host
     port = args.port or t.router.port
     engine = args.engine
@@ -286,6 +313,12 @@ def run(args: argparse.Namespace) -> int:
         )
         print(f"ready in {time.monotonic() - t0:.1f} s ({engine} engine, topology {t.name})", flush=True)
         print(f"OpenAI API: {base}/v1", flush=True)
+        if not args.no_smoke:
+            try:
+                print(smoke_check(base, t.model.name), flush=True)
+            except (OSError, ValueError, KeyError, RuntimeError) as exc:
+                print(f"error: the stack is up but a chat completion through it failed: {exc}", file=sys.stderr)
+                return EXIT_FAILED
         print(f"try: curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'", flush=True)
         while not stack.stopping.wait(0.5):
             dead = stack.exited()

@@ -30,6 +30,8 @@ __all__ = [
     "TopologyError",
     "TransferSpec",
     "check_rules",
+    "find_topology",
+    "load_checked_topology",
     "load_topology",
     "parse_topology",
 ]
@@ -37,9 +39,10 @@ __all__ = [
 # sglang's default for SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK (REFERENCE.md §1).
 DEFAULT_DISPATCH_TOKEN_BUDGET = 128
 DEFAULT_BOOTSTRAP_PORT = 8998
-# Model configs shipped with sglang-pd (e.g. deepseek-v3-config.json), found by file name when a
-# topology's relative `model.config_json` is not beside it (as in a pod's mounted ConfigMap).
-SHIPPED_CONFIGS_DIR = Path(__file__).parent / "presets"
+# Shipped presets (`local-cpu`, ...) and model configs (deepseek-v3-config.json). A config is found
+# by file name when a topology's relative `model.config_json` is not beside it (as in a pod).
+PRESETS_DIR = Path(__file__).parent / "presets"
+SHIPPED_CONFIGS_DIR = PRESETS_DIR
 
 Port = Annotated[int, Field(ge=1, le=65535)]
 Fraction = Annotated[float, Field(gt=0.0, lt=1.0)]
@@ -280,13 +283,22 @@ def parse_topology(data: Any, source: str = "<topology>", source_dir: Path | Non
     return topology
 
 
-def load_topology(path: str | Path) -> Topology:
-    """Read and validate a topology YAML file (per-field checks only; see `check_rules`)."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError as exc:
-        raise TopologyError(f"{path}: no such topology file.") from exc
+def find_topology(name: str | Path) -> Path:
+    """A topology file path, or the name of a shipped preset (`local-cpu`, ...)."""
+    path = Path(name)
+    if path.exists():
+        return path
+    preset = PRESETS_DIR / f"{path.name.removesuffix('.yaml')}.yaml"
+    if path.parent == Path(".") and preset.exists():
+        return preset
+    presets = ", ".join(sorted(p.stem for p in PRESETS_DIR.glob("*.yaml")))
+    raise TopologyError(f"{name}: no such topology file, nor a preset of that name (presets: {presets}).")
+
+
+def load_topology(name: str | Path) -> Topology:
+    """Read and validate a topology file or preset (per-field checks only; see `check_rules`)."""
+    path = find_topology(name)
+    text = path.read_text()
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -294,6 +306,16 @@ def load_topology(path: str | Path) -> Topology:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise TopologyError(f"{path}: malformed YAML{where}: {getattr(exc, 'problem', exc)}.") from exc
     return parse_topology(data, str(path), path.parent.resolve())
+
+
+def load_checked_topology(name: str | Path) -> tuple[Topology, RuleReport]:
+    """`load_topology` then `check_rules`; a broken rule raises TopologyError listing every one."""
+    t = load_topology(name)
+    rules = check_rules(t)
+    if rules.errors:
+        listed = "\n".join(f"  - {e}" for e in rules.errors)
+        raise TopologyError(f"{name}: the topology breaks {len(rules.errors)} rule(s):\n{listed}")
+    return t, rules
 
 
 # --- cross-role rules -------------------------------------------------------------------------

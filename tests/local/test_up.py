@@ -81,7 +81,7 @@ def test_up_serves_chat_within_90s_and_stops_cleanly(tmp_path: Path) -> None:
     threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
     seen: list[str] = []
     try:
-        while not any(ln.startswith("OpenAI API:") for ln in seen):
+        while not any(ln.startswith("smoke: ") for ln in seen):
             assert time.monotonic() - t0 < 90, "not ready within 90 s:\n" + "".join(seen[-40:])
             try:
                 seen.append(lines.get(timeout=1))
@@ -89,6 +89,9 @@ def test_up_serves_chat_within_90s_and_stops_cleanly(tmp_path: Path) -> None:
                 assert proc.poll() is None, "".join(seen[-40:])
         assert any(ln.startswith("ready in ") for ln in seen)
         assert f"OpenAI API: http://127.0.0.1:{port}/v1\n" in seen
+        # `up` itself proves the stack answers, plain and streamed, before it says so.
+        smoke = next(ln for ln in seen if ln.startswith("smoke: "))
+        assert "chat completion ok" in smoke and "streamed ok" in smoke
         assert any(ln.startswith("prefill-0 | ") for ln in seen)  # logs are prefixed by role
         body = {"model": "tiny-deepseek-v3", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8}
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=30)
