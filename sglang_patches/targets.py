@@ -6,15 +6,15 @@ the version and the missing piece, not misbehave in the middle of a decode step.
 
 from __future__ import annotations
 
+import importlib
 import inspect
-import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from sglang_pd.sglang_patches.status import distribution_version
 
-__all__ = ["SGLANG_TARGET_VERSION", "HookSpec", "HookTargetMissing", "check_target"]
+__all__ = ["SGLANG_TARGET_VERSION", "HookSpec", "HookTargetMissing", "TargetUnimportable", "check_target"]
 
 #: The sglang release every hook below was written against and tested with.
 SGLANG_TARGET_VERSION = "0.5.23"
@@ -38,8 +38,34 @@ class HookSpec:
     why: str = ""
 
 
+class TargetUnimportable(ImportError):
+    """The target's sglang module exists but fails to import here (a missing dependency, not a rename)."""
+
+
 def _resolve(path: str) -> Any:
-    return pkgutil.resolve_name(path)
+    """The object at `path`. A module that exists but raises on import is reported as such, not as
+    "no attribute": on a machine without sglang's CUDA packages that is the usual cause."""
+    parts = path.split(".")
+    obj: Any = None
+    for i in range(1, len(parts) + 1):
+        module_name = ".".join(parts[:i])
+        try:
+            obj = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name and obj is not None:
+                break  # not a module: the rest of the path are attributes
+            if exc.name == module_name:
+                raise
+            raise TargetUnimportable(f"sglang module {module_name} does not import here: {exc}") from exc
+        except Exception as exc:
+            raise TargetUnimportable(
+                f"sglang module {module_name} does not import here: {type(exc).__name__}: {exc}"
+            ) from exc
+    else:
+        return obj
+    for attr in parts[i - 1 :]:
+        obj = getattr(obj, attr)
+    return obj
 
 
 def check_target(spec: HookSpec) -> str | None:
@@ -49,6 +75,9 @@ def check_target(spec: HookSpec) -> str | None:
     for path in (spec.target, *spec.requires):
         try:
             obj = _resolve(path)
+        except TargetUnimportable as exc:
+            problems.append(f"{path} cannot be checked: {exc} (install sglang's runtime dependencies)")
+            continue
         except Exception as exc:  # ImportError, AttributeError, ValueError: all mean "not there"
             problems.append(f"{path} is missing ({type(exc).__name__}: {exc})")
             continue

@@ -129,3 +129,18 @@ def test_a_bad_mode_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SGLANG_PD_SBO_MODE", "both")
     with pytest.raises(ValueError, match=r"SGLANG_PD_SBO_MODE has value 'both'. Not one of off, full, shared-only"):
         plugin.register()
+
+
+def test_a_module_that_fails_to_import_is_not_reported_as_an_upgrade(tmp_path, monkeypatch) -> None:
+    # As on the GPU machine without sglang's CUDA packages: the module is there, its import fails.
+    pkg = tmp_path / "sglang_pd_broken_target"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'IPython'\", name='IPython')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = HookSpec(name="broken", target="sglang_pd_broken_target.fn", hook=lambda: None, hook_type="around")
+    message = check_target(spec)
+    assert message is not None
+    assert (
+        "sglang_pd_broken_target.fn cannot be checked: sglang module sglang_pd_broken_target does not import here: "
+        "No module named 'IPython' (install sglang's runtime dependencies)"
+    ) in message
