@@ -357,7 +357,7 @@ class PDProxy:
                 if exc is not None or prefill_t.result().status >= 400:
                     if decode_t.done() and decode_t.exception() is None:
                         return decode_t.result()  # decode answered; prefill's failure no longer matters
-                    decode_t.cancel()
+                    _cancel(decode_t)
                     self._abort(pair.decode, pair.rids)
                     if isinstance(exc, UpstreamError):
                         self._failed(exc)
@@ -371,7 +371,7 @@ class PDProxy:
                 if exc is None:
                     leg = decode_t.result()
                     if leg.status >= 400 and not prefill_t.done():
-                        prefill_t.cancel()
+                        _cancel(prefill_t)
                         self._abort(pair.prefill, pair.rids)
                     return leg
                 if isinstance(exc, UpstreamStatusError) and not prefill_t.done():
@@ -380,7 +380,7 @@ class PDProxy:
                     await asyncio.wait({prefill_t}, timeout=_BLAME_GRACE_S)
                 prefill_exc = prefill_t.exception() if prefill_t.done() and not prefill_t.cancelled() else None
                 if not prefill_t.done():
-                    prefill_t.cancel()
+                    _cancel(prefill_t)
                     self._abort(pair.prefill, pair.rids)
                 if isinstance(exc, UpstreamError):
                     if isinstance(exc, UpstreamStatusError) and isinstance(prefill_exc, UpstreamError):
@@ -538,9 +538,12 @@ def _release_ranks(worker: Worker, ranks: list[int], _: asyncio.Future[Any]) -> 
 
 
 def _cancel(*tasks: asyncio.Future[Any]) -> None:
+    """Cancel unfinished legs and retrieve every outcome: a leg that turns its cancellation into
+    an error (a client timeout racing the cancel) must not log "exception was never retrieved"."""
     for task in tasks:
         if not task.done():
             task.cancel()
+            task.add_done_callback(_consume)
         else:
             _consume(task)
 
