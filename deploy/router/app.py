@@ -1,5 +1,5 @@
-"""The router's ASGI application: FastAPI routes wrapped in pure ASGI middleware
-(auth → body limit → admission → FastAPI)."""
+"""The router's ASGI application: pure ASGI middleware (auth → body limit → admission) in front
+of a dispatcher that sends inference POSTs straight to the proxy and everything else to FastAPI."""
 
 from __future__ import annotations
 
@@ -83,8 +83,9 @@ class RouterApp:
         self._latency = {e: self.metrics.latency.labels(e) for e in ENDPOINTS}
         self._requests: dict[tuple[str, int], Any] = {}
         self.fastapi = self._build_fastapi()
+        self._hot_paths = {e: e for e in ENDPOINTS}
         self.admission = AdmissionMiddleware(
-            self.fastapi,
+            self._dispatch,
             paths=frozenset(ENDPOINTS),
             max_concurrent=config.max_concurrent_requests,
             max_queued=config.max_queued_requests,
@@ -96,6 +97,20 @@ class RouterApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.asgi(scope, receive, send)
+
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # The inference POSTs skip FastAPI's routing and its five middleware layers: they were
+        # a fifth of the router's CPU per request (py-spy, scripts/bench_router.py at c=16).
+        endpoint = self._hot_paths.get(scope["path"]) if scope["type"] == "http" else None
+        if endpoint is None or scope["method"] != "POST":
+            await self.fastapi(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        try:
+            response = await self.serve(endpoint, request)
+        except Exception as exc:
+            response = await _internal_error(request, exc)
+        await response(scope, receive, send)
 
     @property
     def draining(self) -> bool:

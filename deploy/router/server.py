@@ -40,6 +40,8 @@ def uvicorn_config(app: RouterApp, **overrides: Any) -> uvicorn.Config:
         "http": "httptools",
         "lifespan": "on",
         "access_log": False,
+        # The router logs request ids, not client addresses: skip X-Forwarded-* rewriting.
+        "proxy_headers": False,
         "log_config": None,
         "log_level": cfg.log_level,
         "timeout_graceful_shutdown": cfg.drain_timeout_s,
