@@ -15,7 +15,7 @@ from sglang_pd.sglang_patches.status import SBO_MODE_ENV
 
 __all__ = [
     "DIST_INIT_PORT",
-    "LEADER_HOST_PLACEHOLDER",
+    "LEADER_HOST_FROM_ENV",
     "NodeCommand",
     "Role",
     "render_node",
@@ -29,7 +29,7 @@ SGLANG_ENTRY = ["python3", "-m", "sglang.launch_server"]
 DIST_INIT_PORT = 5000
 # Stands for the leader's address until the launcher knows it (LeaderWorkerSet sets
 # LWS_LEADER_ADDRESS in every pod); a shell expands it in `plan --format shell`.
-LEADER_HOST_PLACEHOLDER = "${LWS_LEADER_ADDRESS}"
+LEADER_HOST_FROM_ENV = "${LWS_LEADER_ADDRESS}"
 
 
 @dataclass(frozen=True)
@@ -47,10 +47,10 @@ class NodeCommand:
         return int(self.argv[self.argv.index("--port") + 1])
 
     def shell(self) -> str:
-        """One shell line: env assignments then the command; the leader placeholder stays expandable."""
+        """One shell line: env assignments then the command; the leader address stays a shell variable."""
 
         def quote(s: str) -> str:
-            if LEADER_HOST_PLACEHOLDER in s:
+            if LEADER_HOST_FROM_ENV in s:
                 return '"' + s + '"'
             return shlex.quote(s)
 
@@ -64,7 +64,7 @@ def render_node(
     role: Role,
     node_rank: int = 0,
     instance: int = 0,
-    leader_host: str = LEADER_HOST_PLACEHOLDER,
+    leader_host: str = LEADER_HOST_FROM_ENV,
 ) -> NodeCommand:
     """The sglang argv and env of one node. `leader_host` is the instance leader's address."""
     spec = t.prefill if role == "prefill" else t.decode
@@ -147,7 +147,7 @@ def render_node(
     return NodeCommand(role=role, instance=instance, node_rank=node_rank, argv=a, env=env)
 
 
-def render_plan(t: Topology, leader_host: str = LEADER_HOST_PLACEHOLDER) -> dict[Role, list[NodeCommand]]:
+def render_plan(t: Topology, leader_host: str = LEADER_HOST_FROM_ENV) -> dict[Role, list[NodeCommand]]:
     """Every node's command, per role: prefill instances x nodes, decode groups x nodes."""
     prefill = [
         render_node(t, "prefill", rank, i, leader_host)

@@ -8,7 +8,7 @@ Those run on a CPU machine given a few workarounds (REFERENCE.md §1); they are 
   (without `auto_map`, so no remote code is fetched), with `HF_HUB_OFFLINE=1`;
 - `--device cuda` is added, since device detection raises on a machine without GPUs;
 - `--disaggregation-ib-device` is dropped (sglang checks it against /sys/class/infiniband);
-- the leader placeholder in `--dist-init-addr` becomes 127.0.0.1.
+- the leader address in `--dist-init-addr` becomes 127.0.0.1.
 
 Each topology is checked in one child process (sglang's import is slow and has global state);
 the child prints one JSON object per command: sglang's resolved values, or its error text.
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sglang_pd.deploy.sglang_args import LEADER_HOST_PLACEHOLDER, NodeCommand, render_plan
+from sglang_pd.deploy.sglang_args import LEADER_HOST_FROM_ENV, NodeCommand, render_plan
 from sglang_pd.deploy.topology import Topology
 
 __all__ = ["RESOLVED_KEYS", "SglangCheck", "SglangUnavailable", "check_with_sglang", "sglang_available"]
@@ -89,7 +89,7 @@ def _validation_copy(cmd: NodeCommand, model_dir: str) -> tuple[list[str], dict[
             skip = True
             continue
         if i > 0 and argv[i - 1] == "--dist-init-addr":
-            arg = arg.replace(LEADER_HOST_PLACEHOLDER, "127.0.0.1")
+            arg = arg.replace(LEADER_HOST_FROM_ENV, "127.0.0.1")
         out.append(arg)
     if "--device" not in out:
         out += ["--device", "cuda"]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_pd.deploy.sglang_args import DIST_INIT_PORT, LEADER_HOST_PLACEHOLDER, render_node, render_plan
+from sglang_pd.deploy.sglang_args import DIST_INIT_PORT, LEADER_HOST_FROM_ENV, render_node, render_plan
 from sglang_pd.deploy.topology import check_rules, load_topology, parse_topology
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "deploy" / "presets"
@@ -42,7 +42,7 @@ def test_decode_commands_per_node(r1) -> None:
         assert flag(c.argv, "--disaggregation-mode") == "decode"
         assert (flag(c.argv, "--tp"), flag(c.argv, "--attn-dp-size"), flag(c.argv, "--ep")) == ("16", "16", "16")
         assert flag(c.argv, "--nnodes") == "2" and flag(c.argv, "--node-rank") == str(c.node_rank)
-        assert flag(c.argv, "--dist-init-addr") == f"{LEADER_HOST_PLACEHOLDER}:{DIST_INIT_PORT}"
+        assert flag(c.argv, "--dist-init-addr") == f"{LEADER_HOST_FROM_ENV}:{DIST_INIT_PORT}"
         assert "--enable-single-batch-overlap" in c.argv
         assert flag(c.argv, "--cuda-graph-max-bs-decode") == "64"
         # Deprecated / ambiguous spellings of REFERENCE.md §1 are never rendered.
@@ -124,4 +124,4 @@ def test_shell_line_quotes_values_and_expands_leader(r1) -> None:
     assert line.startswith(
         "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK=128 SGLANG_PD_SBO_MODE=full python3 -m sglang.launch_server"
     )
-    assert f'--dist-init-addr "{LEADER_HOST_PLACEHOLDER}:5000"' in line
+    assert f'--dist-init-addr "{LEADER_HOST_FROM_ENV}:5000"' in line

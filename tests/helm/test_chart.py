@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from sglang_pd.deploy.cli import main as cli_main
-from sglang_pd.deploy.sglang_args import LEADER_HOST_PLACEHOLDER
+from sglang_pd.deploy.sglang_args import LEADER_HOST_FROM_ENV
 from sglang_pd.deploy.sglang_check import sglang_available
 from sglang_pd.deploy.topology import check_rules, load_topology
 
@@ -290,7 +290,7 @@ def test_launch_dry_run_matches_the_plan(render, tmp_path, capsys, rank) -> None
     )
     assert proc.returncode == 0, proc.stderr
     launched = json.loads(proc.stdout)
-    want = [a.replace(LEADER_HOST_PLACEHOLDER, env["LWS_LEADER_ADDRESS"]) for a in planned["argv"]]
+    want = [a.replace(LEADER_HOST_FROM_ENV, env["LWS_LEADER_ADDRESS"]) for a in planned["argv"]]
     assert launched["argv"] == want and launched["env"] == planned["env"]
     assert launched["node_rank"] == rank
     assert "--node-rank" in launched["argv"] and launched["argv"][launched["argv"].index("--node-rank") + 1] == str(
