@@ -547,6 +547,15 @@ def masked_grouped_gemm(
 # --------------------------------
 
 
+def _signal_mode(enable_overlap: bool, signal: torch.Tensor | None, signal_layout: str) -> int:
+    """The kernel's SIGNAL_MODE for the entry points' (enable_overlap, signal, signal_layout)."""
+    assert signal_layout in ("sglang", "deepep"), f"signal_layout must be sglang or deepep, got {signal_layout!r}"
+    if not enable_overlap:
+        return SIGNAL_NONE
+    assert signal is not None, "enable_overlap needs a signal tensor"
+    return SIGNAL_SGLANG if signal_layout == "sglang" else SIGNAL_DEEPEP
+
+
 def fp8_m_grouped_gemm_nt_masked(
     lhs: tuple[torch.Tensor, torch.Tensor],
     rhs: tuple[torch.Tensor, torch.Tensor],
@@ -572,16 +581,11 @@ def fp8_m_grouped_gemm_nt_masked(
     ``num_programs``); without it returns ``(None, None)`` like DeepGEMM.
     """
     assert recipe in (None, (1, 128, 128)), f"only DeepSeek's (1, 128, 128) recipe, got {recipe}"
-    assert signal_layout in ("sglang", "deepep"), f"signal_layout must be sglang or deepep, got {signal_layout!r}"
     del compiled_dims, disable_ue8m0_cast  # DeepGEMM JIT knobs with no meaning here
     a, a_scale = lhs
     b, b_scale = rhs
     assert a.dtype == torch.float8_e4m3fn, f"lhs must be float8_e4m3fn, got {a.dtype}"
-    if enable_overlap:
-        assert signal is not None, "enable_overlap needs a signal tensor"
-        mode = SIGNAL_SGLANG if signal_layout == "sglang" else SIGNAL_DEEPEP
-    else:
-        mode = SIGNAL_NONE
+    mode = _signal_mode(enable_overlap, signal, signal_layout)
     result = masked_grouped_gemm(
         a,
         b,
@@ -615,13 +619,8 @@ def bf16_m_grouped_gemm_nt_masked(
     config: GemmConfig | None = None,
 ) -> tuple[int | None, int | None]:
     """The bf16-input variant, with the same signals as the FP8 entry point."""
-    assert signal_layout in ("sglang", "deepep"), f"signal_layout must be sglang or deepep, got {signal_layout!r}"
     del compiled_dims
-    if enable_overlap:
-        assert signal is not None, "enable_overlap needs a signal tensor"
-        mode = SIGNAL_SGLANG if signal_layout == "sglang" else SIGNAL_DEEPEP
-    else:
-        mode = SIGNAL_NONE
+    mode = _signal_mode(enable_overlap, signal, signal_layout)
     result = masked_grouped_gemm(
         a,
         b,
