@@ -40,11 +40,11 @@ def _descendants(pid: int) -> set[int]:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(d.name))
-    out, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
+    out, frontier = set(), [pid]
+    while frontier:
+        for c in children.get(frontier.pop(), []):
             out.add(c)
-            todo.append(c)
+            frontier.append(c)
     return out
 
 
