@@ -119,23 +119,27 @@ def _check(status: int, body: bytes, stream: bool) -> None:
         raise RuntimeError(f"error in answer: {body[:200]!r}")
 
 
+async def _read_answer(resp: aiohttp.ClientResponse, stream: bool, started: float) -> float:
+    """Read one answer whole, check it, and return the time to its first byte."""
+    if stream:
+        ttfb, chunks = 0.0, []
+        async for chunk in resp.content.iter_any():
+            if not ttfb:
+                ttfb = time.perf_counter() - started
+            chunks.append(chunk)
+        body = b"".join(chunks)
+    else:
+        body = await resp.read()
+        ttfb = time.perf_counter() - started
+    _check(resp.status, body, stream)
+    return ttfb
+
+
 def via_url(url: str, tokens: int) -> Sender:
     async def send(session: aiohttp.ClientSession, stream: bool) -> float:
         started = time.perf_counter()
-        ttfb = 0.0
         async with session.post(url + CHAT, json=_body(stream, tokens)) as resp:
-            if stream:
-                chunks = []
-                async for chunk in resp.content.iter_any():
-                    if not ttfb:
-                        ttfb = time.perf_counter() - started
-                    chunks.append(chunk)
-                body = b"".join(chunks)
-            else:
-                body = await resp.read()
-                ttfb = time.perf_counter() - started
-            _check(resp.status, body, stream)
-        return ttfb
+            return await _read_answer(resp, stream, started)
 
     return send
 
@@ -160,19 +164,8 @@ def direct(prefills: list[WorkerProcess], decodes: list[WorkerProcess], tokens: 
                 await resp.read()
 
         prefill_task = asyncio.ensure_future(prefill())
-        ttfb = 0.0
         async with session.post(d.url + CHAT, json=body) as resp:
-            if stream:
-                chunks = []
-                async for chunk in resp.content.iter_any():
-                    if not ttfb:
-                        ttfb = time.perf_counter() - started
-                    chunks.append(chunk)
-                content = b"".join(chunks)
-            else:
-                content = await resp.read()
-                ttfb = time.perf_counter() - started
-            _check(resp.status, content, stream)
+            ttfb = await _read_answer(resp, stream, started)
         await prefill_task
         return ttfb
 
