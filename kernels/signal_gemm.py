@@ -76,7 +76,6 @@ __all__ = [
     "GemmConfig",
     "bf16_m_grouped_gemm_nt_masked",
     "fp8_m_grouped_gemm_nt_masked",
-    "get_signal_gemm_configs",
     "masked_grouped_gemm",
     "pick_config",
     "reference_deepep_signal",
@@ -216,12 +215,14 @@ def _masked_grouped_gemm_kernel(
     SWAP_AB: tl.constexpr,  # compute D.T = B @ A.T: weights fill the 64-row wgmma side
     USE_TMA: tl.constexpr,  # a_ptr / b_ptr are host TensorDescriptors over [E*M_MAX, K] / [E*N, K]
     BLOCK_M: tl.constexpr,  # tokens per tile = the signal's row-block (>= 64 for sglang's buffer)
+    SPLIT_M: tl.constexpr,  # 2: the tile is two BLOCK_M/2-row dots sharing each weight load
     BLOCK_N: tl.constexpr,  # output channels per tile
     BLOCK_K: tl.constexpr,  # reduction step; divides SCALE_BLOCK so one scale pair per step
     SCALE_BLOCK: tl.constexpr,
     NUM_STAGES: tl.constexpr,  # software-pipelining depth of the K loop
     SIGNAL_ASM: tl.constexpr,  # release signals through one inline-PTX block (see above)
     FLATTEN: tl.constexpr,  # pipeline across tiles (one flattened loop over tile and K)
+    WARP_SPECIALIZE: tl.constexpr,  # producer/consumer warps for the tile loop (no signals)
     E_POW2: tl.constexpr,  # E rounded up to a power of two (the per-expert vectors' length)
     FP8_AS_BYTES: tl.constexpr,  # A and B arrive as uint8 (Triton's CPU interpreter only)
 ):
@@ -253,7 +254,7 @@ def _masked_grouped_gemm_kernel(
         _signal_experts(signal_ptr, experts, 0, first_e, SIGNAL_ASM)
     # `flatten` lets Triton's pipeliner run one loop over (tile, k): the next tile's first loads
     # are in flight while this tile finishes, instead of the pipeline draining at every tile.
-    for g in tl.range(pid, num_tiles, num_programs, flatten=FLATTEN):
+    for g in tl.range(pid, num_tiles, num_programs, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
         e = tl.sum((tiles_through_e <= g).to(tl.int32), 0)
         is_e = experts == e
         t = g - tl.sum(tl.where(is_e, tiles_through_e - tiles_e, 0), 0)
@@ -262,10 +263,13 @@ def _masked_grouped_gemm_kernel(
         # Row-blocks of one column-block are adjacent, so they share the weight tile in L2.
         mb = t % num_m_blocks
         nb = t // num_m_blocks
-        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        SUB_M: tl.constexpr = BLOCK_M // SPLIT_M
+        offs_m = mb * BLOCK_M + tl.arange(0, SUB_M)
+        offs_m2 = offs_m + SUB_M  # the second half's rows (SPLIT_M == 2 only)
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         row_ok = offs_m < m_e
+        row_ok2 = offs_m2 < m_e
         # Wrapping the column index keeps the weight loads unmasked (and vectorized); the
         # wrapped columns are never stored.
         offs_n_ld = offs_n % N
@@ -273,12 +277,14 @@ def _masked_grouped_gemm_kernel(
             a_ptrs = a_ptr + e * stride_ae + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
             b_ptrs = b_ptr + e * stride_be + offs_n_ld[:, None] * stride_bn + offs_k[None, :] * stride_bk
         as_ptrs = a_scale_ptr + e * stride_ase + offs_m * stride_asm
+        as2_ptrs = as_ptrs + SUB_M * stride_asm
         bs_ptrs = b_scale_ptr + e * stride_bse + (offs_n_ld // SCALE_BLOCK) * stride_bsn
 
         if SWAP_AB:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
+        acc2 = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)  # loop-invariant (dropped) unless SPLIT_M == 2
         for k in tl.range(0, K, BLOCK_K):
             if USE_TMA:
                 a = a_ptr.load([e * M_MAX + mb * BLOCK_M, k])
@@ -304,6 +310,19 @@ def _masked_grouped_gemm_kernel(
                     acc += partial * sa[:, None] * sb[None, :]
             else:
                 acc += partial
+            if SPLIT_M == 2:
+                if USE_TMA:
+                    a2 = a_ptr.load([e * M_MAX + mb * BLOCK_M + SUB_M, k])
+                else:
+                    a2 = tl.load(a_ptrs + SUB_M * stride_am + k * stride_ak, mask=row_ok2[:, None], other=0.0)
+                if FP8_AS_BYTES:
+                    a2 = a2.to(tl.float8e4nv, bitcast=True)
+                partial2 = tl.dot(a2, tl.trans(b))
+                if FP8:
+                    sa2 = tl.load(as2_ptrs + ks * stride_ask, mask=row_ok2, other=0.0)
+                    acc2 += partial2 * sa2[:, None] * sb[None, :]
+                else:
+                    acc2 += partial2
 
         out = acc.to(d_ptr.dtype.element_ty)
         if SWAP_AB:
@@ -312,6 +331,9 @@ def _masked_grouped_gemm_kernel(
         else:
             d_ptrs = d_ptr + e * stride_de + offs_m[:, None] * stride_dm + offs_n[None, :] * stride_dn
             tl.store(d_ptrs, out, mask=row_ok[:, None] & (offs_n < N)[None, :])
+            if SPLIT_M == 2:
+                out2 = acc2.to(d_ptr.dtype.element_ty)
+                tl.store(d_ptrs + SUB_M * stride_dm, out2, mask=row_ok2[:, None] & (offs_n < N)[None, :])
 
         if SIGNAL_MODE == 1:
             # Every thread's part of the tile is stored before the one releasing add.
@@ -345,59 +367,35 @@ class GemmConfig:
     use_tma: bool = False
     flatten: bool = True
     signal_asm: bool = False
+    warp_specialize: bool = False
+    split_m: int = 1
 
     def smem_bytes(self, elem_bytes: int = 1) -> int:
         """Shared memory the K pipeline needs (A and B stages), ignoring the epilogue."""
         return self.num_stages * (self.block_m + self.block_n) * self.block_k * elem_bytes
 
 
-#: Hopper's shared memory per block (227 KiB) less a margin for the epilogue's layout conversion.
-_SMEM_BUDGET = 200 * 1024
-
-
-def get_signal_gemm_configs(elem_bytes: int = 1) -> list[GemmConfig]:
-    """The candidate configurations the benchmark sweeps (``scripts/bench_sbo_gemm.py --sweep``)."""
-    configs = [
-        GemmConfig(block_m=bm, block_n=bn, block_k=128, num_stages=s, num_warps=w, swap_ab=sw, use_tma=tma)
-        for bm in (64, 128)
-        for bn in (64, 128, 256)
-        for s in (3, 4, 6, 8)
-        for w in (4, 8)
-        for sw in (False, True)
-        for tma in (False, True)
-    ]
-
-    def keep(c: GemmConfig) -> bool:
-        if c.smem_bytes(elem_bytes) > _SMEM_BUDGET:
-            return False
-        # The wgmma side of the tile (tokens, or weights when swapped) gets one warpgroup per 64
-        # rows; a 64×256 tile may still want two warpgroups for its 128 accumulators per thread.
-        mma_rows = c.block_n if c.swap_ab else c.block_m
-        wide = (c.block_m if c.swap_ab else c.block_n) >= 256
-        return c.num_warps == (8 if mma_rows >= 128 or (wide and c.num_warps == 8) else 4)
-
-    # The best of the first sweep (no flattening, kernels/README.md), to compare against.
-    unflattened = [
-        GemmConfig(block_m=64, block_n=bn, num_stages=s, num_warps=4, flatten=False) for bn in (64, 128) for s in (4, 6)
-    ]
-    return list(filter(keep, configs)) + unflattened
-
-
-#: Configurations measured best on the H200 (kernels/README.md), by expected rows per expert:
-#: without signals, and with them: the same tiles, signalling through the inline-PTX release
-#: (Triton's own atomic in the flattened loop costs 120 %; kernels/README.md).
+#: Configurations measured best on the H200 (kernels/README.md, ``scripts/sweep_sbo_gemm.py``), by
+#: expected rows per expert. Up to 32 rows, swap-AB puts the weights on wgmma's 64-row side and
+#: the tokens on its narrow side, so a tile loads 16 or 32 token rows instead of 64. Above 32 rows
+#: the 64-row tile stays: every 128-row tile needs more than 255 registers per thread and spills.
 _TUNED: dict[int, GemmConfig] = {
-    64: GemmConfig(block_m=64, block_n=256, num_stages=3, num_warps=8, use_tma=True),
+    16: GemmConfig(block_m=16, block_n=256, num_stages=3, num_warps=8, swap_ab=True, use_tma=True),
+    32: GemmConfig(block_m=32, block_n=256, num_stages=3, num_warps=8, swap_ab=True, use_tma=True),
     128: GemmConfig(block_m=64, block_n=256, num_stages=3, num_warps=8, use_tma=True),
 }
-_TUNED_SIGNALLED: dict[int, GemmConfig] = {k: dataclasses.replace(c, signal_asm=True) for k, c in _TUNED.items()}
+#: sglang's row-block signals: its buffer holds one counter per 64 rows, so the tile keeps 64 rows.
+_TUNED_ROW_BLOCKS: dict[int, GemmConfig] = {128: _TUNED[128]}
 
 
-def pick_config(expected_m: int, max_block_n: int = 256, signalled: bool = False) -> GemmConfig:
-    """The configuration for ``expected_m`` rows per expert, with ``block_n <= max_block_n``."""
-    table = _TUNED_SIGNALLED if signalled else _TUNED
-    key = min((k for k in table if k >= expected_m), default=max(table))
-    config = table[key]
+def pick_config(expected_m: int, max_block_n: int = 256, signal_mode: int = SIGNAL_NONE) -> GemmConfig:
+    """The configuration for ``expected_m`` rows per expert and this signal layout, with
+    ``block_n <= max_block_n``. Signals are released through the inline-PTX block: Triton's own
+    atomic in the flattened loop costs 120 % (kernels/README.md)."""
+    table = _TUNED_ROW_BLOCKS if signal_mode == SIGNAL_SGLANG else _TUNED
+    config = table[min((k for k in table if k >= expected_m), default=max(table))]
+    if signal_mode != SIGNAL_NONE:
+        config = dataclasses.replace(config, signal_asm=True)
     if config.block_n > max_block_n:
         block_n = 1 << (max_block_n.bit_length() - 1)  # largest power of two not above the cap
         config = dataclasses.replace(config, block_n=block_n)
@@ -456,13 +454,14 @@ def masked_grouped_gemm(
         assert a_scale is None and b_scale is None, "bf16 inputs take no scales"
         a_scale = b_scale = out  # unused by the kernel; any tensor will do
 
-    config = config or pick_config(expected_m or M_max, max_block_n, signalled=signal_mode != SIGNAL_NONE)
+    config = config or pick_config(expected_m or M_max, max_block_n, signal_mode)
     assert config.block_n <= max_block_n, f"block_n {config.block_n} exceeds max_block_n {max_block_n}"
     if num_sms is None:
         num_sms = _num_sms(a.device.index or 0)
         if signal_mode != SIGNAL_NONE:
             num_sms -= SMS_KEPT_FOR_COMMUNICATION
     assert num_sms >= 1, f"num_sms must be positive, got {num_sms}"
+    assert config.split_m in (1, 2) and not (config.swap_ab and config.split_m > 1), f"bad split_m in {config}"
 
     num_m_blocks = triton.cdiv(M_max, config.block_m)
     threshold = triton.cdiv(N, config.block_n)
@@ -489,7 +488,7 @@ def masked_grouped_gemm(
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         assert a.is_contiguous() and b.is_contiguous(), "TMA needs contiguous A and B"
-        a_arg = TensorDescriptor.from_tensor(a.view(E * M_max, K), [config.block_m, config.block_k])
+        a_arg = TensorDescriptor.from_tensor(a.view(E * M_max, K), [config.block_m // config.split_m, config.block_k])
         b_arg = TensorDescriptor.from_tensor(b.view(E * N, K), [config.block_n, config.block_k])
     else:
         a_arg, b_arg = a, b
@@ -526,11 +525,13 @@ def masked_grouped_gemm(
         SWAP_AB=config.swap_ab,
         USE_TMA=config.use_tma,
         BLOCK_M=config.block_m,
+        SPLIT_M=config.split_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         SCALE_BLOCK=SCALE_BLOCK,
         NUM_STAGES=config.num_stages,
         FLATTEN=config.flatten,
+        WARP_SPECIALIZE=config.warp_specialize,
         SIGNAL_ASM=config.signal_asm and not fp8_as_bytes,
         E_POW2=triton.next_power_of_2(E),
         FP8_AS_BYTES=fp8_as_bytes,

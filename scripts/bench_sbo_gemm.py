@@ -4,8 +4,9 @@ For E = 16 and 32 local experts (M_max = 2048 and 1024 rows, as DeepEP's low-lat
 16 and 8 ranks), K = 2048, N = 7168, FP8 with 1×128 / 128×128 scales, every expert at m rows
 (m = 8 … 128), it reports in one run:
 
-* the Triton kernel's time without signals, with sglang-layout signals and with DeepEP-layout
-  signals, and the signals' cost against the same kernel without them;
+* the Triton kernel's time without signals (on the SMs SBO leaves it, and on all of them), with
+  sglang-layout signals and with DeepEP-layout signals, each with the configuration
+  ``pick_config`` gives that layout, and the signals' cost against the same tile without them;
 * bytes moved (weights + weight scales + active activation rows + their scales + active output
   rows) over time, against the device's measured copy bandwidth (read + write);
 * baselines: torch dequantize + bmm, ``torch._scaled_mm`` per expert, and DeepGEMM's
@@ -13,10 +14,10 @@ For E = 16 and 32 local experts (M_max = 2048 and 1024 rows, as DeepEP's low-lat
 
 Every time is the median of CUDA-graph replays (``triton.testing.do_bench_cudagraph``): sglang's
 decode runs these kernels inside CUDA graphs, and without a graph Python's launch overhead would
-show in the events. ``--sweep`` first times every configuration of
-``get_signal_gemm_configs()`` and then uses the best per shape.
+show in the events. The activation scales are MN-major for every kernel, as sglang hands them to
+the down GEMM. ``scripts/sweep_sbo_gemm.py`` is the search that chose the configurations.
 
-    python scripts/bench_sbo_gemm.py --json out.json [--sweep]
+    python scripts/bench_sbo_gemm.py --json out.json
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def make_problem(E: int, M_max: int):
     a = x.view(E, M_max, K // 128, 128)
     a_scale = a.abs().amax(-1).clamp(min=1e-4) / 448.0
     a = (a / a_scale[..., None]).view(E, M_max, K).to(torch.float8_e4m3fn)
+    a_scale = a_scale.transpose(1, 2).contiguous().transpose(1, 2)  # MN-major, as sglang hands it over
     del x
     w = torch.randn(E, N, K, device="cuda").view(E, N // 128, 128, K // 128, 128)
     b_scale = w.abs().amax(dim=(2, 4)).clamp(min=1e-4) / 448.0
@@ -149,147 +151,48 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-# %%
-# Sweep
-# -----
-
-
-def _compile_one(cfg: sg.GemmConfig) -> str:
-    """Compile (and run once) one configuration on a tiny problem whose sizes and strides have the
-    same divisibility as the benchmark's, so the binary lands in Triton's on-disk cache."""
-    try:
-        E, M, n, k = 16, 64, 256, K
-        a = torch.zeros(E, M, k, device="cuda").to(torch.float8_e4m3fn)
-        b = torch.zeros(E, n, k, device="cuda").to(torch.float8_e4m3fn)
-        a_scale = torch.ones(E, M, k // 128, device="cuda")
-        b_scale = torch.ones(E, n // 128, k // 128, device="cuda")
-        out = torch.empty(E, M, n, dtype=torch.bfloat16, device="cuda")
-        masked_m = torch.full((E,), 8, dtype=torch.int32, device="cuda")
-        sg.masked_grouped_gemm(a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale, config=cfg, num_sms=8)
-        torch.cuda.synchronize()
-        return "ok"
-    except Exception as exc:
-        return f"{type(exc).__name__}: {str(exc)[:200]}"
-
-
-def precompile(configs: list[sg.GemmConfig], log, workers: int = 12) -> None:
-    """Triton compiles one kernel at a time per process; spread the sweep's over processes."""
-    import multiprocessing
-
-    t0 = time.time()
-    with multiprocessing.get_context("spawn").Pool(workers) as pool:
-        results = pool.map(_compile_one, configs, chunksize=1)
-    failed = [f"{c}: {r}" for c, r in zip(configs, results, strict=True) if r != "ok"]
-    log(f"precompiled {len(configs)} configurations in {time.time() - t0:.0f} s; failed: {failed}")
-
-
-def sweep(problems, log) -> dict:
-    """Time every candidate configuration (no signals) on a few shapes; best per (E, m)."""
-    best = {}
-    configs = sg.get_signal_gemm_configs()
-    for (E, m), (a, a_scale, b, b_scale, masked_m, out) in problems.items():
-        if m not in (16, 64, 128):
-            continue
-        results = []
-        for cfg in configs:
-            if cfg.block_m > 64 and m <= 64:
-                continue
-            try:
-                t0 = time.time()
-                fn = functools.partial(
-                    sg.masked_grouped_gemm, a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale, config=cfg
-                )
-                us = bench(fn, rep_ms=15)
-                results.append((us, cfg))
-                log(f"sweep E={E} m={m} {cfg}: {us:.1f} us ({time.time() - t0:.1f} s)")
-            except Exception as exc:
-                log(f"sweep E={E} m={m} {cfg}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
-        results.sort(key=lambda r: r[0])
-        best[(E, m)] = results[0][1]
-        unflat = [c for _, c in results if not c.flatten]
-        if unflat:
-            best[("unflat", E, m)] = unflat[0]
-        log(f"BEST E={E} m={m}: " + "; ".join(f"{us:.1f} {c}" for us, c in results[:5]))
-    return best
-
-
-def measure(E, m, problem, cfg, unflat, num_sms, sig_sms, deep_gemm, log) -> dict:
+def measure(E: int, m: int, problem: tuple, num_sms: int, sig_sms: int, deep_gemm, log) -> dict:
     """All timings and errors of one shape."""
     a, a_scale, b, b_scale, masked_m, out = problem
     M_max = a.shape[1]
-    row: dict = {"E": E, "m": m, "config": repr(cfg)}
-    bytes_moved = E * N * K + b_scale.numel() * 4 + E * m * K + E * m * (K // 128) * 4 + E * m * N * 2
-    row["bytes"] = bytes_moved
+    plain = sg.pick_config(m)
+    for_sglang = sg.pick_config(m, signal_mode=sg.SIGNAL_SGLANG)
+    for_deepep = sg.pick_config(m, signal_mode=sg.SIGNAL_DEEPEP)
+    row: dict = {"E": E, "m": m, "config": repr(plain), "sglang_config": repr(for_sglang)}
+    row["bytes"] = E * N * K + b_scale.numel() * 4 + E * m * K + E * m * (K // 128) * 4 + E * m * N * 2
     ref = sg.reference_masked_grouped_gemm(a[:, :m], b, masked_m, a_scale[:, :m], b_scale, dtype=torch.float32)
-
-    sig_a = torch.zeros(E * -(-M_max // cfg.block_m), dtype=torch.int32, device="cuda")
-    sig_b = torch.zeros(E, dtype=torch.int32, device="cuda")
-
-    def run(config, mode=sg.SIGNAL_NONE, programs=sig_sms):
-        signal = {sg.SIGNAL_NONE: None, sg.SIGNAL_SGLANG: sig_a, sg.SIGNAL_DEEPEP: sig_b}[mode]
-        return functools.partial(
-            sg.masked_grouped_gemm,
-            a,
-            b,
-            out,
-            masked_m,
-            a_scale=a_scale,
-            b_scale=b_scale,
-            config=config,
-            num_sms=programs,
-            signal=signal,
-            signal_mode=mode,
-        )
-
-    asm = dataclasses.replace(cfg, signal_asm=True)
-    variants = {
-        "triton": run(cfg),
-        "triton_all_sms": run(cfg, programs=num_sms),
-        "triton_sig_sglang": run(cfg, sg.SIGNAL_SGLANG),
-        "triton_sig_deepep": run(cfg, sg.SIGNAL_DEEPEP),
-        "triton_asm_sglang": run(asm, sg.SIGNAL_SGLANG),
-        "triton_asm_deepep": run(asm, sg.SIGNAL_DEEPEP),
+    signals = {
+        sg.SIGNAL_NONE: None,
+        sg.SIGNAL_SGLANG: torch.zeros(E * -(-M_max // for_sglang.block_m), dtype=torch.int32, device="cuda"),
+        sg.SIGNAL_DEEPEP: torch.zeros(E, dtype=torch.int32, device="cuda"),
     }
-    if unflat is not None:
-        unflat_asm = dataclasses.replace(unflat, signal_asm=True)
-        variants.update(
-            {
-                "unflat": run(unflat),
-                "unflat_sig_sglang": run(unflat, sg.SIGNAL_SGLANG),
-                "unflat_sig_deepep": run(unflat, sg.SIGNAL_DEEPEP),
-                "unflat_asm_sglang": run(unflat_asm, sg.SIGNAL_SGLANG),
-                "unflat_asm_deepep": run(unflat_asm, sg.SIGNAL_DEEPEP),
-            }
-        )
-        row["unflat_config"] = repr(unflat)
+
+    def run(config: sg.GemmConfig, mode: int = sg.SIGNAL_NONE, programs: int = sig_sms):
+        return functools.partial(
+            sg.masked_grouped_gemm, a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale,
+            config=config, num_sms=programs, signal=signals[mode], signal_mode=mode,
+        )  # fmt: skip
+
+    variants = {
+        "plain": run(plain),  # what the DeepEP layout's signals cost is measured against
+        "plain_all_sms": run(plain, programs=num_sms),
+        "rows64": run(dataclasses.replace(for_sglang, signal_asm=False)),  # the sglang layout's tile, no signals
+        "sig_sglang": run(for_sglang, sg.SIGNAL_SGLANG),
+        "sig_deepep": run(for_deepep, sg.SIGNAL_DEEPEP),
+    }
     for name, fn in variants.items():
-        try:
-            row[f"{name}_us"] = bench(fn)
-        except Exception as exc:
-            row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
-            log(f"E={E} m={m} {name}: {row[f'{name}_error']}")
-    # The best signalled variant of each layout, and its cost against the best unsignalled one.
-    plain = min(row[k] for k in ("triton_us", "unflat_us") if k in row)
-    for layout in ("sglang", "deepep"):
-        keys = [k for k in row if k.endswith(f"_{layout}_us")]
-        best_key = min(keys, key=lambda k: row[k])
-        row[f"best_{layout}"] = best_key.removesuffix("_us")
-        row[f"best_{layout}_us"] = row[best_key]
-        row[f"best_{layout}_cost"] = row[best_key] / plain - 1
-        # Check the chosen variant's output and signals once.
-        sig = sig_a if layout == "sglang" else sig_b
-        sig.zero_()
+        signal = signals[sg.SIGNAL_SGLANG if name == "sig_sglang" else sg.SIGNAL_DEEPEP]
+        signal.zero_()
         out.fill_(float("nan"))
-        variants[best_key.removesuffix("_us")]()
+        fn()
         torch.cuda.synchronize()
-        row[f"best_{layout}_err"] = rel_err(out[:, :m], ref)
-        row[f"best_{layout}_signals"] = sorted(set(sig.tolist()))
-    row["plain_us"] = plain
-    # Time the no-signal kernel twice (first and last) to see the run-to-run spread.
-    row["triton_us_again"] = bench(variants["triton"])
-    variants["triton"]()
-    torch.cuda.synchronize()
-    row["triton_err"] = rel_err(out[:, :m], ref)
+        row[f"{name}_err"] = rel_err(out[:, :m], ref)
+        if name.startswith("sig_"):  # the final counters of one run, before timing reruns add to them
+            row[f"{name}_signals"] = sorted(set(signal.tolist()))
+        row[f"{name}_us"] = bench(fn)
+    row["sig_sglang_cost"] = row["sig_sglang_us"] / row["rows64_us"] - 1
+    row["sig_deepep_cost"] = row["sig_deepep_us"] / row["plain_us"] - 1
+    row["plain_us_again"] = bench(variants["plain"])  # the run-to-run spread
 
     try:
         row["torch_bmm_us"] = bench(lambda: torch_dequant_bmm(a, a_scale, b, b_scale, m))
@@ -300,8 +203,7 @@ def measure(E, m, problem, cfg, unflat, num_sms, sig_sms, deep_gemm, log) -> dic
             fn = make()
             outs = fn()
             torch.cuda.synchronize()
-            err = rel_err(torch.stack([o[:m] for o in outs]), ref)
-            row["scaled_mm_method"], row["scaled_mm_err"] = method, err
+            row["scaled_mm_method"], row["scaled_mm_err"] = method, rel_err(torch.stack([o[:m] for o in outs]), ref)
             row["scaled_mm_us"] = bench(fn)
             break
         except Exception as exc:
@@ -311,9 +213,7 @@ def measure(E, m, problem, cfg, unflat, num_sms, sig_sms, deep_gemm, log) -> dic
         try:
             a_sf = deep_gemm.get_mn_major_tma_aligned_tensor(a_scale)
             dg_out = torch.empty_like(out)
-            fn = lambda: deep_gemm.fp8_m_grouped_gemm_nt_masked(  # noqa: E731
-                (a, a_sf), (b, b_scale), dg_out, masked_m, m
-            )
+            fn = functools.partial(deep_gemm.fp8_m_grouped_gemm_nt_masked, (a, a_sf), (b, b_scale), dg_out, masked_m, m)
             fn()
             torch.cuda.synchronize()
             row["deepgemm_err"] = rel_err(dg_out[:, :m], ref)
@@ -332,8 +232,7 @@ def measure(E, m, problem, cfg, unflat, num_sms, sig_sms, deep_gemm, log) -> dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, default=None, help="write all numbers here")
-    parser.add_argument("--log", type=Path, default=None, help="write the sweep log here")
-    parser.add_argument("--sweep", action="store_true", help="sweep configurations first")
+    parser.add_argument("--log", type=Path, default=None, help="write the log and the table here")
     parser.add_argument("--experts", type=int, nargs="*", default=list(EXPERTS))
     parser.add_argument("--m", type=int, nargs="*", default=list(M_VALUES))
     args = parser.parse_args()
@@ -348,53 +247,33 @@ def main() -> None:
     num_sms = props.multi_processor_count
     sig_sms = num_sms - sg.SMS_KEPT_FOR_COMMUNICATION
     bw_before = copy_bandwidth()
-    bw = bw_before
     log(f"device: {props.name}, {num_sms} SMs; torch {torch.__version__}, triton {triton.__version__}")
-    log(f"copy bandwidth (read + write): {bw:.0f} GB/s")
+    log(f"copy bandwidth (read + write): {bw_before:.0f} GB/s")
     deep_gemm, dg_error = load_deep_gemm()
     log(f"DeepGEMM: {getattr(deep_gemm, '__version__', 'loaded') if deep_gemm else dg_error}")
 
-    problems = {}
+    rows = []
     for E in args.experts:
         M_max = EXPERTS[E]
         a, a_scale, b, b_scale = make_problem(E, M_max)
         for m in args.m:
             masked_m = torch.full((E,), m, dtype=torch.int32, device="cuda")
             out = torch.empty(E, M_max, N, dtype=torch.bfloat16, device="cuda")
-            problems[(E, m)] = (a, a_scale, b, b_scale, masked_m, out)
-
-    if args.sweep:
-        precompile(sg.get_signal_gemm_configs(), log)
-    best = sweep(problems, log) if args.sweep else {}
-
-    def config_for(E: int, m: int, prefix: tuple = ()) -> sg.GemmConfig | None:
-        keys = [k[len(prefix) :] for k in best if k[: len(prefix)] == prefix and len(k) == len(prefix) + 2]
-        keys = [k for k in keys if isinstance(k[0], int) and k[0] == E]
-        if not keys:
-            return None if prefix else sg.pick_config(m)
-        key = min((k for k in keys if k[1] >= m), default=max(keys))
-        return best[prefix + key]
-
-    rows = []
-    for (E, m), problem in problems.items():
-        unflat = config_for(E, m, ("unflat",)) or dataclasses.replace(
-            sg.pick_config(m), flatten=False, signal_asm=False
-        )
-        row = measure(E, m, problem, config_for(E, m), unflat, num_sms, sig_sms, deep_gemm, log)
-        rows.append(row)
-        log(json.dumps(row))
+            row = measure(E, m, (a, a_scale, b, b_scale, masked_m, out), num_sms, sig_sms, deep_gemm, log)
+            rows.append(row)
+            log(json.dumps(row))
 
     bw_after = copy_bandwidth()
     bw = max(bw_before, bw_after)
     log(f"copy bandwidth after the runs: {bw_after:.0f} GB/s; using {bw:.0f} GB/s")
 
-    # The table.
-    def pct(us):
+    def pct(row: dict, us: float) -> float:
         return 100 * row["bytes"] / (us * 1e-6) / 1e9 / bw
 
     header = (
-        f"{'E':>3} {'m':>4} | {'plain':>6} {'bw%':>5} | {'sig a':>6} {'cost':>6} | {'sig b':>6} {'cost':>6} |"
-        f" {'DeepGEMM':>8} {'bw%':>5} {'DG/plain':>8} {'DG/sig a':>8} | {'torch bmm':>9} | {'scaled_mm':>9}"
+        f"{'E':>3} {'m':>4} | {'plain':>6} {'bw%':>5} {'all SMs':>7} | {'rows64':>6} {'sig a':>6} {'cost':>6} |"
+        f" {'sig b':>6} {'cost':>6} | {'DeepGEMM':>8} {'bw%':>5} {'DG/plain':>8} {'DG/all':>6} {'DG/sig b':>8} |"
+        f" {'torch bmm':>9} | {'scaled_mm':>9}"
     )
     lines = [
         f"{props.name}, copy bandwidth {bw:.0f} GB/s; times in µs (median of CUDA-graph replays)",
@@ -402,35 +281,30 @@ def main() -> None:
         "-" * len(header),
     ]
     for row in rows:
-        t = row["plain_us"]
-        ta, tb = row["best_sglang_us"], row["best_deepep_us"]
-        dg = row.get("deepgemm_us")
+        t, dg = row["plain_us"], row.get("deepgemm_us")
+        ratios = (
+            f" {dg:>8.1f} {pct(row, dg):>5.1f} {dg / t:>7.2f}x {dg / row['plain_all_sms_us']:>5.2f}x"
+            f" {dg / row['sig_deepep_us']:>7.2f}x |"
+            if dg
+            else f" {'-':>8} {'-':>5} {'-':>8} {'-':>6} {'-':>8} |"
+        )
         lines.append(
-            f"{row['E']:>3} {row['m']:>4} | {t:>6.1f} {pct(t):>5.1f} |"
-            f" {ta:>6.1f} {100 * row['best_sglang_cost']:>+5.1f}% |"
-            f" {tb:>6.1f} {100 * row['best_deepep_cost']:>+5.1f}% |"
-            + (
-                f" {dg:>8.1f} {pct(dg):>5.1f} {dg / t:>7.2f}x {dg / ta:>7.2f}x |"
-                if dg
-                else f" {'-':>8} {'-':>5} {'-':>8} {'-':>8} |"
-            )
+            f"{row['E']:>3} {row['m']:>4} | {t:>6.1f} {pct(row, t):>5.1f} {row['plain_all_sms_us']:>7.1f} |"
+            f" {row['rows64_us']:>6.1f} {row['sig_sglang_us']:>6.1f} {100 * row['sig_sglang_cost']:>+5.1f}% |"
+            f" {row['sig_deepep_us']:>6.1f} {100 * row['sig_deepep_cost']:>+5.1f}% |"
+            + ratios
             + f" {row.get('torch_bmm_us', float('nan')):>9.1f} | {row.get('scaled_mm_us', float('nan')):>9.1f}"
         )
-    names = [k.removesuffix("_us") for k in rows[0] if k.startswith(("triton", "unflat")) and k.endswith("_us")]
     lines.append("")
-    lines.append("every variant (µs): " + ", ".join(names))
     for row in rows:
         lines.append(
-            f"{row['E']:>3} {row['m']:>4} | "
-            + " ".join(f"{row.get(n + '_us', float('nan')):>6.1f}" for n in names)
-            + f" | best a: {row['best_sglang']}, best b: {row['best_deepep']}"
+            f"{row['E']:>3} {row['m']:>4} | plain, sig b: {row['config']} | rows64, sig a: {row['sglang_config']}"
         )
-    lines.append("")
-    for row in rows:
-        lines.append(f"{row['E']:>3} {row['m']:>4} | flat: {row['config']} | unflat: {row.get('unflat_config')}")
-    spread = [abs(r["triton_us_again"] / r["triton_us"] - 1) * 100 for r in rows]
+    spread = [abs(r["plain_us_again"] / r["plain_us"] - 1) * 100 for r in rows]
     errors = [r[k] for r in rows for k in r if k.endswith("_err")]
+    signals = sorted({v for r in rows for k in r if k.endswith("_signals") for v in r[k]})
     lines.append(f"largest relative error against the fp32 reference, any kernel: {max(errors):.2e}")
+    lines.append(f"final signal values seen (sglang: ceil(N/block_n) = 28; DeepEP: {sig_sms} programs): {signals}")
     lines.append(
         f"run-to-run spread of the no-signal kernel: median {statistics.median(spread):.1f} %, max {max(spread):.1f} %"
     )
@@ -439,16 +313,7 @@ def main() -> None:
     print("\n" + table)
     if args.json:
         args.json.write_text(
-            json.dumps(
-                {
-                    "device": props.name,
-                    "copy_gbps": bw,
-                    "rows": rows,
-                    "table": table,
-                    "best": {"x".join(map(str, k)): repr(v) for k, v in best.items()},
-                },
-                indent=1,
-            )
+            json.dumps({"device": props.name, "copy_gbps": bw, "rows": rows, "table": table}, indent=1)
         )
     if args.log:
         args.log.write_text("\n".join(log_lines) + "\n\n" + table + "\n")

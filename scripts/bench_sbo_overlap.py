@@ -78,7 +78,7 @@ def measure(E: int, M_max: int, m: int, programs: int) -> dict:
     out = torch.empty(E, M_max, N, dtype=torch.bfloat16, device="cuda:0")
     peer = torch.zeros(E, M_max, N, dtype=torch.bfloat16, device="cuda:1")
     all_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cfg = sg.pick_config(m, signalled=True)
+    cfg = sg.pick_config(m, signal_mode=sg.SIGNAL_SGLANG)
     plain_cfg = sg.pick_config(m)
     num_units = E * -(-M_max // cfg.block_m)
     signal = torch.zeros(num_units, dtype=torch.int32, device="cuda:0")

@@ -105,6 +105,10 @@ VARIANTS = [
     sg.GemmConfig(block_m=64, block_n=64, num_stages=6, num_warps=4, flatten=False),
     sg.GemmConfig(block_m=64, block_n=256, num_stages=3, num_warps=8, use_tma=True, signal_asm=True),
     sg.GemmConfig(block_m=64, block_n=128, num_stages=4, num_warps=4, flatten=False, signal_asm=True),
+    # The swap-AB tiles pick_config chooses up to 32 rows, and the sweep's split 128-row tile.
+    sg.GemmConfig(block_m=16, block_n=256, num_stages=3, num_warps=8, swap_ab=True, use_tma=True, signal_asm=True),
+    sg.GemmConfig(block_m=32, block_n=256, num_stages=3, num_warps=8, swap_ab=True, use_tma=True, signal_asm=True),
+    sg.GemmConfig(block_m=128, block_n=128, num_stages=3, num_warps=4, use_tma=True, split_m=2, signal_asm=True),
 ]
 
 
@@ -236,13 +240,14 @@ def test_signal_ordering_with_polling_consumer(layout):
     gen = torch.Generator().manual_seed(7 if layout == "sglang" else 8)
 
     # One run of each kernel before the loop, so that no module load happens while a consumer spins.
-    def pick(m: int) -> sg.GemmConfig:
-        return sg.pick_config(m, signalled=True)
+    mode = sg.SIGNAL_DEEPEP if layout == "deepep" else sg.SIGNAL_SGLANG
 
-    for cfg in {pick(m) for m in (1, 64, 128, M_max)}:
+    def pick(m: int) -> sg.GemmConfig:
+        return sg.pick_config(m, signal_mode=mode)
+
+    for cfg in {pick(m) for m in (1, 17, 64, 128, M_max)}:
         warm = torch.zeros(E * -(-M_max // cfg.block_m), dtype=torch.int32, device="cuda")
         full = torch.full((E,), M_max, dtype=torch.int32, device="cuda")
-        mode = sg.SIGNAL_DEEPEP if layout == "deepep" else sg.SIGNAL_SGLANG
         sg.masked_grouped_gemm(
             a,
             b,
@@ -261,7 +266,9 @@ def test_signal_ordering_with_polling_consumer(layout):
     mismatches, waited_units, gave_up, units = 0, 0, 0, 0
     stuck: list = []  # (masked_m, final signals, waited) of runs where the consumer gave up
     for run in range(runs):
-        masked_m = torch.randint(0, M_max + 1, (E,), generator=gen).to(torch.int32).cuda()
+        # Every other run has few rows per expert, where the picked tile is a swap-AB one.
+        rows_hi = M_max if run % 2 == 0 else 48
+        masked_m = torch.randint(0, rows_hi + 1, (E,), generator=gen).to(torch.int32).cuda()
         if run % 4 == 0:
             a, a_scale, _, _ = make_fp8_problem(E, M_max, 128, K)  # fresh activations now and then
         out.fill_(float("nan"))
