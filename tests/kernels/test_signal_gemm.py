@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import zlib
 from pathlib import Path
 
@@ -239,7 +240,11 @@ def test_signal_ordering_with_polling_consumer(layout):
     side = torch.cuda.Stream()
     gen = torch.Generator().manual_seed(7 if layout == "sglang" else 8)
 
-    # One run of each kernel before the loop, so that no module load happens while a consumer spins.
+    # One run of each kernel before the loop, so that no module load happens while a consumer spins:
+    # with CUDA's lazy loading, a kernel's first launch loads its module, and that waits for the
+    # running consumer, which waits for the GEMM queued behind that launch (seen on the H200: the
+    # first run that slept before the GEMM stalled until the consumer gave up). Hence _sleep too.
+    torch.cuda._sleep(1)
     mode = sg.SIGNAL_DEEPEP if layout == "deepep" else sg.SIGNAL_SGLANG
 
     def pick(m: int) -> sg.GemmConfig:
@@ -264,7 +269,8 @@ def test_signal_ordering_with_polling_consumer(layout):
         copy_when_signalled(warm, full, out, copy, target, per_expert=layout == "deepep", block_m=cfg.block_m)
     torch.cuda.synchronize()
     mismatches, waited_units, gave_up, units = 0, 0, 0, 0
-    stuck: list = []  # (masked_m, final signals, waited) of runs where the consumer gave up
+    slowest_launch = (0.0, -1)  # (seconds, run)
+    stuck: list = []  # (run, launch seconds, config, masked_m, final signals, waited) where the consumer gave up
     for run in range(runs):
         # Every other run has few rows per expert, where the picked tile is a swap-AB one.
         rows_hi = M_max if run % 2 == 0 else 48
@@ -294,6 +300,7 @@ def test_signal_ordering_with_polling_consumer(layout):
             )
         if run % 3 != 1:
             torch.cuda._sleep(delay_gemm)
+        launch_start = time.perf_counter()
         sg.masked_grouped_gemm(
             a,
             b,
@@ -306,20 +313,23 @@ def test_signal_ordering_with_polling_consumer(layout):
             num_sms=num_sms,
             config=cfg,
         )
+        launch_s = time.perf_counter() - launch_start  # seconds the host took to launch the GEMM
+        slowest_launch = max(slowest_launch, (launch_s, run))
         torch.cuda.synchronize()
         rows = torch.arange(M_max, device="cuda")[None, :] < masked_m[:, None]
         same = torch.where(rows[:, :, None], copy.view(torch.int16) == out.view(torch.int16), True)
         mismatches += int((~same).any().item())
         waited_units += int((waited == 1).sum().item())
         if (waited == 2).any():
-            stuck.append((masked_m.tolist(), signal.tolist(), waited.tolist()))
+            stuck.append((run, round(launch_s, 4), cfg, masked_m.tolist(), signal.tolist(), waited.tolist()))
         gave_up += int((waited == 2).sum().item())
         units += waited.numel()
     assert gave_up == 0, f"the consumer gave up on {gave_up} units (target {target}): {stuck[:3]}"
     assert mismatches == 0, f"{mismatches} of {runs} runs copied a unit before its rows were stored"
     # The test only has teeth if the consumer really polled while the GEMM ran.
     assert waited_units > 0, "the consumer never found an unfinished unit: no overlap happened"
-    print(f"{layout}: {runs} runs, {waited_units}/{units} units copied while the GEMM was running")
+    print(f"{layout}: {runs} runs, {waited_units}/{units} units copied while the GEMM was running;"
+          f" slowest GEMM launch {slowest_launch[0] * 1e3:.1f} ms (run {slowest_launch[1]})")  # fmt: skip
 
 
 # %%
