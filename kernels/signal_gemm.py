@@ -37,7 +37,8 @@ are in the list, so an expert with no tokens costs nothing.
 
 Decode is weight-bound: at ``m <= 64`` tokens per expert every weight byte is read once and used
 for at most 64 rows, so the kernel's job is to keep enough weight bytes in flight. ``num_stages``
-deep software pipelining over K does that.
+deep software pipelining over K does that. With few tokens, ``SWAP_AB`` computes ``D.T = B @ A.T``
+so that the weights fill wgmma's 64-row side and a tile needs only 16 or 32 token rows.
 
 Signals (the point of the exercise)
 -----------------------------------
