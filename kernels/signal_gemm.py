@@ -463,6 +463,10 @@ def masked_grouped_gemm(
             num_sms -= SMS_KEPT_FOR_COMMUNICATION
     assert num_sms >= 1, f"num_sms must be positive, got {num_sms}"
     assert config.split_m in (1, 2) and not (config.swap_ab and config.split_m > 1), f"bad split_m in {config}"
+    assert not (config.warp_specialize and signal_mode != SIGNAL_NONE), (
+        "a warp-specialized loop cannot release signals: the release's bar.sync needs every warp; "
+        "use warp_specialize=False with signals"
+    )
 
     num_m_blocks = triton.cdiv(M_max, config.block_m)
     threshold = triton.cdiv(N, config.block_n)
