@@ -60,6 +60,13 @@ def candidates(m: int) -> list[Config]:
         found += [Config(block_m=128, block_n=256, num_stages=s, num_warps=8, split_m=2, **tma) for s in (3, 4)]
         found += [Config(block_m=128, block_n=128, num_stages=s, num_warps=4, split_m=2, **tma) for s in (3, 4, 6)]
     found += [Config(block_m=64, block_n=256, num_stages=3, num_warps=8, warp_specialize=True, **tma)]
+    if 16 < m <= 64:  # fewer live registers: a shallower pipeline, or no pipelining across tiles
+        found += [Config(block_m=64, block_n=256, num_stages=2, num_warps=8, **tma)]
+        found += [Config(block_m=64, block_n=256, num_stages=s, num_warps=8, flatten=False, **tma) for s in (3, 4)]
+        found += [
+            Config(block_m=32, block_n=256, num_stages=s, num_warps=8, swap_ab=True, flatten=f, **tma)
+            for s, f in ((2, True), (3, False), (4, False))
+        ]
     if m <= 32:
         found += [Config(block_m=16 if m <= 16 else 32, block_n=256, num_stages=4, num_warps=8, swap_ab=True,
                          warp_specialize=True, **tma)]  # fmt: skip
