@@ -167,32 +167,44 @@ def measure(E: int, m: int, problem: tuple, num_sms: int, sig_sms: int, deep_gem
         sg.SIGNAL_DEEPEP: torch.zeros(E, dtype=torch.int32, device="cuda"),
     }
 
-    def run(config: sg.GemmConfig, mode: int = sg.SIGNAL_NONE, programs: int = sig_sms):
-        return functools.partial(
-            sg.masked_grouped_gemm, a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale,
-            config=config, num_sms=programs, signal=signals[mode], signal_mode=mode,
-        )  # fmt: skip
-
+    # name -> (configuration, signal layout, programs)
     variants = {
-        "plain": run(plain),  # what the DeepEP layout's signals cost is measured against
-        "plain_all_sms": run(plain, programs=num_sms),
-        "rows64": run(dataclasses.replace(for_sglang, signal_asm=False)),  # the sglang layout's tile, no signals
-        "sig_sglang": run(for_sglang, sg.SIGNAL_SGLANG),
-        "sig_deepep": run(for_deepep, sg.SIGNAL_DEEPEP),
+        "plain": (plain, sg.SIGNAL_NONE, sig_sms),  # what the DeepEP layout's signals cost is measured against
+        "plain_all_sms": (plain, sg.SIGNAL_NONE, num_sms),
+        "rows64": (dataclasses.replace(for_sglang, signal_asm=False), sg.SIGNAL_NONE, sig_sms),  # sglang's tile
+        "sig_sglang": (for_sglang, sg.SIGNAL_SGLANG, sig_sms),
+        "sig_deepep": (for_deepep, sg.SIGNAL_DEEPEP, sig_sms),
     }
-    for name, fn in variants.items():
-        signal = signals[sg.SIGNAL_SGLANG if name == "sig_sglang" else sg.SIGNAL_DEEPEP]
-        signal.zero_()
+    runs = {
+        name: functools.partial(
+            sg.masked_grouped_gemm,
+            a,
+            b,
+            out,
+            masked_m,
+            a_scale=a_scale,
+            b_scale=b_scale,
+            config=config,
+            num_sms=programs,
+            signal=signals[mode],
+            signal_mode=mode,
+        )
+        for name, (config, mode, programs) in variants.items()
+    }
+    for name, fn in runs.items():
+        signal = signals[variants[name][1]]
+        if signal is not None:
+            signal.zero_()
         out.fill_(float("nan"))
         fn()
         torch.cuda.synchronize()
         row[f"{name}_err"] = rel_err(out[:, :m], ref)
-        if name.startswith("sig_"):  # the final counters of one run, before timing reruns add to them
+        if signal is not None:  # the final counters of one run, before timing reruns add to them
             row[f"{name}_signals"] = sorted(set(signal.tolist()))
         row[f"{name}_us"] = bench(fn)
     row["sig_sglang_cost"] = row["sig_sglang_us"] / row["rows64_us"] - 1
     row["sig_deepep_cost"] = row["sig_deepep_us"] / row["plain_us"] - 1
-    row["plain_us_again"] = bench(variants["plain"])  # the run-to-run spread
+    row["plain_us_again"] = bench(runs["plain"])  # the run-to-run spread
 
     try:
         row["torch_bmm_us"] = bench(lambda: torch_dequant_bmm(a, a_scale, b, b_scale, m))

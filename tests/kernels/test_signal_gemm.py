@@ -245,7 +245,8 @@ def test_signal_ordering_with_polling_consumer(layout):
     # running consumer, which waits for the GEMM queued behind that launch (seen on the H200: the
     # first run that slept before the GEMM stalled until the consumer gave up). Hence _sleep too.
     torch.cuda._sleep(1)
-    mode = sg.SIGNAL_DEEPEP if layout == "deepep" else sg.SIGNAL_SGLANG
+    per_expert = layout == "deepep"
+    mode = sg.SIGNAL_DEEPEP if per_expert else sg.SIGNAL_SGLANG
 
     def pick(m: int) -> sg.GemmConfig:
         return sg.pick_config(m, signal_mode=mode)
@@ -266,7 +267,7 @@ def test_signal_ordering_with_polling_consumer(layout):
             config=cfg,
         )
         target = num_sms if layout == "deepep" else -(-N // cfg.block_n)
-        copy_when_signalled(warm, full, out, copy, target, per_expert=layout == "deepep", block_m=cfg.block_m)
+        copy_when_signalled(warm, full, out, copy, target, per_expert=per_expert, block_m=cfg.block_m)
     torch.cuda.synchronize()
     mismatches, waited_units, gave_up, units = 0, 0, 0, 0
     slowest_launch = (0.0, -1)  # (seconds, run)
@@ -280,7 +281,6 @@ def test_signal_ordering_with_polling_consumer(layout):
         out.fill_(float("nan"))
         copy.fill_(float("-inf"))
         cfg = pick(int(masked_m.float().mean().item()) or 1)
-        per_expert = layout == "deepep"
         signal = torch.zeros(E if per_expert else E * -(-M_max // cfg.block_m), dtype=torch.int32, device="cuda")
         target = num_sms if per_expert else -(-N // cfg.block_n)
         torch.cuda.synchronize()
@@ -309,7 +309,7 @@ def test_signal_ordering_with_polling_consumer(layout):
             a_scale=a_scale,
             b_scale=b_scale,
             signal=signal,
-            signal_mode=sg.SIGNAL_DEEPEP if per_expert else sg.SIGNAL_SGLANG,
+            signal_mode=mode,
             num_sms=num_sms,
             config=cfg,
         )
