@@ -174,6 +174,36 @@ def _signal_experts(signal_ptr, experts, lo, hi, SIGNAL_ASM: tl.constexpr):
         tl.atomic_add(signal_ptr + experts, 1, mask=(experts >= lo) & (experts < hi), sem="release", scope="gpu")
 
 
+@triton.jit
+def _weight_scales(row_ptr, nb, N, stride_bsn, BLOCK_N: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+    """The weight scales of column-block ``nb`` at one K step: a scalar when the tile lies in one
+    128-column scale block, else a ``[BLOCK_N]`` vector built from two scalar loads. (A vector of
+    per-column pointers costs BLOCK_N / 4 registers per thread and made 128-row tiles spill.)"""
+    tl.static_assert(BLOCK_N <= 2 * SCALE_BLOCK, "at most two weight-scale blocks per tile")
+    first = nb * BLOCK_N // SCALE_BLOCK
+    sb = tl.load(row_ptr + first * stride_bsn)
+    if BLOCK_N > SCALE_BLOCK:
+        second = tl.minimum(first + 1, tl.cdiv(N, SCALE_BLOCK) - 1)
+        sb = tl.where(tl.arange(0, BLOCK_N) < SCALE_BLOCK, sb, tl.load(row_ptr + second * stride_bsn))
+    return sb
+
+
+@triton.jit
+def _add_scaled(acc, partial, sa, sb, SWAP_AB: tl.constexpr, PER_COLUMN: tl.constexpr):
+    """``acc + partial * sa (per token) * sb (per column if PER_COLUMN, else one for the tile)``;
+    with SWAP_AB the tile is transposed: weights' columns down, tokens across."""
+    if PER_COLUMN:
+        if SWAP_AB:  # noqa: SIM108 (a constexpr branch, resolved at compile time)
+            scale = sb[:, None] * sa[None, :]
+        else:
+            scale = sa[:, None] * sb[None, :]
+    elif SWAP_AB:
+        scale = (sa * sb)[None, :]
+    else:
+        scale = (sa * sb)[:, None]
+    return acc + partial * scale
+
+
 # %%
 # The kernel
 # ----------
@@ -216,14 +246,12 @@ def _masked_grouped_gemm_kernel(
     SWAP_AB: tl.constexpr,  # compute D.T = B @ A.T: weights fill the 64-row wgmma side
     USE_TMA: tl.constexpr,  # a_ptr / b_ptr are host TensorDescriptors over [E*M_MAX, K] / [E*N, K]
     BLOCK_M: tl.constexpr,  # tokens per tile = the signal's row-block (>= 64 for sglang's buffer)
-    SPLIT_M: tl.constexpr,  # 2: the tile is two BLOCK_M/2-row dots sharing each weight load
     BLOCK_N: tl.constexpr,  # output channels per tile
     BLOCK_K: tl.constexpr,  # reduction step; divides SCALE_BLOCK so one scale pair per step
     SCALE_BLOCK: tl.constexpr,
     NUM_STAGES: tl.constexpr,  # software-pipelining depth of the K loop
     SIGNAL_ASM: tl.constexpr,  # release signals through one inline-PTX block (see above)
     FLATTEN: tl.constexpr,  # pipeline across tiles (one flattened loop over tile and K)
-    WARP_SPECIALIZE: tl.constexpr,  # producer/consumer warps for the tile loop (no signals)
     E_POW2: tl.constexpr,  # E rounded up to a power of two (the per-expert vectors' length)
     FP8_AS_BYTES: tl.constexpr,  # A and B arrive as uint8 (Triton's CPU interpreter only)
 ):
@@ -255,7 +283,7 @@ def _masked_grouped_gemm_kernel(
         _signal_experts(signal_ptr, experts, 0, first_e, SIGNAL_ASM)
     # `flatten` lets Triton's pipeliner run one loop over (tile, k): the next tile's first loads
     # are in flight while this tile finishes, instead of the pipeline draining at every tile.
-    for g in tl.range(pid, num_tiles, num_programs, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+    for g in tl.range(pid, num_tiles, num_programs, flatten=FLATTEN):
         e = tl.sum((tiles_through_e <= g).to(tl.int32), 0)
         is_e = experts == e
         t = g - tl.sum(tl.where(is_e, tiles_through_e - tiles_e, 0), 0)
@@ -264,13 +292,10 @@ def _masked_grouped_gemm_kernel(
         # Row-blocks of one column-block are adjacent, so they share the weight tile in L2.
         mb = t % num_m_blocks
         nb = t // num_m_blocks
-        SUB_M: tl.constexpr = BLOCK_M // SPLIT_M
-        offs_m = mb * BLOCK_M + tl.arange(0, SUB_M)
-        offs_m2 = offs_m + SUB_M  # the second half's rows (SPLIT_M == 2 only)
+        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         row_ok = offs_m < m_e
-        row_ok2 = offs_m2 < m_e
         # Wrapping the column index keeps the weight loads unmasked (and vectorized); the
         # wrapped columns are never stored.
         offs_n_ld = offs_n % N
@@ -278,14 +303,11 @@ def _masked_grouped_gemm_kernel(
             a_ptrs = a_ptr + e * stride_ae + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
             b_ptrs = b_ptr + e * stride_be + offs_n_ld[:, None] * stride_bn + offs_k[None, :] * stride_bk
         as_ptrs = a_scale_ptr + e * stride_ase + offs_m * stride_asm
-        as2_ptrs = as_ptrs + SUB_M * stride_asm
-        bs_ptrs = b_scale_ptr + e * stride_bse + (offs_n_ld // SCALE_BLOCK) * stride_bsn
 
         if SWAP_AB:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
-            acc = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)
-        acc2 = tl.zeros((SUB_M, BLOCK_N), dtype=tl.float32)  # loop-invariant (dropped) unless SPLIT_M == 2
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in tl.range(0, K, BLOCK_K):
             if USE_TMA:
                 a = a_ptr.load([e * M_MAX + mb * BLOCK_M, k])
@@ -297,33 +319,20 @@ def _masked_grouped_gemm_kernel(
             if FP8_AS_BYTES:
                 a = a.to(tl.float8e4nv, bitcast=True)
                 b = b.to(tl.float8e4nv, bitcast=True)
+            if FP8:
+                # Scales first: their loads are then in flight while the tensor cores work.
+                ks = k // SCALE_BLOCK
+                sa = tl.load(as_ptrs + ks * stride_ask, mask=row_ok, other=0.0)
+                sb_ptr = b_scale_ptr + e * stride_bse + ks * stride_bsk
+                sb = _weight_scales(sb_ptr, nb, N, stride_bsn, BLOCK_N, SCALE_BLOCK)
             if SWAP_AB:  # noqa: SIM108 (a constexpr branch, resolved at compile time)
                 partial = tl.dot(b, tl.trans(a))
             else:
                 partial = tl.dot(a, tl.trans(b))
             if FP8:
-                ks = k // SCALE_BLOCK
-                sa = tl.load(as_ptrs + ks * stride_ask, mask=row_ok, other=0.0)
-                sb = tl.load(bs_ptrs + ks * stride_bsk)
-                if SWAP_AB:
-                    acc += partial * sb[:, None] * sa[None, :]
-                else:
-                    acc += partial * sa[:, None] * sb[None, :]
+                acc = _add_scaled(acc, partial, sa, sb, SWAP_AB, BLOCK_N > SCALE_BLOCK)
             else:
                 acc += partial
-            if SPLIT_M == 2:
-                if USE_TMA:
-                    a2 = a_ptr.load([e * M_MAX + mb * BLOCK_M + SUB_M, k])
-                else:
-                    a2 = tl.load(a_ptrs + SUB_M * stride_am + k * stride_ak, mask=row_ok2[:, None], other=0.0)
-                if FP8_AS_BYTES:
-                    a2 = a2.to(tl.float8e4nv, bitcast=True)
-                partial2 = tl.dot(a2, tl.trans(b))
-                if FP8:
-                    sa2 = tl.load(as2_ptrs + ks * stride_ask, mask=row_ok2, other=0.0)
-                    acc2 += partial2 * sa2[:, None] * sb[None, :]
-                else:
-                    acc2 += partial2
 
         out = acc.to(d_ptr.dtype.element_ty)
         if SWAP_AB:
@@ -332,9 +341,6 @@ def _masked_grouped_gemm_kernel(
         else:
             d_ptrs = d_ptr + e * stride_de + offs_m[:, None] * stride_dm + offs_n[None, :] * stride_dn
             tl.store(d_ptrs, out, mask=row_ok[:, None] & (offs_n < N)[None, :])
-            if SPLIT_M == 2:
-                out2 = acc2.to(d_ptr.dtype.element_ty)
-                tl.store(d_ptrs + SUB_M * stride_dm, out2, mask=row_ok2[:, None] & (offs_n < N)[None, :])
 
         if SIGNAL_MODE == 1:
             # Every thread's part of the tile is stored before the one releasing add.
@@ -368,8 +374,6 @@ class GemmConfig:
     use_tma: bool = False
     flatten: bool = True
     signal_asm: bool = False
-    warp_specialize: bool = False
-    split_m: int = 1
 
     def smem_bytes(self, elem_bytes: int = 1) -> int:
         """Shared memory the K pipeline needs (A and B stages), ignoring the epilogue."""
@@ -378,15 +382,16 @@ class GemmConfig:
 
 #: Configurations measured best on the H200 (kernels/README.md, ``scripts/sweep_sbo_gemm.py``), by
 #: expected rows per expert. Up to 32 rows, swap-AB puts the weights on wgmma's 64-row side and
-#: the tokens on its narrow side, so a tile loads 16 or 32 token rows instead of 64. Above 32 rows
-#: the 64-row tile stays: every 128-row tile needs more than 255 registers per thread and spills.
+#: the tokens on its narrow side, so a tile loads 16 or 32 token rows instead of 64. At 128 rows a
+#: 128×128 tile reads each weight tile once (128×256 would need more than 255 registers a thread).
 _TUNED: dict[int, GemmConfig] = {
-    16: GemmConfig(block_m=16, block_n=256, num_stages=3, num_warps=8, swap_ab=True, use_tma=True),
+    16: GemmConfig(block_m=16, block_n=256, num_stages=4, num_warps=8, swap_ab=True, use_tma=True),
     32: GemmConfig(block_m=32, block_n=256, num_stages=3, num_warps=8, swap_ab=True, use_tma=True),
-    128: GemmConfig(block_m=64, block_n=256, num_stages=3, num_warps=8, use_tma=True),
+    64: GemmConfig(block_m=64, block_n=256, num_stages=3, num_warps=8, use_tma=True),
+    128: GemmConfig(block_m=128, block_n=128, num_stages=3, num_warps=8, use_tma=True),
 }
 #: sglang's row-block signals: its buffer holds one counter per 64 rows, so the tile keeps 64 rows.
-_TUNED_ROW_BLOCKS: dict[int, GemmConfig] = {128: _TUNED[128]}
+_TUNED_ROW_BLOCKS: dict[int, GemmConfig] = {64: _TUNED[64]}
 
 
 def pick_config(expected_m: int, max_block_n: int = 256, signal_mode: int = SIGNAL_NONE) -> GemmConfig:
@@ -462,11 +467,6 @@ def masked_grouped_gemm(
         if signal_mode != SIGNAL_NONE:
             num_sms -= SMS_KEPT_FOR_COMMUNICATION
     assert num_sms >= 1, f"num_sms must be positive, got {num_sms}"
-    assert config.split_m in (1, 2) and not (config.swap_ab and config.split_m > 1), f"bad split_m in {config}"
-    assert not (config.warp_specialize and signal_mode != SIGNAL_NONE), (
-        "a warp-specialized loop cannot release signals: the release's bar.sync needs every warp; "
-        "use warp_specialize=False with signals"
-    )
 
     num_m_blocks = triton.cdiv(M_max, config.block_m)
     threshold = triton.cdiv(N, config.block_n)
@@ -493,7 +493,7 @@ def masked_grouped_gemm(
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         assert a.is_contiguous() and b.is_contiguous(), "TMA needs contiguous A and B"
-        a_arg = TensorDescriptor.from_tensor(a.view(E * M_max, K), [config.block_m // config.split_m, config.block_k])
+        a_arg = TensorDescriptor.from_tensor(a.view(E * M_max, K), [config.block_m, config.block_k])
         b_arg = TensorDescriptor.from_tensor(b.view(E * N, K), [config.block_n, config.block_k])
     else:
         a_arg, b_arg = a, b
@@ -530,13 +530,11 @@ def masked_grouped_gemm(
         SWAP_AB=config.swap_ab,
         USE_TMA=config.use_tma,
         BLOCK_M=config.block_m,
-        SPLIT_M=config.split_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         SCALE_BLOCK=SCALE_BLOCK,
         NUM_STAGES=config.num_stages,
         FLATTEN=config.flatten,
-        WARP_SPECIALIZE=config.warp_specialize,
         SIGNAL_ASM=config.signal_asm and not fp8_as_bytes,
         E_POW2=triton.next_power_of_2(E),
         FP8_AS_BYTES=fp8_as_bytes,

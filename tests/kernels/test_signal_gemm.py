@@ -106,10 +106,11 @@ VARIANTS = [
     sg.GemmConfig(block_m=64, block_n=64, num_stages=6, num_warps=4, flatten=False),
     sg.GemmConfig(block_m=64, block_n=256, num_stages=3, num_warps=8, use_tma=True, signal_asm=True),
     sg.GemmConfig(block_m=64, block_n=128, num_stages=4, num_warps=4, flatten=False, signal_asm=True),
-    # The swap-AB tiles pick_config chooses up to 32 rows, and the sweep's split 128-row tile.
+    # The tiles pick_config chooses: swap-AB up to 32 rows, 128×128 with TMA at 128 rows.
     sg.GemmConfig(block_m=16, block_n=256, num_stages=3, num_warps=8, swap_ab=True, use_tma=True, signal_asm=True),
     sg.GemmConfig(block_m=32, block_n=256, num_stages=3, num_warps=8, swap_ab=True, use_tma=True, signal_asm=True),
-    sg.GemmConfig(block_m=128, block_n=128, num_stages=3, num_warps=4, use_tma=True, split_m=2, signal_asm=True),
+    sg.GemmConfig(block_m=16, block_n=256, num_stages=4, num_warps=8, swap_ab=True, use_tma=True, signal_asm=True),
+    sg.GemmConfig(block_m=128, block_n=128, num_stages=3, num_warps=8, use_tma=True, signal_asm=True),
 ]
 
 
