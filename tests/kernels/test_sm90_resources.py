@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("triton", reason="needs triton (the `validate` or `kernels` extra)")
 
-from sglang_pd.kernels import signal_gemm as sg  # noqa: E402
-from sglang_pd.kernels.sm90_resources import compile_resources  # noqa: E402
+from sglang_pd.kernels import signal_gemm as sg
+from sglang_pd.kernels.sm90_resources import compile_resources
 
 MODES = {"none": sg.SIGNAL_NONE, "sglang": sg.SIGNAL_SGLANG, "deepep": sg.SIGNAL_DEEPEP}
 
