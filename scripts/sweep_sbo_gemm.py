@@ -4,8 +4,9 @@ For each shape (E local experts, every expert at m rows, K = 2048, N = 7168, FP8
 activation scales MN-major, as sglang hands them to the down GEMM) it times every candidate of
 ``candidates(m)`` without signals, checks its output against an fp32 reference, and prints the
 fastest beside DeepGEMM's time on the same inputs, with each kernel's registers and spills: a tile
-that needs more than 255 registers per thread spills, and that is what makes the 128-row tiles
-slow (kernels/README.md). At the end it lists every kernel that spills.
+that needs more than 255 registers per thread spills and runs 2–10× slower (kernels/README.md).
+At the end it lists every kernel that spills; ``python -m sglang_pd.kernels.sm90_resources``
+checks a configuration for spills without a GPU.
 
 The winners go into ``kernels/signal_gemm.py``'s ``_TUNED`` tables; ``scripts/bench_sbo_gemm.py``
 then measures the picked configurations with and without signals.
