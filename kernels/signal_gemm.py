@@ -75,6 +75,7 @@ __all__ = [
     "SIGNAL_NONE",
     "SIGNAL_SGLANG",
     "GemmConfig",
+    "WsConfig",
     "bf16_m_grouped_gemm_nt_masked",
     "fp8_m_grouped_gemm_nt_masked",
     "masked_grouped_gemm",
@@ -82,6 +83,7 @@ __all__ = [
     "reference_deepep_signal",
     "reference_masked_grouped_gemm",
     "reference_sglang_signal",
+    "ws_usable",
 ]
 
 # %%
@@ -380,6 +382,20 @@ class GemmConfig:
         return self.num_stages * (self.block_m + self.block_n) * self.block_k * elem_bytes
 
 
+@dataclasses.dataclass(frozen=True)
+class WsConfig:
+    """A launch configuration of the warp-specialized Gluon kernel (``signal_gemm_ws.py``): FP8
+    only, one producer warp and 8 consumer warps, no swap-AB."""
+
+    block_m: int = 64
+    block_n: int = 256
+    num_stages: int = 4
+    producer_regs: int = 40  # registers per producer thread (setmaxnreg); the consumers get the rest
+
+    def __post_init__(self) -> None:
+        assert self.block_m in (64, 128) and self.block_n in (128, 256), f"unsupported tile in {self}"
+
+
 #: Configurations measured best on the H200 (kernels/README.md, ``scripts/sweep_sbo_gemm.py``), by
 #: expected rows per expert. Up to 32 rows, swap-AB puts the weights on wgmma's 64-row side and
 #: the tokens on its narrow side, so a tile loads 16 or 32 token rows instead of 64. At 128 rows a
@@ -392,12 +408,22 @@ _TUNED: dict[int, GemmConfig] = {
 }
 #: sglang's row-block signals: its buffer holds one counter per 64 rows, so the tile keeps 64 rows.
 _TUNED_ROW_BLOCKS: dict[int, GemmConfig] = {64: _TUNED[64]}
+#: FP8 on sm_90 above 16 rows: the warp-specialized kernel, whose loads never wait for the math
+#: (3–6 % faster than the Triton tiles at 32–128 rows on the H200; slower at 8, kernels/README.md).
+#: Its 64-row tile serves both signal layouts.
+_TUNED_WS: dict[int, WsConfig] = {64: WsConfig(block_m=64, block_n=256, num_stages=4), 128: WsConfig(num_stages=3)}
+_WS_ABOVE_ROWS = 16
 
 
-def pick_config(expected_m: int, max_block_n: int = 256, signal_mode: int = SIGNAL_NONE) -> GemmConfig:
+def pick_config(
+    expected_m: int, max_block_n: int = 256, signal_mode: int = SIGNAL_NONE, warp_specialized: bool = False
+) -> GemmConfig | WsConfig:
     """The configuration for ``expected_m`` rows per expert and this signal layout, with
-    ``block_n <= max_block_n``. Signals are released through the inline-PTX block: Triton's own
-    atomic in the flattened loop costs 120 % (kernels/README.md)."""
+    ``block_n <= max_block_n``; with ``warp_specialized`` (FP8 on an sm_90 GPU with Gluon: see
+    ``ws_usable``) the Gluon kernel's above 16 rows. Signals are released through the inline-PTX
+    block: Triton's own atomic in the flattened loop costs 120 % (kernels/README.md)."""
+    if warp_specialized and expected_m > _WS_ABOVE_ROWS and max_block_n >= 256:
+        return _TUNED_WS[min((k for k in _TUNED_WS if k >= expected_m), default=max(_TUNED_WS))]
     table = _TUNED_ROW_BLOCKS if signal_mode == SIGNAL_SGLANG else _TUNED
     config = table[min((k for k in table if k >= expected_m), default=max(table))]
     if signal_mode != SIGNAL_NONE:
@@ -406,6 +432,21 @@ def pick_config(expected_m: int, max_block_n: int = 256, signal_mode: int = SIGN
         block_n = 1 << (max_block_n.bit_length() - 1)  # largest power of two not above the cap
         config = dataclasses.replace(config, block_n=block_n)
     return config
+
+
+@functools.cache
+def ws_usable(device_index: int = 0) -> bool:
+    """Whether the warp-specialized Gluon kernel can run here: an sm_90 GPU (wgmma, setmaxnreg),
+    Triton with Gluon, and not Triton's CPU interpreter."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+        return False
+    if torch.cuda.get_device_capability(device_index)[0] != 9:
+        return False
+    try:
+        import triton.experimental.gluon  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 # %%
@@ -429,7 +470,7 @@ def masked_grouped_gemm(
     signal: torch.Tensor | None = None,
     signal_mode: int = SIGNAL_NONE,
     num_sms: int | None = None,
-    config: GemmConfig | None = None,
+    config: GemmConfig | WsConfig | None = None,
     expected_m: int | None = None,
     max_block_n: int = 256,
 ) -> tuple[int, int]:
@@ -460,7 +501,9 @@ def masked_grouped_gemm(
         assert a_scale is None and b_scale is None, "bf16 inputs take no scales"
         a_scale = b_scale = out  # unused by the kernel; any tensor will do
 
-    config = config or pick_config(expected_m or M_max, max_block_n, signal_mode)
+    if config is None:
+        ws = fp8 and ws_usable(a.device.index or 0)
+        config = pick_config(expected_m or M_max, max_block_n, signal_mode, warp_specialized=ws)
     assert config.block_n <= max_block_n, f"block_n {config.block_n} exceeds max_block_n {max_block_n}"
     if num_sms is None:
         num_sms = _num_sms(a.device.index or 0)
@@ -470,7 +513,7 @@ def masked_grouped_gemm(
 
     num_m_blocks = triton.cdiv(M_max, config.block_m)
     threshold = triton.cdiv(N, config.block_n)
-    if config.signal_asm and signal_mode == SIGNAL_DEEPEP:
+    if isinstance(config, GemmConfig) and config.signal_asm and signal_mode == SIGNAL_DEEPEP:
         assert 32 * config.num_warps >= E, f"inline-PTX DeepEP signals need E <= threads, got E={E}"
     if signal_mode == SIGNAL_SGLANG:
         assert signal is not None and signal.dtype == torch.int32, "sglang's signal must be int32"
@@ -483,6 +526,13 @@ def masked_grouped_gemm(
         signal = signal.view(torch.int32)  # same bits; Triton's atomics want a signed type
     else:
         signal = masked_m  # unused by the kernel
+
+    if isinstance(config, WsConfig):
+        assert fp8 and a_scale is not None and b_scale is not None, "the warp-specialized kernel is FP8 only"
+        from .signal_gemm_ws import launch  # Gluon: imported only where it runs
+
+        launch(a, b, out, masked_m, a_scale, b_scale, signal, signal_mode, num_sms, config)
+        return (num_sms, num_sms) if signal_mode == SIGNAL_DEEPEP else (config.block_m, threshold)
 
     # Triton's CPU interpreter cannot do pointer arithmetic on FP8 pointers; hand it the bytes.
     fp8_as_bytes = fp8 and os.environ.get("TRITON_INTERPRET") == "1"

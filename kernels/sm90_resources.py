@@ -6,7 +6,7 @@ so it can be checked here, on a CPU-only machine, before any GPU time is spent: 
 the kernel for an sm_90a target, and the ptxas that ships with Triton reports the resources.
 On the H200 the figures matched the loaded kernel's ``n_regs`` for every tile checked.
 
-    python -m sglang_pd.kernels.sm90_resources            # the configurations pick_config chooses
+    python -m sglang_pd.kernels.sm90_resources    # every configuration pick_config chooses, both kernels
 
 This reaches into Triton internals: the active driver (``driver._active``, replaced for the call by
 one that names an sm_90 target and never touches CUDA) and ``JITFunction.run(warmup=True)``
@@ -66,9 +66,12 @@ def _ptxas() -> str:
     return path
 
 
-def compile_resources(config: sg.GemmConfig, signal_mode: int = sg.SIGNAL_NONE, **shape: int) -> Resources:
+def compile_resources(
+    config: sg.GemmConfig | sg.WsConfig, signal_mode: int = sg.SIGNAL_NONE, **shape: int
+) -> Resources:
     """Registers, spills and shared memory of ``config`` compiled for sm_90a (FP8, MN-major
-    activation scales as sglang passes them)."""
+    activation scales as sglang passes them). For the warp-specialized kernel ptxas reports the
+    launch's register count; ``setmaxnreg`` then moves registers from the producer to the math."""
     E, M_max, N, K = (shape.get(k, v) for k, v in SHAPE.items())
     # CPU tensors stand in for the arguments: only dtypes, strides and 16-byte alignment matter.
     a = torch.empty(E, M_max, K, dtype=torch.float8_e4m3fn)
@@ -79,7 +82,12 @@ def compile_resources(config: sg.GemmConfig, signal_mode: int = sg.SIGNAL_NONE, 
     masked_m = torch.empty(E, dtype=torch.int32)
     signal = torch.empty(E * triton.cdiv(M_max, config.block_m), dtype=torch.int32)
 
-    kernel_fn = sg._masked_grouped_gemm_kernel
+    if isinstance(config, sg.WsConfig):
+        from . import signal_gemm_ws
+
+        kernel_fn = signal_gemm_ws._masked_grouped_gemm_ws_kernel
+    else:
+        kernel_fn = sg._masked_grouped_gemm_kernel
     compiled = []
     launch = kernel_fn.run
     previous = driver._active  # None until something asked for the default driver
@@ -112,9 +120,9 @@ def main() -> None:
     print(f"{'m':>4} {'signals':>7} {'regs':>5} {'spill B':>7} {'smem KiB':>8}  configuration")
     for m in (8, 16, 32, 64, 128):
         for name, mode in modes.items():
-            config = sg.pick_config(m, signal_mode=mode)
-            r = compile_resources(config, mode)
-            print(f"{m:>4} {name:>7} {r.registers:>5} {r.spill_bytes:>7} {r.shared_bytes / 1024:>8.0f}  {config}")
+            for config in dict.fromkeys(sg.pick_config(m, signal_mode=mode, warp_specialized=w) for w in (False, True)):
+                r = compile_resources(config, mode)
+                print(f"{m:>4} {name:>7} {r.registers:>5} {r.spill_bytes:>7} {r.shared_bytes / 1024:>8.0f}  {config}")
 
 
 if __name__ == "__main__":

@@ -4,9 +4,12 @@ For E = 16 and 32 local experts (M_max = 2048 and 1024 rows, as DeepEP's low-lat
 16 and 8 ranks), K = 2048, N = 7168, FP8 with 1×128 / 128×128 scales, every expert at m rows
 (m = 8 … 128), it reports in one run:
 
-* the Triton kernel's time without signals (on the SMs SBO leaves it, and on all of them), with
+* our kernel's time without signals (on the SMs SBO leaves it, and on all of them), with
   sglang-layout signals and with DeepEP-layout signals, each with the configuration
-  ``pick_config`` gives that layout, and the signals' cost against the same tile without them;
+  ``pick_config`` gives that layout on this GPU (on sm_90 the warp-specialized Gluon kernel above
+  16 rows), and the signals' cost against the same tile without them;
+* beside it, the Triton kernel's tile without signals ("Triton"), to show what the Gluon kernel
+  gains;
 * bytes moved (weights + weight scales + active activation rows + their scales + active output
   rows) over time, against the device's measured copy bandwidth (read + write);
 * baselines: torch dequantize + bmm, ``torch._scaled_mm`` per expert, and DeepGEMM's
@@ -151,14 +154,22 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
+def unsignalled(config):
+    """The same tile without the signal-release knob (the Gluon kernel has none)."""
+    return dataclasses.replace(config, signal_asm=False) if isinstance(config, sg.GemmConfig) else config
+
+
 def measure(E: int, m: int, problem: tuple, num_sms: int, sig_sms: int, deep_gemm, log) -> dict:
     """All timings and errors of one shape."""
     a, a_scale, b, b_scale, masked_m, out = problem
     M_max = a.shape[1]
-    plain = sg.pick_config(m)
-    for_sglang = sg.pick_config(m, signal_mode=sg.SIGNAL_SGLANG)
-    for_deepep = sg.pick_config(m, signal_mode=sg.SIGNAL_DEEPEP)
+    ws = sg.ws_usable(0)  # what the entry point picks on this GPU: the Gluon kernel above 16 rows
+    plain = sg.pick_config(m, warp_specialized=ws)
+    for_sglang = sg.pick_config(m, signal_mode=sg.SIGNAL_SGLANG, warp_specialized=ws)
+    for_deepep = sg.pick_config(m, signal_mode=sg.SIGNAL_DEEPEP, warp_specialized=ws)
+    triton_only = sg.pick_config(m)  # the Triton kernel's tile, for the side-by-side column
     row: dict = {"E": E, "m": m, "config": repr(plain), "sglang_config": repr(for_sglang)}
+    row["triton_config"] = repr(triton_only)
     row["bytes"] = E * N * K + b_scale.numel() * 4 + E * m * K + E * m * (K // 128) * 4 + E * m * N * 2
     ref = sg.reference_masked_grouped_gemm(a[:, :m], b, masked_m, a_scale[:, :m], b_scale, dtype=torch.float32)
     signals = {
@@ -171,7 +182,8 @@ def measure(E: int, m: int, problem: tuple, num_sms: int, sig_sms: int, deep_gem
     variants = {
         "plain": (plain, sg.SIGNAL_NONE, sig_sms),  # what the DeepEP layout's signals cost is measured against
         "plain_all_sms": (plain, sg.SIGNAL_NONE, num_sms),
-        "rows64": (dataclasses.replace(for_sglang, signal_asm=False), sg.SIGNAL_NONE, sig_sms),  # sglang's tile
+        "triton": (triton_only, sg.SIGNAL_NONE, sig_sms),
+        "rows64": (unsignalled(for_sglang), sg.SIGNAL_NONE, sig_sms),  # sglang's tile
         "sig_sglang": (for_sglang, sg.SIGNAL_SGLANG, sig_sms),
         "sig_deepep": (for_deepep, sg.SIGNAL_DEEPEP, sig_sms),
     }
@@ -283,7 +295,8 @@ def main() -> None:
         return 100 * row["bytes"] / (us * 1e-6) / 1e9 / bw
 
     header = (
-        f"{'E':>3} {'m':>4} | {'plain':>6} {'bw%':>5} {'all SMs':>7} | {'rows64':>6} {'sig a':>6} {'cost':>6} |"
+        f"{'E':>3} {'m':>4} | {'plain':>6} {'bw%':>5} {'all SMs':>7} {'Triton':>6} {'T/plain':>7} |"
+        f" {'rows64':>6} {'sig a':>6} {'cost':>6} |"
         f" {'sig b':>6} {'cost':>6} | {'DeepGEMM':>8} {'bw%':>5} {'DG/plain':>8} {'DG/all':>6} {'DG/sig b':>8} |"
         f" {'torch bmm':>9} | {'scaled_mm':>9}"
     )
@@ -301,7 +314,8 @@ def main() -> None:
             else f" {'-':>8} {'-':>5} {'-':>8} {'-':>6} {'-':>8} |"
         )
         lines.append(
-            f"{row['E']:>3} {row['m']:>4} | {t:>6.1f} {pct(row, t):>5.1f} {row['plain_all_sms_us']:>7.1f} |"
+            f"{row['E']:>3} {row['m']:>4} | {t:>6.1f} {pct(row, t):>5.1f} {row['plain_all_sms_us']:>7.1f}"
+            f" {row['triton_us']:>6.1f} {row['triton_us'] / t:>6.2f}x |"
             f" {row['rows64_us']:>6.1f} {row['sig_sglang_us']:>6.1f} {100 * row['sig_sglang_cost']:>+5.1f}% |"
             f" {row['sig_deepep_us']:>6.1f} {100 * row['sig_deepep_cost']:>+5.1f}% |"
             + ratios
@@ -311,6 +325,7 @@ def main() -> None:
     for row in rows:
         lines.append(
             f"{row['E']:>3} {row['m']:>4} | plain, sig b: {row['config']} | rows64, sig a: {row['sglang_config']}"
+            f" | Triton: {row['triton_config']}"
         )
     spread = [abs(r["plain_us_again"] / r["plain_us"] - 1) * 100 for r in rows]
     errors = [r[k] for r in rows for k in r if k.endswith("_err")]

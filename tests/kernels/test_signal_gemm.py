@@ -249,8 +249,8 @@ def test_signal_ordering_with_polling_consumer(layout):
     per_expert = layout == "deepep"
     mode = sg.SIGNAL_DEEPEP if per_expert else sg.SIGNAL_SGLANG
 
-    def pick(m: int) -> sg.GemmConfig:
-        return sg.pick_config(m, signal_mode=mode)
+    def pick(m: int) -> sg.GemmConfig | sg.WsConfig:  # what the entry point picks on this GPU
+        return sg.pick_config(m, signal_mode=mode, warp_specialized=sg.ws_usable(0))
 
     for cfg in {pick(m) for m in (1, 17, 64, 128, M_max)}:
         warm = torch.zeros(E * -(-M_max // cfg.block_m), dtype=torch.int32, device="cuda")
@@ -381,3 +381,68 @@ def test_interpreter_smoke():
         [sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+# %%
+# The warp-specialized Gluon kernel (kernels/signal_gemm_ws.py): same contract
+# ---------------------------------------------------------------------------
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+WS_CONFIGS = [(64, 256, 4), (128, 128, 5)]  # (block_m, block_n, num_stages)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU (wgmma)")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("tile", WS_CONFIGS, ids=lambda t: "{}x{}s{}".format(*t))
+@pytest.mark.parametrize("mode", [sg.SIGNAL_NONE, sg.SIGNAL_SGLANG, sg.SIGNAL_DEEPEP])
+def test_ws_fp8_masked_gemm(shape, mask, tile, mode):
+    E, M_max, N, K = shape
+    config = sg.WsConfig(*tile)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, mask, tile, mode, "ws")).encode()))
+    masked_m = masked_m_for(mask, E, M_max, gen)
+    a, a_scale, b, b_scale = make_fp8_problem(E, M_max, N, K)
+    a_scale = a_scale.transpose(1, 2).contiguous().transpose(1, 2)  # MN-major, as sglang passes them
+    signal = torch.zeros(
+        E * -(-M_max // config.block_m) if mode == sg.SIGNAL_SGLANG else E,
+        dtype=torch.int32 if mode != sg.SIGNAL_DEEPEP else torch.uint32,
+        device="cuda",
+    )
+    out = poisoned(E, M_max, N)
+    result = sg.masked_grouped_gemm(
+        a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale, signal=signal, signal_mode=mode, num_sms=7, config=config
+    )
+    torch.cuda.synchronize()
+    check_output(out, sg.reference_masked_grouped_gemm(a, b, masked_m, a_scale, b_scale), masked_m, FP8_RTOL)
+    if mode == sg.SIGNAL_SGLANG:
+        assert result == (config.block_m, -(-N // config.block_n))
+        expected = sg.reference_sglang_signal(masked_m, M_max, N, config.block_m, config.block_n)
+        assert torch.equal(signal.cpu(), expected), "sglang-layout signals differ from the reference"
+    elif mode == sg.SIGNAL_DEEPEP:
+        assert result == (7, 7)
+        assert torch.equal(signal.view(torch.int32).cpu(), sg.reference_deepep_signal(E, 7)), "DeepEP signals differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU (wgmma)")
+def test_default_config_is_warp_specialized_above_16_rows():
+    """What sglang's call gets on sm_90: the Gluon kernel above 16 rows, the Triton swap-AB tile below."""
+    assert sg.ws_usable(0)
+    assert isinstance(sg.pick_config(17, warp_specialized=True), sg.WsConfig)
+    assert isinstance(sg.pick_config(16, warp_specialized=True), sg.GemmConfig)
+    E, M_max, N, K = 4, 128, 7168, 2048
+    a, a_scale, b, b_scale = make_fp8_problem(E, M_max, N, K)
+    masked_m = torch.tensor([5, 64, 0, 128], dtype=torch.int32, device="cuda")
+    out = poisoned(E, M_max, N)
+    signal = torch.zeros(E * 2, dtype=torch.int32, device="cuda")
+    assert sg.fp8_m_grouped_gemm_nt_masked(
+        (a, a_scale), (b, b_scale), out, masked_m, 64, enable_overlap=True, signal=signal
+    ) == (64, -(-N // 256))
+    torch.cuda.synchronize()
+    check_output(out, sg.reference_masked_grouped_gemm(a, b, masked_m, a_scale, b_scale), masked_m, FP8_RTOL)
+    assert torch.equal(signal.cpu(), sg.reference_sglang_signal(masked_m, M_max, N, 64, 256))

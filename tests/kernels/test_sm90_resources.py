@@ -16,10 +16,11 @@ from sglang_pd.kernels.sm90_resources import compile_resources
 MODES = {"none": sg.SIGNAL_NONE, "sglang": sg.SIGNAL_SGLANG, "deepep": sg.SIGNAL_DEEPEP}
 
 
+@pytest.mark.parametrize("warp_specialized", [False, True], ids=["triton", "gluon-ws"])
 @pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
 @pytest.mark.parametrize("expected_m", [1, 16, 17, 32, 64, 128, 2048])
-def test_picked_tiles_do_not_spill(expected_m: int, mode: int) -> None:
-    config = sg.pick_config(expected_m, signal_mode=mode)
+def test_picked_tiles_do_not_spill(expected_m: int, mode: int, warp_specialized: bool) -> None:
+    config = sg.pick_config(expected_m, signal_mode=mode, warp_specialized=warp_specialized)
     resources = compile_resources(config, mode)
     assert resources.spill_bytes == 0, f"{config} spills {resources.spill_bytes} B per thread on sm_90a"
     assert resources.registers <= 255
