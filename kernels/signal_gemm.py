@@ -531,7 +531,7 @@ def masked_grouped_gemm(
         assert fp8 and a_scale is not None and b_scale is not None, "the warp-specialized kernel is FP8 only"
         from .signal_gemm_ws import launch  # Gluon: imported only where it runs
 
-        launch(a, b, out, masked_m, a_scale, b_scale, signal, signal_mode, num_sms, config)
+        launch(a, b, out, masked_m, a_scale, b_scale, signal, signal_mode, num_sms, config, expected_m or M_max)
         return (num_sms, num_sms) if signal_mode == SIGNAL_DEEPEP else (config.block_m, threshold)
 
     # Triton's CPU interpreter cannot do pointer arithmetic on FP8 pointers; hand it the bytes.

@@ -200,6 +200,7 @@ def measure(E: int, m: int, problem: tuple, num_sms: int, sig_sms: int, deep_gem
             num_sms=programs,
             signal=signals[mode],
             signal_mode=mode,
+            expected_m=m,  # as sglang passes it
         )
         for name, (config, mode, programs) in variants.items()
     }

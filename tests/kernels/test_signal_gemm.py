@@ -446,3 +446,28 @@ def test_default_config_is_warp_specialized_above_16_rows():
     torch.cuda.synchronize()
     check_output(out, sg.reference_masked_grouped_gemm(a, b, masked_m, a_scale, b_scale), masked_m, FP8_RTOL)
     assert torch.equal(signal.cpu(), sg.reference_sglang_signal(masked_m, M_max, N, 64, 256))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU (wgmma)")
+@pytest.mark.parametrize("mode", [sg.SIGNAL_SGLANG, sg.SIGNAL_DEEPEP])
+def test_ws_idle_programs_still_signal(mode):
+    """With expected_m the Gluon kernel splits 112 tiles over 14 of 15 programs (8 each); the idle
+    one must still count itself in for every expert in DeepEP's layout."""
+    E, M_max, N, K = 4, 128, 7168, 2048
+    a, a_scale, b, b_scale = make_fp8_problem(E, M_max, N, K)
+    masked_m = torch.tensor([64, 1, 0, 64], dtype=torch.int32, device="cuda")
+    config = sg.WsConfig(block_m=64, block_n=256, num_stages=4)
+    signal = torch.zeros(E * 2 if mode == sg.SIGNAL_SGLANG else E, dtype=torch.int32, device="cuda")
+    out = poisoned(E, M_max, N)
+    result = sg.masked_grouped_gemm(
+        a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale, signal=signal, signal_mode=mode,
+        num_sms=15, config=config, expected_m=64,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    check_output(out, sg.reference_masked_grouped_gemm(a, b, masked_m, a_scale, b_scale), masked_m, FP8_RTOL)
+    if mode == sg.SIGNAL_DEEPEP:
+        assert result == (15, 15)
+        assert torch.equal(signal.cpu(), sg.reference_deepep_signal(E, 15))
+    else:
+        assert torch.equal(signal.cpu(), sg.reference_sglang_signal(masked_m, M_max, N, 64, 256))
