@@ -8,7 +8,9 @@ Single-batch overlap (SBO, DeepGEMM PR #183, REFERENCE.md §4) lets DeepEP's com
 sending a group of tokens as soon as the down projection has finished *those* tokens, instead of
 after the whole GEMM. It needs a down GEMM that says, while it runs, which rows are done. The
 sgl-deep-gemm wheels that sglang ships have no such kernel for sm_90 (H100, H200, H20), so sglang
-refuses ``--enable-single-batch-overlap`` there. This file is that kernel, in Triton.
+refuses ``--enable-single-batch-overlap`` there. This file is that kernel, in Triton, and the entry
+points; ``signal_gemm_ws.py`` is the same GEMM warp-specialized in Gluon, which they pick for FP8
+on sm_90 above 16 rows per expert.
 
 What it computes
 ----------------
@@ -409,8 +411,8 @@ _TUNED: dict[int, GemmConfig] = {
 #: sglang's row-block signals: its buffer holds one counter per 64 rows, so the tile keeps 64 rows.
 _TUNED_ROW_BLOCKS: dict[int, GemmConfig] = {64: _TUNED[64]}
 #: FP8 on sm_90 above 16 rows: the warp-specialized kernel, whose loads never wait for the math
-#: (3–6 % faster than the Triton tiles at 32–128 rows on the H200; slower at 8, kernels/README.md).
-#: Its 64-row tile serves both signal layouts.
+#: (4–9 % faster than the Triton tiles at 32–128 rows on the H200, level at E = 32, m = 32; up to
+#: 3 % slower at 8, kernels/README.md). Its 64-row tile serves both signal layouts.
 _TUNED_WS: dict[int, WsConfig] = {64: WsConfig(block_m=64, block_n=256, num_stages=4), 128: WsConfig(num_stages=3)}
 _WS_ABOVE_ROWS = 16
 
@@ -420,7 +422,7 @@ def pick_config(
 ) -> GemmConfig | WsConfig:
     """The configuration for ``expected_m`` rows per expert and this signal layout, with
     ``block_n <= max_block_n``; with ``warp_specialized`` (FP8 on an sm_90 GPU with Gluon: see
-    ``ws_usable``) the Gluon kernel's above 16 rows. Signals are released through the inline-PTX
+    ``ws_usable``) the Gluon kernel's configuration above 16 rows. Signals are released through the inline-PTX
     block: Triton's own atomic in the flattened loop costs 120 % (kernels/README.md)."""
     if warp_specialized and expected_m > _WS_ABOVE_ROWS and max_block_n >= 256:
         return _TUNED_WS[min((k for k in _TUNED_WS if k >= expected_m), default=max(_TUNED_WS))]

@@ -4,7 +4,7 @@ The signal down GEMM, warp-specialized, in Gluon: a producer warp for the loads,
 
 ``signal_gemm.py`` computes the same thing in Triton. There, every warp waits for its K step's
 wgmma, scales the partial product, and only then issues the TMA load that refills the stage, so
-the fixed cost of a step delays the weight stream (kernels/README.md measured it: 0.78–0.94× of
+the fixed cost of a step delays the weight stream (kernels/README.md measured it: 0.78–1.01× of
 DeepGEMM at 32–128 rows per expert). Triton 3.6 cannot split that loop across warps on sm_90, but
 Gluon (``triton.experimental.gluon``, shipped with Triton 3.6) can:
 
