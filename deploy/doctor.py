@@ -123,7 +123,12 @@ def collect(check_targets: bool = True) -> dict[str, Any]:
     return {
         "versions": versions,
         "gpu": gpu,
-        "kernel": {"module": status.KERNEL_MODULE, "usable": kernel.ok, "reason": kernel.reason},
+        "kernel": {
+            "module": status.KERNEL_MODULE,
+            "usable": kernel.ok,
+            "reason": kernel.reason,
+            "warp_specialized": kernel.detail.get("warp_specialized", False),
+        },
         "deepep_combine": {
             "layout": decision.layout,
             "read_from": decision.source,
@@ -141,7 +146,11 @@ def format_table(doc: dict[str, Any]) -> str:
     g = doc["gpu"]
     rows.append(("GPU", f"{g['name']} x{g['count']} ({g['capability']})" if g["capability"] else "none visible"))
     k = doc["kernel"]
-    rows.append(("our sm_90 kernel", "usable" if k["usable"] else f"unusable: {k['reason']}"))
+    if k["usable"]:
+        gluon = "yes" if k["warp_specialized"] else "no (Triton only: needs triton.experimental.gluon on sm_90)"
+        rows.append(("our sm_90 kernel", f"usable; warp-specialized above 16 rows: {gluon}"))
+    else:
+        rows.append(("our sm_90 kernel", f"unusable: {k['reason']}"))
     d = doc["deepep_combine"]
     rows.append(("DeepEP combine signals", d["layout"] or f"unknown: {d['reason']}"))
     p = doc["plugin"]

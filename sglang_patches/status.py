@@ -111,7 +111,10 @@ def kernel_status() -> Availability:
         return Availability(False, "no CUDA device is visible, and our kernel needs an sm_90 GPU")
     if cap[0] != 9:
         return Availability(False, f"our kernel targets sm_90 (Hopper); this GPU is sm_{cap[0]}{cap[1]}")
-    return Availability(True, detail={"capability": f"sm_{cap[0]}{cap[1]}"})
+    # Above 16 rows per expert the entry point runs the warp-specialized Gluon kernel when it can.
+    ws_usable = getattr(module, "ws_usable", None)
+    warp_specialized = bool(ws_usable()) if callable(ws_usable) else False
+    return Availability(True, detail={"capability": f"sm_{cap[0]}{cap[1]}", "warp_specialized": warp_specialized})
 
 
 # %%

@@ -52,6 +52,16 @@ def test_sm90_with_our_kernel_serves_both_halves(sm90) -> None:
     assert doc["sbo"]["shared-only"]["ok"]
 
 
+def test_kernel_row_says_which_kernel_runs(sm90, monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel = pytest.importorskip(status.KERNEL_MODULE, reason="our kernel needs torch and triton")
+    for ws, expected in ((True, "warp-specialized above 16 rows: yes"), (False, "Triton only")):
+        monkeypatch.setattr(kernel, "ws_usable", lambda *a, ws=ws: ws)
+        doc = doctor.collect(check_targets=False)
+        assert doc["kernel"]["usable"] and doc["kernel"]["warp_specialized"] is ws
+        row = next(line for line in doctor.format_table(doc).splitlines() if line.startswith("our sm_90 kernel"))
+        assert expected in row, row
+
+
 @pytest.mark.skipif(not has_deepep, reason="sgl-deep-ep is not installed (dev extra, --no-deps)")
 def test_sm90_without_our_kernel_serves_shared_only(
     sm90, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
