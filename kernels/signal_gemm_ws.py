@@ -16,7 +16,7 @@ Gluon (``triton.experimental.gluon``, shipped with Triton 3.6) can:
   applies the FP8 scales, stores the tile and releases its signal.
 
 The loads therefore run ``NUM_STAGES`` steps ahead of the math whatever the math costs. Same
-arguments, tile list, scale recipe and signal layouts as the Triton kernel (FP8 only, no swap-AB);
+arguments, tile order, scale recipe and signal layouts as the Triton kernel (FP8 only, no swap-AB);
 ``signal_gemm.masked_grouped_gemm`` launches it when its config is a ``WsConfig``.
 """
 
@@ -42,21 +42,22 @@ _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 # The tile list
 # -------------
 # Both partitions walk the same tiles, g = pid, pid + W, ... (W workers, see _first_tile): tile g
-# lies in the first expert
-# whose running tile count exceeds g; inside an expert, the row-blocks of one column-block are
-# adjacent (their weight tile is read once from HBM and once more from L2). Each partition keeps
-# a cursor (expert, tiles before it) that only moves forward, so finding a tile costs a few
-# scalar loads of masked_m.
+# lies in the first expert whose running tile count exceeds g; inside an expert, the row-blocks
+# of one column-block are adjacent (their weight tile is read once from HBM and once more from
+# L2). Each partition keeps a cursor (expert, tiles before it) that only moves forward, so
+# finding a tile costs a few scalar loads of masked_m.
 
 
 @gluon.jit
 def _expert_tiles(masked_m_ptr, e, M_MAX, num_n_blocks, BLOCK_M: gl.constexpr):
+    """Expert e's tile count and rows (masked_m clamped to M_MAX)."""
     rows = gl.minimum(gl.load(masked_m_ptr + e), M_MAX)
     return gl.cdiv(rows, BLOCK_M) * num_n_blocks, rows
 
 
 @gluon.jit
 def _num_tiles(masked_m_ptr, E, M_MAX, num_n_blocks, BLOCK_M: gl.constexpr):
+    """All experts' tiles: the length of the tile list."""
     total = 0
     for e in range(E):
         tiles, _ = _expert_tiles(masked_m_ptr, e, M_MAX, num_n_blocks, BLOCK_M)
