@@ -84,6 +84,13 @@ def _first_tile(num_tiles, num_workers):
     return gl.where(pid < num_workers, pid, num_tiles)
 
 
+@gluon.jit
+def _row_and_column_block(t, rows_e, BLOCK_M: gl.constexpr):
+    """Row-block and column-block of an expert's tile t (its row-blocks of a column are adjacent)."""
+    m_blocks = gl.cdiv(rows_e, BLOCK_M)
+    return t % m_blocks, t // m_blocks
+
+
 # %%
 # The producer: TMA loads into the ring
 # -------------------------------------
@@ -106,9 +113,7 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, masked_m_ptr, E, M_M
         e, before_e, tiles_e, rows_e = _advance(
             g, e, before_e, tiles_e, rows_e, masked_m_ptr, M_MAX, num_n_blocks, BLOCK_M
         )
-        m_blocks = gl.cdiv(rows_e, BLOCK_M)
-        mb = (g - before_e) % m_blocks
-        nb = (g - before_e) // m_blocks
+        mb, nb = _row_and_column_block(g - before_e, rows_e, BLOCK_M)
         for k in range(0, K, BLOCK_K):
             slot = step % NUM_STAGES
             # mbarriers start in phase 1 complete: the first pass over the ring does not wait.
@@ -169,9 +174,7 @@ def _consumer(
         e, before_e, tiles_e, rows_e = _advance(
             g, e, before_e, tiles_e, rows_e, masked_m_ptr, M_MAX, num_n_blocks, BLOCK_M
         )
-        m_blocks = gl.cdiv(rows_e, BLOCK_M)
-        mb = (g - before_e) % m_blocks
-        nb = (g - before_e) // m_blocks
+        mb, nb = _row_and_column_block(g - before_e, rows_e, BLOCK_M)
         row_ok = mb * BLOCK_M + rows_in_tile < rows_e
         sa_ptrs = a_scale_ptr + e * stride_ase + (mb * BLOCK_M + rows_in_tile) * stride_asm
         sb_row = b_scale_ptr + e * stride_bse + gl.minimum(nb * BLOCK_N // _SCALE_BLOCK, last_scale_block) * stride_bsn
