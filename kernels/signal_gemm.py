@@ -627,7 +627,7 @@ def fp8_m_grouped_gemm_nt_masked(
     *,
     signal_layout: str = "sglang",
     num_sms: int | None = None,
-    config: GemmConfig | None = None,
+    config: GemmConfig | WsConfig | None = None,
 ) -> tuple[int | None, int | None]:
     """Drop-in for ``deep_gemm.fp8_m_grouped_gemm_nt_masked`` as sglang calls it on sm_90.
 

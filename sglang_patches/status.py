@@ -112,9 +112,7 @@ def kernel_status() -> Availability:
     if cap[0] != 9:
         return Availability(False, f"our kernel targets sm_90 (Hopper); this GPU is sm_{cap[0]}{cap[1]}")
     # Above 16 rows per expert the entry point runs the warp-specialized Gluon kernel when it can.
-    ws_usable = getattr(module, "ws_usable", None)
-    warp_specialized = bool(ws_usable()) if callable(ws_usable) else False
-    return Availability(True, detail={"capability": f"sm_{cap[0]}{cap[1]}", "warp_specialized": warp_specialized})
+    return Availability(True, detail={"capability": f"sm_{cap[0]}{cap[1]}", "warp_specialized": module.ws_usable()})
 
 
 # %%
