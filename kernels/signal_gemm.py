@@ -387,15 +387,21 @@ class GemmConfig:
 @dataclasses.dataclass(frozen=True)
 class WsConfig:
     """A launch configuration of the warp-specialized Gluon kernel (``signal_gemm_ws.py``): FP8
-    only, one producer warp and 8 consumer warps, no swap-AB."""
+    only, no swap-AB; 8 math warps as one partition or as two of a warpgroup each, a producer warp
+    and a signaller warp."""
 
     block_m: int = 64
     block_n: int = 256
     num_stages: int = 4
-    producer_regs: int = 40  # registers per producer thread (setmaxnreg); the consumers get the rest
+    math_partitions: int = 1  # 1: one 8-warp partition; 2: a warpgroup per half tile
+    math_regs: int = 232  # registers per thread of the second math warpgroup (setmaxnreg)
+    producer_regs: int = 40  # per thread of the producer and the signaller warps
 
     def __post_init__(self) -> None:
-        assert self.block_m in (64, 128) and self.block_n in (128, 256), f"unsupported tile in {self}"
+        assert self.math_partitions in (1, 2) and (self.block_m, self.block_n) in ((64, 256), (128, 128)), (
+            f"unsupported configuration {self}: the tile is 64x256 or 128x128 (a thread's accumulator and "
+            "partial product must fit in its 240 registers), on 1 or 2 math partitions"
+        )
 
 
 #: Configurations measured best on the H200 (kernels/README.md, ``scripts/sweep_sbo_gemm.py``), by
@@ -410,10 +416,14 @@ _TUNED: dict[int, GemmConfig] = {
 }
 #: sglang's row-block signals: its buffer holds one counter per 64 rows, so the tile keeps 64 rows.
 _TUNED_ROW_BLOCKS: dict[int, GemmConfig] = {64: _TUNED[64]}
-#: FP8 on sm_90 above 16 rows: the warp-specialized kernel, whose loads never wait for the math
-#: (4–9 % faster than the Triton tiles at 32–128 rows on the H200, level at E = 32, m = 32; up to
-#: 3 % slower at 8, kernels/README.md). Its 64-row tile serves both signal layouts.
-_TUNED_WS: dict[int, WsConfig] = {64: WsConfig(block_m=64, block_n=256, num_stages=4), 128: WsConfig(num_stages=3)}
+#: FP8 on sm_90 above 16 rows: the warp-specialized kernel, whose loads never wait for the math.
+#: Up to 64 rows one 8-warp partition on a 64×256 tile; at 128 rows a 128×128 tile over two
+#: one-warpgroup partitions that run out of phase, so the tensor cores work while the other scales
+#: (6–7 % faster than the 64×256 tile there; kernels/README.md).
+_TUNED_WS: dict[int, WsConfig] = {
+    64: WsConfig(block_m=64, block_n=256, num_stages=3),
+    128: WsConfig(block_m=128, block_n=128, num_stages=4, math_partitions=2),
+}
 _WS_ABOVE_ROWS = 16
 
 
@@ -424,8 +434,10 @@ def pick_config(
     ``block_n <= max_block_n``; with ``warp_specialized`` (FP8 on an sm_90 GPU with Gluon: see
     ``ws_usable``) the Gluon kernel's configuration above 16 rows. Signals are released through the inline-PTX
     block: Triton's own atomic in the flattened loop costs 120 % (kernels/README.md)."""
-    if warp_specialized and expected_m > _WS_ABOVE_ROWS and max_block_n >= 256:
-        return _TUNED_WS[min((k for k in _TUNED_WS if k >= expected_m), default=max(_TUNED_WS))]
+    if warp_specialized and expected_m > _WS_ABOVE_ROWS:
+        ws = _TUNED_WS[min((k for k in _TUNED_WS if k >= expected_m), default=max(_TUNED_WS))]
+        if ws.block_n <= max_block_n:
+            return ws
     table = _TUNED_ROW_BLOCKS if signal_mode == SIGNAL_SGLANG else _TUNED
     config = table[min((k for k in table if k >= expected_m), default=max(table))]
     if signal_mode != SIGNAL_NONE:

@@ -127,99 +127,159 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, masked_m_ptr, E, M_M
 
 
 # %%
-# The consumer: wgmma, scales, stores, signals
-# --------------------------------------------
+# The math: wgmma, scales, stores
+# -------------------------------
+# A math partition owns a piece of every tile: the whole tile (one partition of 8 warps, whose
+# wgmma spans both warpgroups), or half of it (two partitions of one warpgroup each: rows
+# ROW0.. of a 128-row tile, or columns COL0.. of a 64×256 one). Two partitions have barriers
+# over their own 128 threads only, so they run out of phase: while one scales its partial
+# product the tensor cores run the other's wgmma. A one-warpgroup piece is worked in 128-column
+# chunks, each inside one 128-wide weight-scale block, so its scale is one number per row.
 
 
 @gluon.jit
-def _consumer(
-    a_bufs, b_bufs, ready, empty,
-    a_scale_ptr, b_scale_ptr, d_ptr, masked_m_ptr, signal_ptr,
+def _step_scales(sa_ptrs, sb_lo, sb_hi, ks, stride_ask, stride_bsk, row_ok, PIECE_N: gl.constexpr):
+    """K step ks's scales: one per row of the piece, and the weights' one or two (the second for
+    a piece that spans two 128-wide scale blocks; else the first again)."""
+    sa = gl.load(sa_ptrs + ks * stride_ask, mask=row_ok, other=0.0)
+    scale_lo = gl.load(sb_lo + ks * stride_bsk)
+    scale_hi = scale_lo
+    if PIECE_N > _SCALE_BLOCK:
+        scale_hi = gl.load(sb_hi + ks * stride_bsk)
+    return sa, scale_lo, scale_hi
+
+
+@gluon.jit
+def _math(
+    a_bufs, b_bufs, ready, empty, tile_done, tile_free,
+    a_scale_ptr, b_scale_ptr, d_ptr, masked_m_ptr,
     E, M_MAX, N, K, num_workers,
     stride_ase, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_de, stride_dm,
-    SIGNAL_MODE: gl.constexpr, E_POW2: gl.constexpr, MMA_LAYOUT: gl.constexpr, STORE_LAYOUT: gl.constexpr,
+    ROW0: gl.constexpr, COL0: gl.constexpr, PIECE_M: gl.constexpr, PIECE_N: gl.constexpr,
+    MMA_LAYOUT: gl.constexpr, STORE_LAYOUT: gl.constexpr,
 ):  # fmt: skip
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     gl.static_assert(BLOCK_K == _SCALE_BLOCK, "one scale pair per K step")
-    gl.static_assert(BLOCK_N <= 2 * _SCALE_BLOCK, "at most two weight-scale blocks per tile")
+    gl.static_assert(PIECE_N <= 2 * _SCALE_BLOCK, "at most two weight-scale blocks per piece")
     num_n_blocks = gl.cdiv(N, BLOCK_N)
     num_tiles = _num_tiles(masked_m_ptr, E, M_MAX, num_n_blocks, BLOCK_M)
     first = _first_tile(num_tiles, num_workers)
-    num_m_blocks_max = gl.cdiv(M_MAX, BLOCK_M)
     last_scale_block = gl.cdiv(N, _SCALE_BLOCK) - 1
+    last_k_step = K // BLOCK_K - 1
 
-    rows_in_tile = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, MMA_LAYOUT))
-    cols_in_tile = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA_LAYOUT))
-    store_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, STORE_LAYOUT))
-    store_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, STORE_LAYOUT))
-    experts_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    experts = gl.arange(0, E_POW2, layout=experts_layout)
-    ones = gl.full([E_POW2], 1, gl.int32, experts_layout)
-    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, MMA_LAYOUT)
+    rows_in_piece = gl.arange(0, PIECE_M, layout=gl.SliceLayout(1, MMA_LAYOUT))
+    cols_in_piece = gl.arange(0, PIECE_N, layout=gl.SliceLayout(0, MMA_LAYOUT))
+    store_rows = gl.arange(0, PIECE_M, layout=gl.SliceLayout(1, STORE_LAYOUT))
+    store_cols = gl.arange(0, PIECE_N, layout=gl.SliceLayout(0, STORE_LAYOUT))
+    zero = gl.zeros([PIECE_M, PIECE_N], gl.float32, MMA_LAYOUT)
 
     e = 0
     before_e = 0
     tiles_e, rows_e = _expert_tiles(masked_m_ptr, 0, M_MAX, num_n_blocks, BLOCK_M)
-    if SIGNAL_MODE == 2:
-        # DeepEP layout: experts before this program's first tile (all, if it has none) are done.
-        first_e = E
-        if first < num_tiles:
-            first_e, _, _, _ = _advance(first, e, before_e, tiles_e, rows_e, masked_m_ptr, M_MAX, num_n_blocks, BLOCK_M)
-        gl.atomic_add(signal_ptr + experts, ones, mask=experts < first_e, sem="release", scope="gpu")
-    step = 0
+    step = 0  # K steps done: the ring slot is step % NUM_STAGES
+    done = 0  # tiles done: the tile_done slot is done % 2
     for g in range(first, num_tiles, num_workers):
         e, before_e, tiles_e, rows_e = _advance(
             g, e, before_e, tiles_e, rows_e, masked_m_ptr, M_MAX, num_n_blocks, BLOCK_M
         )
         mb, nb = _row_and_column_block(g - before_e, rows_e, BLOCK_M)
-        row_ok = mb * BLOCK_M + rows_in_tile < rows_e
-        sa_ptrs = a_scale_ptr + e * stride_ase + (mb * BLOCK_M + rows_in_tile) * stride_asm
-        sb_row = b_scale_ptr + e * stride_bse + gl.minimum(nb * BLOCK_N // _SCALE_BLOCK, last_scale_block) * stride_bsn
-        sb_row_hi = (
-            b_scale_ptr + e * stride_bse + gl.minimum(nb * BLOCK_N // _SCALE_BLOCK + 1, last_scale_block) * stride_bsn
-        )
+        row0 = mb * BLOCK_M + ROW0
+        col0 = nb * BLOCK_N + COL0
+        row_ok = row0 + rows_in_piece < rows_e
+        sa_ptrs = a_scale_ptr + e * stride_ase + (row0 + rows_in_piece) * stride_asm
+        sb_lo = b_scale_ptr + e * stride_bse + gl.minimum(col0 // _SCALE_BLOCK, last_scale_block) * stride_bsn
+        sb_hi = b_scale_ptr + e * stride_bse + gl.minimum(col0 // _SCALE_BLOCK + 1, last_scale_block) * stride_bsn
+        # Scales are loaded a K step ahead: ptxas may place their first use before the wgmma,
+        # where a load issued in the same step would hold the tensor cores up (measured: 8 %).
+        sa, scale_lo, scale_hi = _step_scales(sa_ptrs, sb_lo, sb_hi, 0, stride_ask, stride_bsk, row_ok, PIECE_N)
         acc = zero
         for k in range(0, K, BLOCK_K):
             slot = step % NUM_STAGES
-            ks = k // _SCALE_BLOCK
-            # The scales' loads go out first, to be in flight while the tensor cores work.
-            sa = gl.load(sa_ptrs + ks * stride_ask, mask=row_ok, other=0.0)
-            sb = gl.load(sb_row + ks * stride_bsk)
-            if BLOCK_N > _SCALE_BLOCK:
-                sb_cols = gl.where(cols_in_tile < _SCALE_BLOCK, sb, gl.load(sb_row_hi + ks * stride_bsk))
+            next_ks = gl.minimum(k // _SCALE_BLOCK + 1, last_k_step)
+            next_sa, next_lo, next_hi = _step_scales(
+                sa_ptrs, sb_lo, sb_hi, next_ks, stride_ask, stride_bsk, row_ok, PIECE_N
+            )
             mbarrier.wait(ready.index(slot), (step // NUM_STAGES) & 1)
-            a_tile = a_bufs.index(slot)
-            b_tile = b_bufs.index(slot)
-            partial = warpgroup_mma(a_tile, b_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
-            partial, a_tile, b_tile = warpgroup_mma_wait(num_outstanding=0, deps=(partial, a_tile, b_tile))
-            mbarrier.arrive(empty.index(slot), count=1)  # the stage is free: the producer refills it
-            if BLOCK_N > _SCALE_BLOCK:
-                acc += partial * gl.expand_dims(sa, 1) * gl.expand_dims(sb_cols, 0)
+            a_piece = a_bufs.index(slot).slice(ROW0, PIECE_M)
+            b_piece = b_bufs.index(slot).slice(COL0, PIECE_N)
+            partial = warpgroup_mma(a_piece, b_piece.permute((1, 0)), zero, use_acc=False, is_async=True)
+            partial, a_piece, b_piece = warpgroup_mma_wait(num_outstanding=0, deps=(partial, a_piece, b_piece))
+            mbarrier.arrive(empty.index(slot), count=1)  # this partition is done with the stage
+            if PIECE_N > _SCALE_BLOCK:
+                scale_cols = gl.where(cols_in_piece < _SCALE_BLOCK, scale_lo, scale_hi)
+                acc += partial * gl.expand_dims(sa, 1) * gl.expand_dims(scale_cols, 0)
             else:
-                acc += partial * gl.expand_dims(sa * sb, 1)
+                acc += partial * gl.expand_dims(sa * scale_lo, 1)
+            sa, scale_lo, scale_hi = next_sa, next_lo, next_hi
             step += 1
 
         out = gl.convert_layout(acc.to(gl.bfloat16), STORE_LAYOUT)  # 16-byte stores per thread
-        rows = mb * BLOCK_M + store_rows
-        cols = nb * BLOCK_N + store_cols
+        rows = row0 + store_rows
+        cols = col0 + store_cols
         d_ptrs = d_ptr + e * stride_de + gl.expand_dims(rows, 1) * stride_dm + gl.expand_dims(cols, 0)
         gl.store(d_ptrs, out, mask=gl.expand_dims(rows < rows_e, 1) & gl.expand_dims(cols < N, 0))
-        if SIGNAL_MODE != 0:
-            _barrier()  # every consumer thread's stores of the tile come before the release
-        if SIGNAL_MODE == 1:
-            gl.atomic_add(signal_ptr + e * num_m_blocks_max + mb, 1, sem="release", scope="gpu")
-        if SIGNAL_MODE == 2:
+        # Hand the tile to the signaller: every thread's stores come before the elected arrive
+        # (release at CTA scope; the signaller's wait acquires, then releases at GPU scope).
+        # A slot is reused only once the signaller has freed it (a 2-tile ring).
+        mbarrier.wait(tile_free.index(done % 2), ((done // 2) & 1) ^ 1)
+        _barrier()
+        mbarrier.arrive(tile_done.index(done % 2), count=1)
+        done += 1  # noqa: SIM113 (no enumerate in Gluon)
+
+
+# %%
+# The signaller: completion signals, off the math warps
+# ------------------------------------------------------
+# A releasing atomic at GPU scope waits until the tile's stores are visible GPU-wide (about a
+# microsecond); here one warp pays it, while the math warpgroups go on with the next tile.
+
+
+@gluon.jit
+def _signaller(
+    tile_done, tile_free, masked_m_ptr, signal_ptr, E, M_MAX, N, num_workers,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SIGNAL_MODE: gl.constexpr,
+):  # fmt: skip
+    num_n_blocks = gl.cdiv(N, BLOCK_N)
+    num_tiles = _num_tiles(masked_m_ptr, E, M_MAX, num_n_blocks, BLOCK_M)
+    first = _first_tile(num_tiles, num_workers)
+    num_m_blocks_max = gl.cdiv(M_MAX, BLOCK_M)
+
+    e = 0
+    before_e = 0
+    tiles_e, rows_e = _expert_tiles(masked_m_ptr, 0, M_MAX, num_n_blocks, BLOCK_M)
+    if SIGNAL_MODE == 2:
+        # DeepEP layout: this program is done with the experts before its first tile (all, if it
+        # has none). It wrote nothing of theirs, so there is nothing to release: relaxed adds.
+        first_e = E
+        if first < num_tiles:
+            first_e, _, _, _ = _advance(first, e, before_e, tiles_e, rows_e, masked_m_ptr, M_MAX, num_n_blocks, BLOCK_M)
+        for x in range(0, first_e):
+            gl.atomic_add(signal_ptr + x, 1, sem="relaxed", scope="gpu")
+    done = 0
+    for g in range(first, num_tiles, num_workers):
+        e, before_e, tiles_e, rows_e = _advance(
+            g, e, before_e, tiles_e, rows_e, masked_m_ptr, M_MAX, num_n_blocks, BLOCK_M
+        )
+        if SIGNAL_MODE == 2:  # the expert of this program's next tile (E: none), looked up while waiting
             next_e = E
             if g + num_workers < num_tiles:
                 next_e, _, _, _ = _advance(
                     g + num_workers, e, before_e, tiles_e, rows_e, masked_m_ptr, M_MAX, num_n_blocks, BLOCK_M
                 )
-            gl.atomic_add(
-                signal_ptr + experts, ones, mask=(experts >= e) & (experts < next_e), sem="release", scope="gpu"
-            )
+        mbarrier.wait(tile_done.index(done % 2), (done // 2) & 1)  # every math partition stored the tile
+        if SIGNAL_MODE == 1:
+            mb, _ = _row_and_column_block(g - before_e, rows_e, BLOCK_M)
+            gl.atomic_add(signal_ptr + e * num_m_blocks_max + mb, 1, sem="release", scope="gpu")
+        if SIGNAL_MODE == 2:  # noqa: SIM102 (a compile-time and a run-time condition)
+            if next_e > e:  # done with expert e: release its tiles; the experts in between had none of ours
+                gl.atomic_add(signal_ptr + e, 1, sem="release", scope="gpu")
+                for x in range(e + 1, next_e):
+                    gl.atomic_add(signal_ptr + x, 1, sem="relaxed", scope="gpu")
+        mbarrier.arrive(tile_free.index(done % 2), count=1)
+        done += 1  # noqa: SIM113
 
 
 @gluon.jit
@@ -227,32 +287,79 @@ def _masked_grouped_gemm_ws_kernel(
     a_desc, b_desc, a_scale_ptr, b_scale_ptr, d_ptr, masked_m_ptr, signal_ptr,
     E, M_MAX, N, K, num_workers,
     stride_ase, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_de, stride_dm,
-    SIGNAL_MODE: gl.constexpr, NUM_STAGES: gl.constexpr, E_POW2: gl.constexpr,
-    MMA_LAYOUT: gl.constexpr, STORE_LAYOUT: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    SIGNAL_MODE: gl.constexpr, NUM_STAGES: gl.constexpr,
+    MATH_PARTITIONS: gl.constexpr, ROW_STEP: gl.constexpr, COL_STEP: gl.constexpr,
+    PIECE_M: gl.constexpr, PIECE_N: gl.constexpr,
+    MMA_LAYOUT: gl.constexpr, STORE_LAYOUT: gl.constexpr, MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):  # fmt: skip
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)  # noqa: RUF005 (jit AST)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)  # noqa: RUF005
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    tile_done = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    tile_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    gl.warp_specialize(
-        [
-            (
-                _consumer,
+        mbarrier.init(ready.index(i), count=1)  # the producer's expect-tx arrive
+        mbarrier.init(empty.index(i), count=MATH_PARTITIONS)  # one arrive per math partition
+    for i in gl.static_range(2):
+        mbarrier.init(tile_done.index(i), count=MATH_PARTITIONS)
+        mbarrier.init(tile_free.index(i), count=1)
+    # (Gluon takes the partitions' tuples only written out in place.)
+    if MATH_PARTITIONS == 2:
+        gl.warp_specialize(
+            [
                 (
-                    a_bufs, b_bufs, ready, empty, a_scale_ptr, b_scale_ptr, d_ptr, masked_m_ptr, signal_ptr,
-                    E, M_MAX, N, K, num_workers,
-                    stride_ase, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_de, stride_dm,
-                    SIGNAL_MODE, E_POW2, MMA_LAYOUT, STORE_LAYOUT,
+                    _math,
+                    (
+                        a_bufs, b_bufs, ready, empty, tile_done, tile_free, a_scale_ptr, b_scale_ptr, d_ptr,
+                        masked_m_ptr, E, M_MAX, N, K, num_workers,
+                        stride_ase, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_de, stride_dm,
+                        0, 0, PIECE_M, PIECE_N, MMA_LAYOUT, STORE_LAYOUT,
+                    ),
                 ),
-            ),
-            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, masked_m_ptr, E, M_MAX, N, K, num_workers)),
-        ],
-        [1],
-        [PRODUCER_REGS],
-    )  # fmt: skip
+                (
+                    _math,
+                    (
+                        a_bufs, b_bufs, ready, empty, tile_done, tile_free, a_scale_ptr, b_scale_ptr, d_ptr,
+                        masked_m_ptr, E, M_MAX, N, K, num_workers,
+                        stride_ase, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_de, stride_dm,
+                        ROW_STEP, COL_STEP, PIECE_M, PIECE_N, MMA_LAYOUT, STORE_LAYOUT,
+                    ),
+                ),
+                (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, masked_m_ptr, E, M_MAX, N, K, num_workers)),
+                (
+                    _signaller,
+                    (tile_done, tile_free, masked_m_ptr, signal_ptr, E, M_MAX, N, num_workers,
+                     BLOCK_M, BLOCK_N, SIGNAL_MODE),
+                ),
+            ],
+            [4, 1, 1],
+            [MATH_REGS, PRODUCER_REGS, PRODUCER_REGS],
+        )
+    else:
+        gl.warp_specialize(
+            [
+                (
+                    _math,
+                    (
+                        a_bufs, b_bufs, ready, empty, tile_done, tile_free, a_scale_ptr, b_scale_ptr, d_ptr,
+                        masked_m_ptr, E, M_MAX, N, K, num_workers,
+                        stride_ase, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_de, stride_dm,
+                        0, 0, PIECE_M, PIECE_N, MMA_LAYOUT, STORE_LAYOUT,
+                    ),
+                ),
+                (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, masked_m_ptr, E, M_MAX, N, K, num_workers)),
+                (
+                    _signaller,
+                    (tile_done, tile_free, masked_m_ptr, signal_ptr, E, M_MAX, N, num_workers,
+                     BLOCK_M, BLOCK_N, SIGNAL_MODE),
+                ),
+            ],
+            [1, 1],
+            [PRODUCER_REGS, PRODUCER_REGS],
+        )  # fmt: skip
 
 
 # %%
@@ -260,14 +367,20 @@ def _masked_grouped_gemm_ws_kernel(
 # ------------
 
 
-def _layouts(config: WsConfig) -> tuple:
-    """The accumulator's wgmma layout and the store layout, for 8 consumer warps (two warpgroups):
-    one warpgroup per 64 rows for 128-row tiles, else one per half of the columns."""
-    warps = [8, 1] if config.block_m == 128 else [4, 2]
-    instr_shape = [16, config.block_n // warps[1], 32]  # m16 × (columns per warpgroup) × k32 for FP8
+def _math_split(config: WsConfig) -> dict:
+    """How the tile is split over the math partitions, and their layouts (the kernel's constexprs)."""
+    if config.math_partitions == 1:  # one 8-warp partition: a wgmma over both warpgroups
+        warps = [8, 1] if config.block_m == 128 else [4, 2]
+        split = {"ROW_STEP": 0, "COL_STEP": 0, "PIECE_M": config.block_m, "PIECE_N": config.block_n}
+    else:  # a warpgroup per 64 rows of a 128×128 tile or per 128 columns of a 64×256 one
+        warps = [4, 1]
+        split = {"ROW_STEP": config.block_m - 64, "COL_STEP": config.block_n - 128, "PIECE_M": 64, "PIECE_N": 128}
+    num_warps = warps[0] * warps[1]
+    # m16 × (columns per warp) × k32 per warp for FP8; the store: 8 bf16 = 16 bytes per thread.
+    instr_shape = [16, split["PIECE_N"] // warps[1], 32]
     mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps, instr_shape=instr_shape)
-    store = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # 8 bf16 = 16 bytes per thread
-    return mma, store
+    store = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    return {**split, "MMA_LAYOUT": mma, "STORE_LAYOUT": store, "num_warps": num_warps}
 
 
 def launch(
@@ -295,7 +408,6 @@ def launch(
     b_layout = gl.NVMMASharedLayout.get_default_for([config.block_n, SCALE_BLOCK], gl.float8e4nv)
     a_desc = TensorDescriptor.from_tensor(a.view(E * M_max, K), [config.block_m, SCALE_BLOCK], a_layout)
     b_desc = TensorDescriptor.from_tensor(b.view(E * N, K), [config.block_n, SCALE_BLOCK], b_layout)
-    mma_layout, store_layout = _layouts(config)
     tiles = E * triton.cdiv(min(expected_m, M_max), config.block_m) * triton.cdiv(N, config.block_n)
     num_workers = triton.cdiv(tiles, triton.cdiv(tiles, num_programs)) if tiles else num_programs
     _masked_grouped_gemm_ws_kernel[(num_programs,)](
@@ -304,7 +416,7 @@ def launch(
         a_scale.stride(0), a_scale.stride(1), a_scale.stride(2),
         b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
         out.stride(0), out.stride(1),
-        SIGNAL_MODE=signal_mode, NUM_STAGES=config.num_stages, E_POW2=triton.next_power_of_2(E),
-        MMA_LAYOUT=mma_layout, STORE_LAYOUT=store_layout, PRODUCER_REGS=config.producer_regs,
-        num_warps=8,
+        SIGNAL_MODE=signal_mode, NUM_STAGES=config.num_stages,
+        MATH_PARTITIONS=config.math_partitions, MATH_REGS=config.math_regs, PRODUCER_REGS=config.producer_regs,
+        **_math_split(config),
     )  # fmt: skip

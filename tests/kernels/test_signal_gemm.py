@@ -392,14 +392,15 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-WS_CONFIGS = [(64, 256, 4), (128, 128, 5)]  # (block_m, block_n, num_stages)
+# (block_m, block_n, num_stages, math_partitions)
+WS_CONFIGS = [(64, 256, 4, 1), (128, 128, 5, 1), (64, 256, 4, 2), (128, 128, 5, 2)]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU (wgmma)")
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("tile", WS_CONFIGS, ids=lambda t: "{}x{}s{}".format(*t))
+@pytest.mark.parametrize("tile", WS_CONFIGS, ids=lambda t: "{}x{}s{}p{}".format(*t))
 @pytest.mark.parametrize("mode", [sg.SIGNAL_NONE, sg.SIGNAL_SGLANG, sg.SIGNAL_DEEPEP])
 def test_ws_fp8_masked_gemm(shape, mask, tile, mode):
     E, M_max, N, K = shape
