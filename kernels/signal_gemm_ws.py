@@ -337,7 +337,7 @@ def _masked_grouped_gemm_ws_kernel(
             ],
             [4, 1, 1],
             [MATH_REGS, PRODUCER_REGS, PRODUCER_REGS],
-        )
+        )  # fmt: skip
     else:
         gl.warp_specialize(
             [
