@@ -417,12 +417,18 @@ _TUNED: dict[int, GemmConfig] = {
 #: sglang's row-block signals: its buffer holds one counter per 64 rows, so the tile keeps 64 rows.
 _TUNED_ROW_BLOCKS: dict[int, GemmConfig] = {64: _TUNED[64]}
 #: FP8 on sm_90 above 16 rows: the warp-specialized kernel, whose loads never wait for the math.
-#: Up to 64 rows one 8-warp partition on a 64×256 tile; at 128 rows a 128×128 tile over two
+#: Up to 64 rows a 64×256 tile on one 8-warp math partition; at 128 rows a 128×128 tile on two
 #: one-warpgroup partitions that run out of phase, so the tensor cores work while the other scales
-#: (6–7 % faster than the 64×256 tile there; kernels/README.md).
+#: (3–7 % faster than 64×256 there). DeepEP's layout costs the one-partition 64×256 tile 4–5 µs a
+#: call and the two-partition one nothing measurable, so that layout takes the latter throughout
+#: (kernels/README.md).
 _TUNED_WS: dict[int, WsConfig] = {
     64: WsConfig(block_m=64, block_n=256, num_stages=3),
     128: WsConfig(block_m=128, block_n=128, num_stages=4, math_partitions=2),
+}
+_TUNED_WS_DEEPEP: dict[int, WsConfig] = {
+    **_TUNED_WS,
+    64: WsConfig(block_m=64, block_n=256, num_stages=3, math_partitions=2),
 }
 _WS_ABOVE_ROWS = 16
 
@@ -435,7 +441,8 @@ def pick_config(
     ``ws_usable``) the Gluon kernel's configuration above 16 rows. Signals are released through the inline-PTX
     block: Triton's own atomic in the flattened loop costs 120 % (kernels/README.md)."""
     if warp_specialized and expected_m > _WS_ABOVE_ROWS:
-        ws = _TUNED_WS[min((k for k in _TUNED_WS if k >= expected_m), default=max(_TUNED_WS))]
+        table_ws = _TUNED_WS_DEEPEP if signal_mode == SIGNAL_DEEPEP else _TUNED_WS
+        ws = table_ws[min((k for k in table_ws if k >= expected_m), default=max(table_ws))]
         if ws.block_n <= max_block_n:
             return ws
     table = _TUNED_ROW_BLOCKS if signal_mode == SIGNAL_SGLANG else _TUNED

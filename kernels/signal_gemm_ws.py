@@ -250,14 +250,17 @@ def _signaller(
     e = 0
     before_e = 0
     tiles_e, rows_e = _expert_tiles(masked_m_ptr, 0, M_MAX, num_n_blocks, BLOCK_M)
-    if SIGNAL_MODE == 2:
-        # DeepEP layout: this program is done with the experts before its first tile (all, if it
-        # has none). It wrote nothing of theirs, so there is nothing to release: relaxed adds.
-        first_e = E
-        if first < num_tiles:
-            first_e, _, _, _ = _advance(first, e, before_e, tiles_e, rows_e, masked_m_ptr, M_MAX, num_n_blocks, BLOCK_M)
-        for x in range(0, first_e):
-            gl.atomic_add(signal_ptr + x, 1, sem="relaxed", scope="gpu")
+    if SIGNAL_MODE == 2 and gl.program_id(0) == 0:
+        # DeepEP layout: a program counts itself in for an expert once it is done with it, also
+        # when it has none of its tiles. Those that have none are known here (the tiles of expert
+        # x are consecutive in the list, so min(tiles, workers) programs share them): program 0
+        # counts them all in at once (relaxed: they wrote nothing), so that the one counter line
+        # gets (programs with tiles + 1) adds per expert instead of one per program.
+        for x in range(E):
+            tiles_x, _ = _expert_tiles(masked_m_ptr, x, M_MAX, num_n_blocks, BLOCK_M)
+            absent = gl.num_programs(0) - gl.minimum(tiles_x, num_workers)
+            if absent > 0:
+                gl.atomic_add(signal_ptr + x, absent, sem="relaxed", scope="gpu")
     done = 0
     for g in range(first, num_tiles, num_workers):
         e, before_e, tiles_e, rows_e = _advance(
@@ -274,10 +277,8 @@ def _signaller(
             mb, _ = _row_and_column_block(g - before_e, rows_e, BLOCK_M)
             gl.atomic_add(signal_ptr + e * num_m_blocks_max + mb, 1, sem="release", scope="gpu")
         if SIGNAL_MODE == 2:  # noqa: SIM102 (a compile-time and a run-time condition)
-            if next_e > e:  # done with expert e: release its tiles; the experts in between had none of ours
+            if next_e > e:  # done with expert e: release its tiles
                 gl.atomic_add(signal_ptr + e, 1, sem="release", scope="gpu")
-                for x in range(e + 1, next_e):
-                    gl.atomic_add(signal_ptr + x, 1, sem="relaxed", scope="gpu")
         mbarrier.arrive(tile_free.index(done % 2), count=1)
         done += 1  # noqa: SIM113
 
