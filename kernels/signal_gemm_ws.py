@@ -1,19 +1,20 @@
 """
-The signal down GEMM, warp-specialized, in Gluon: a producer warp for the loads, consumer warps for the math
-=============================================================================================================
+The signal down GEMM, warp-specialized, in Gluon: a producer warp for the loads, math partitions, a signaller warp
+=================================================================================================================
 
 ``signal_gemm.py`` computes the same thing in Triton. There, every warp waits for its K step's
 wgmma, scales the partial product, and only then issues the TMA load that refills the stage, so
-the fixed cost of a step delays the weight stream (kernels/README.md measured it: 0.78–1.01× of
-DeepGEMM at 32–128 rows per expert). Triton 3.6 cannot split that loop across warps on sm_90, but
-Gluon (``triton.experimental.gluon``, shipped with Triton 3.6) can:
+the fixed cost of a step delays the weight stream. Triton 3.6 cannot split that loop across warps
+on sm_90, but Gluon (``triton.experimental.gluon``, shipped with Triton 3.6) can:
 
-* the **producer** partition (one warp, few registers) walks the program's tiles and issues the
-  TMA loads of A and B into a ring of ``NUM_STAGES`` shared-memory stages, each guarded by a
-  ``ready`` and an ``empty`` mbarrier;
-* the **consumer** partition (the kernel's 8 warps, two warpgroups) waits on ``ready``, runs the
-  wgmma, hands the stage back on ``empty`` as soon as the wgmma is done (before the scaling), and
-  applies the FP8 scales, stores the tile and releases its signal.
+* the **producer** (one warp) walks the program's tiles and issues the TMA loads of A and B into
+  a ring of ``NUM_STAGES`` shared-memory stages, each guarded by a ``ready`` and an ``empty``
+  mbarrier;
+* the **math** (8 warps, as one partition or as two of one warpgroup each) waits on ``ready``,
+  runs the wgmma, hands the stage back on ``empty`` as soon as the wgmma is done, applies the FP8
+  scales and stores the tile;
+* the **signaller** (one warp) waits until every math partition has stored a tile and releases
+  its completion signal, so the GPU-scope release never stalls a math warp.
 
 The loads therefore run ``NUM_STAGES`` steps ahead of the math whatever the math costs. Same
 arguments, tile order, scale recipe and signal layouts as the Triton kernel (FP8 only, no swap-AB);
@@ -41,7 +42,7 @@ _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 # %%
 # The tile list
 # -------------
-# Both partitions walk the same tiles, g = pid, pid + W, ... (W workers, see _first_tile): tile g
+# Every partition walks the same tiles, g = pid, pid + W, ... (W workers, see _first_tile): tile g
 # lies in the first expert whose running tile count exceeds g; inside an expert, the row-blocks
 # of one column-block are adjacent (their weight tile is read once from HBM and once more from
 # L2). Each partition keeps a cursor (expert, tiles before it) that only moves forward, so
