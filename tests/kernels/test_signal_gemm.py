@@ -429,6 +429,26 @@ def test_ws_fp8_masked_gemm(shape, mask, tile, mode):
         assert torch.equal(signal.view(torch.int32).cpu(), sg.reference_deepep_signal(E, 7)), "DeepEP signals differ"
 
 
+def test_ws_config_refuses_tiles_its_math_partitions_cannot_hold():
+    with pytest.raises(AssertionError, match="64x256 or 128x128"):
+        sg.WsConfig(block_m=128, block_n=256, math_partitions=2)  # 128 accumulator + 128 partial registers
+    with pytest.raises(AssertionError, match="1 or 2 math partitions"):
+        sg.WsConfig(math_partitions=3)
+
+
+def test_ws_pick_by_rows_and_signal_layout():
+    """The measured choices (kernels/README.md): one 8-warp partition on 64x256 up to 64 rows, two
+    one-warpgroup partitions on 128x128 above, and two on 64x256 for DeepEP's layout."""
+    deepep = sg.SIGNAL_DEEPEP
+    assert sg.pick_config(64, warp_specialized=True) == sg.WsConfig(block_m=64, block_n=256, num_stages=3)
+    assert sg.pick_config(64, signal_mode=deepep, warp_specialized=True).math_partitions == 2
+    at_128 = sg.pick_config(128, signal_mode=sg.SIGNAL_SGLANG, warp_specialized=True)
+    assert (at_128.block_m, at_128.block_n, at_128.math_partitions) == (128, 128, 2)
+    # sglang's max_block_n=160 admits the 128-column tile but not the 256-column one
+    assert isinstance(sg.pick_config(128, max_block_n=160, warp_specialized=True), sg.WsConfig)
+    assert isinstance(sg.pick_config(64, max_block_n=160, warp_specialized=True), sg.GemmConfig)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU (wgmma)")
 def test_default_config_is_warp_specialized_above_16_rows():
