@@ -134,8 +134,8 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, masked_m_ptr, E, M_M
 # wgmma spans both warpgroups), or half of it (two partitions of one warpgroup each: rows
 # ROW0.. of a 128-row tile, or columns COL0.. of a 64×256 one). Two partitions have barriers
 # over their own 128 threads only, so they run out of phase: while one scales its partial
-# product the tensor cores run the other's wgmma. A one-warpgroup piece is worked in 128-column
-# chunks, each inside one 128-wide weight-scale block, so its scale is one number per row.
+# product the tensor cores run the other's wgmma. A one-warpgroup piece is 64×128, inside one
+# 128-wide weight-scale block, so its scale is one number per row.
 
 
 @gluon.jit
