@@ -38,6 +38,47 @@ class Resources:
     registers: int  # per thread
     spill_bytes: int  # local-memory stores per thread (0: nothing spills)
     shared_bytes: int  # per program
+    loads_in_wgmma: tuple[str, ...] = ()  # see wgmma_waits_on_loads
+
+
+_REGISTER = re.compile(r"\bR(\d+)\b")
+
+
+def wgmma_waits_on_loads(sass: str) -> list[str]:
+    """The SASS instructions between a ``WARPGROUP.ARRIVE`` and its ``WARPGROUP.DEPBAR`` that read a
+    register an ``LDG`` wrote after the previous ``DEPBAR`` (in text order).
+
+    Such an instruction can wait for the load (an L2 round trip) while the step's wgmmas are being
+    issued, and hold the rest of them up: a weight-scale select placed there cost 8 % on the H200
+    (kernels/README.md). Text order does not follow the loop, so a hit is either a load of the same
+    K step (it waits every step) or one of the tile's prologue before the K loop (it waits in the
+    tile's first step only); a load a step earlier, behind a ``DEPBAR``, has arrived by then."""
+    fresh: set[str] = set()
+    between = False
+    found = []
+    for line in sass.splitlines():
+        code = line.split("*/", 1)[-1].strip().rstrip(";").strip()
+        if not code or code.startswith((".", "//")):
+            continue
+        words = code.split(None, 2 if code.startswith("@") else 1)
+        if code.startswith("@"):
+            words = words[1:]
+        opcode, operands = words[0], (words[1] if len(words) > 1 else "")
+        if opcode.startswith("WARPGROUP.ARRIVE"):
+            between = True
+        elif opcode.startswith("WARPGROUP.DEPBAR"):
+            between, fresh = False, set()
+            continue
+        registers = _REGISTER.findall(operands)
+        destination, sources = (registers[0], registers[1:]) if registers else (None, [])
+        if between and not opcode.startswith(("QGMMA", "HGMMA")) and fresh.intersection(sources):
+            found.append(code)
+        if destination is not None:
+            if opcode.startswith("LDG"):
+                fresh.add(destination)
+            else:
+                fresh.discard(destination)
+    return found
 
 
 class _Sm90CompileOnly(CudaDriver):
@@ -59,10 +100,11 @@ class _Sm90CompileOnly(CudaDriver):
         return torch.device("cpu")
 
 
-def _ptxas() -> str:
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+def _tool(name: str) -> str:
+    """ptxas or nvdisasm as Triton's wheel ships them."""
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
     if not os.path.exists(path):
-        raise FileNotFoundError(f"ptxas not found at {path}: this needs a Triton wheel with the NVIDIA backend")
+        raise FileNotFoundError(f"{name} not found at {path}: this needs a Triton wheel with the NVIDIA backend")
     return path
 
 
@@ -102,27 +144,34 @@ def compile_resources(
         kernel_fn.run = launch
         driver._active = previous
     (kernel,) = compiled
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
-        ptx.write(kernel.asm["ptx"])
-        ptx.flush()
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = os.path.join(tmp, "kernel.ptx"), os.path.join(tmp, "kernel.cubin")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
         report = subprocess.run(
-            [_ptxas(), "-arch=sm_90a", "-v", ptx.name, "-o", os.devnull], capture_output=True, text=True, check=True
+            [_tool("ptxas"), "-arch=sm_90a", "-v", ptx, "-o", cubin], capture_output=True, text=True, check=True
         ).stderr
+        sass = subprocess.run([_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True, check=True).stdout
     registers = re.search(r"Used (\d+) registers", report)
     spills = re.search(r"(\d+) bytes spill stores", report)
     assert registers and spills, f"unexpected ptxas report:\n{report}"
-    return Resources(int(registers.group(1)), int(spills.group(1)), kernel.metadata.shared)
+    return Resources(
+        int(registers.group(1)), int(spills.group(1)), kernel.metadata.shared, tuple(wgmma_waits_on_loads(sass))
+    )
 
 
 def main() -> None:
     modes = {"none": sg.SIGNAL_NONE, "sglang": sg.SIGNAL_SGLANG, "deepep": sg.SIGNAL_DEEPEP}
     print(f"triton {triton.__version__}, sm_90a, E={SHAPE['E']} N={SHAPE['N']} K={SHAPE['K']}")
-    print(f"{'m':>4} {'signals':>7} {'regs':>5} {'spill B':>7} {'smem KiB':>8}  configuration")
+    print(f"{'m':>4} {'signals':>7} {'regs':>5} {'spill B':>7} {'smem KiB':>8} {'ld>mma':>6}  configuration")
     for m in (8, 16, 32, 64, 128):
         for name, mode in modes.items():
             for config in dict.fromkeys(sg.pick_config(m, signal_mode=mode, warp_specialized=w) for w in (False, True)):
                 r = compile_resources(config, mode)
-                print(f"{m:>4} {name:>7} {r.registers:>5} {r.spill_bytes:>7} {r.shared_bytes / 1024:>8.0f}  {config}")
+                print(
+                    f"{m:>4} {name:>7} {r.registers:>5} {r.spill_bytes:>7} {r.shared_bytes / 1024:>8.0f}"
+                    f" {len(r.loads_in_wgmma):>6}  {config}"
+                )
 
 
 if __name__ == "__main__":

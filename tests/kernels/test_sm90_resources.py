@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("triton", reason="needs triton (the `validate` or `kernels` extra)")
 
 from sglang_pd.kernels import signal_gemm as sg
-from sglang_pd.kernels.sm90_resources import compile_resources
+from sglang_pd.kernels.sm90_resources import compile_resources, wgmma_waits_on_loads
 
 MODES = {"none": sg.SIGNAL_NONE, "sglang": sg.SIGNAL_SGLANG, "deepep": sg.SIGNAL_DEEPEP}
 
@@ -33,3 +33,32 @@ def test_a_tile_too_large_for_the_register_file_is_reported() -> None:
     too_big = sg.GemmConfig(block_m=128, block_n=256, num_stages=3, num_warps=8, use_tma=True)
     resources = compile_resources(too_big)
     assert resources.registers == 255 and resources.spill_bytes > 0
+
+
+SASS = """
+        /*3a10*/                   LDG.E R156, desc[UR18][R26.64] ;
+        /*3a20*/              @!P1 LDG.E R152, desc[UR18][R16.64] ;
+        /*3a30*/                   LDG.E R150, desc[UR18][R16.64+0x20] ;
+        /*3a40*/                   IMAD.MOV.U32 R150, RZ, RZ, R7 ;
+        /*3a80*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P2, [R157+UR34+0x22000], R28 ;
+.L_x_42:
+        /*3b60*/                   WARPGROUP.ARRIVE ;
+        /*3b70*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR20], RZ, !UPT ;
+        /*3b80*/                   IMAD.MOV.U32 R137, RZ, RZ, R156 ;
+        /*3b90*/                   SEL R16, R150, R145, !P2 ;
+        /*3ba0*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR20], R24, gsb0 ;
+        /*3bb0*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*3bc0*/                   FMUL R40, R24, R152 ;
+        /*3bd0*/                   WARPGROUP.ARRIVE ;
+        /*3be0*/                   FMUL R41, R25, R152 ;
+        /*3bf0*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR20], RZ, !UPT, gsb0 ;
+        /*3c00*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+"""
+
+
+def test_wgmma_waits_on_loads_finds_a_copy_of_a_fresh_load_between_the_wgmmas() -> None:
+    """The pattern ptxas produced in the DeepEP build of the one-partition 64x256 tile: a copy of a
+    load of the same step between two QGMMAs. Not reported: a register overwritten after its load
+    (R150), reads outside ARRIVE..DEPBAR, and loads before the previous DEPBAR (R152 in the second
+    step)."""
+    assert wgmma_waits_on_loads(SASS) == ["IMAD.MOV.U32 R137, RZ, RZ, R156"]
