@@ -4,7 +4,9 @@ A tile whose live state needs more than 255 registers per thread spills to local
 spilling tile runs 2–10× slower (kernels/README.md). Whether it spills is decided at compile time,
 so it can be checked here, on a CPU-only machine, before any GPU time is spent: Triton compiles
 the kernel for an sm_90a target, and the ptxas that ships with Triton reports the resources.
-On the H200 the figures matched the loaded kernel's ``n_regs`` for every tile checked.
+On the H200 the figures matched the loaded kernel's ``n_regs`` for every tile checked. The SASS
+(disassembled with Triton's nvdisasm) also shows where a K step's wgmma issue waits for a load
+(``wgmma_waits_on_loads``).
 
     python -m sglang_pd.kernels.sm90_resources    # every configuration pick_config chooses, both kernels
 
@@ -42,6 +44,7 @@ class Resources:
 
 
 _REGISTER = re.compile(r"\bR(\d+)\b")
+_PREDICATE = re.compile(r"^@!?U?P\w+\s+")  # e.g. "@!P0 " before a predicated instruction
 
 
 def wgmma_waits_on_loads(sass: str) -> list[str]:
@@ -60,10 +63,7 @@ def wgmma_waits_on_loads(sass: str) -> list[str]:
         code = line.split("*/", 1)[-1].strip().rstrip(";").strip()
         if not code or code.startswith((".", "//")):
             continue
-        words = code.split(None, 2 if code.startswith("@") else 1)
-        if code.startswith("@"):
-            words = words[1:]
-        opcode, operands = words[0], (words[1] if len(words) > 1 else "")
+        opcode, _, operands = _PREDICATE.sub("", code).partition(" ")
         if opcode.startswith("WARPGROUP.ARRIVE"):
             between = True
         elif opcode.startswith("WARPGROUP.DEPBAR"):
