@@ -398,9 +398,11 @@ class WsConfig:
     producer_regs: int = 40  # per thread of the producer and the signaller warps
 
     def __post_init__(self) -> None:
-        assert self.math_partitions in (1, 2) and (self.block_m, self.block_n) in ((64, 256), (128, 128)), (
-            f"unsupported configuration {self}: the tile is 64x256 or 128x128 (a thread's accumulator and "
-            "partial product must fit in its 240 registers), on 1 or 2 math partitions"
+        # A math warpgroup computes 64 rows: its accumulator and the K step's product beside it
+        # must fit in the 232 registers a thread gets.
+        tile = (self.block_m, self.block_n, self.math_partitions)
+        assert tile in ((64, 256, 1), (64, 256, 2), (128, 128, 2)), (
+            f"unsupported configuration {self}: use a 64x256 tile on 1 or 2 math partitions, or 128x128 on 2"
         )
 
 

@@ -2,9 +2,10 @@
 
 For each shape (E local experts, every expert at m rows, K = 2048, N = 7168, FP8 with the
 activation scales MN-major, as sglang hands them to the down GEMM) it times every candidate of
-``candidates(m)`` without signals, checks its output against an fp32 reference, and prints the
-fastest beside DeepGEMM's time on the same inputs, with each kernel's registers and spills: a tile
-that needs more than 255 registers per thread spills and runs 2–10× slower (kernels/README.md).
+``candidates(m)`` (on an sm_90 GPU the Gluon kernel's too) without signals, checks its output
+against an fp32 reference, and prints the fastest beside DeepGEMM's time on the same inputs, with
+each kernel's registers and spills: a tile that needs more than 255 registers per thread spills
+and runs 2–10× slower (kernels/README.md).
 At the end it lists every kernel that spills; ``python -m sglang_pd.kernels.sm90_resources``
 checks a configuration for spills without a GPU.
 
@@ -33,12 +34,15 @@ sg = bench.sg
 Config = sg.GemmConfig
 
 
-def candidates(m: int) -> list[Config]:
+def candidates(m: int, warp_specialized: bool) -> list[Config | sg.WsConfig]:
     """What is worth timing at m rows per expert: every tile here fits in shared memory, and none
     spills registers when compiled for sm_90a with Triton 3.6 (128-row tiles 128 columns wide
-    do not spill since the weight scales are loaded as scalars; 256 wide they still do)."""
+    do not spill since the weight scales are loaded as scalars; 256 wide they still do). With
+    ``warp_specialized`` (an sm_90 GPU), the Gluon kernel's configurations too."""
     tma = {"use_tma": True}
-    found = [Config(block_m=64, block_n=256, num_stages=s, num_warps=8, **tma) for s in (3, 4)]
+    found: list[Config | sg.WsConfig] = [
+        Config(block_m=64, block_n=256, num_stages=s, num_warps=8, **tma) for s in (3, 4)
+    ]
     found += [Config(block_m=64, block_n=128, num_stages=s, num_warps=w, **tma) for w in (4, 8) for s in (4, 6)]
     # Swap-AB: the weights fill wgmma's 64-row side, the tokens its narrow side (16 or 32 wide).
     for block_m in (16, 32):
@@ -50,10 +54,14 @@ def candidates(m: int) -> list[Config]:
     if m > 32:  # 128-row tiles read each weight tile once at m = 128
         found += [Config(block_m=128, block_n=128, num_stages=s, num_warps=8, **tma) for s in (3, 4, 5)]
         found += [Config(block_m=128, block_n=64, num_stages=s, num_warps=4, **tma) for s in (4, 6)]
+    if warp_specialized:
+        found += [sg.WsConfig(64, 256, s, p) for p in (1, 2) for s in (3, 4)]
+        if m > 32:
+            found += [sg.WsConfig(128, 128, s, 2) for s in (4, 5, 6)]
     return list(dict.fromkeys(found))
 
 
-def _compile(job: tuple[Config, int]) -> str:
+def _compile(job: tuple[Config | sg.WsConfig, int]) -> str:
     """Compile one configuration for E experts in a worker, so the binary lands in Triton's cache."""
     config, E = job
     try:
@@ -72,8 +80,11 @@ def _compile(job: tuple[Config, int]) -> str:
 
 
 def _compiled() -> dict:
-    """Triton's in-process cache of the GEMM kernel: launch key -> compiled kernel."""
-    return {key: k for cache in sg._masked_grouped_gemm_kernel.device_caches.values() for key, k in cache[0].items()}
+    """Triton's in-process caches of both GEMM kernels: launch key -> compiled kernel."""
+    from sglang_pd.kernels import signal_gemm_ws  # imports Gluon: only where the sweep runs
+
+    kernels = (sg._masked_grouped_gemm_kernel, signal_gemm_ws._masked_grouped_gemm_ws_kernel)
+    return {key: k for fn in kernels for cache in fn.device_caches.values() for key, k in cache[0].items()}
 
 
 def main() -> None:
@@ -87,7 +98,8 @@ def main() -> None:
         args.programs or torch.cuda.get_device_properties(0).multi_processor_count - sg.SMS_KEPT_FOR_COMMUNICATION
     )
 
-    jobs = list(dict.fromkeys((c, E) for E in args.experts for m in args.m for c in candidates(m)))
+    ws = sg.ws_usable(0)
+    jobs = list(dict.fromkeys((c, E) for E in args.experts for m in args.m for c in candidates(m, ws)))
     t0 = time.time()
     with multiprocessing.get_context("spawn").Pool(min(14, len(jobs))) as pool:
         compiled = pool.map(_compile, jobs, chunksize=1)
@@ -117,12 +129,12 @@ def main() -> None:
                         deep_gemm.fp8_m_grouped_gemm_nt_masked, (a, a_scale), (b, b_scale), dg_out, masked_m, m
                     )
                 )
-            for config in candidates(m):
+            for config in candidates(m, ws):
                 if repr(config) in failed:
                     continue
                 run = functools.partial(
                     sg.masked_grouped_gemm, a, b, out, masked_m,
-                    a_scale=a_scale, b_scale=b_scale, config=config, num_sms=programs,
+                    a_scale=a_scale, b_scale=b_scale, config=config, num_sms=programs, expected_m=m,
                 )  # fmt: skip
                 out.fill_(float("nan"))
                 known = set(_compiled())

@@ -393,7 +393,7 @@ def _hopper() -> bool:
 
 
 # (block_m, block_n, num_stages, math_partitions)
-WS_CONFIGS = [(64, 256, 4, 1), (128, 128, 5, 1), (64, 256, 4, 2), (128, 128, 5, 2)]
+WS_CONFIGS = [(64, 256, 4, 1), (64, 256, 4, 2), (128, 128, 5, 2)]
 
 
 @pytest.mark.gpu
@@ -429,10 +429,43 @@ def test_ws_fp8_masked_gemm(shape, mask, tile, mode):
         assert torch.equal(signal.view(torch.int32).cpu(), sg.reference_deepep_signal(E, 7)), "DeepEP signals differ"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU (wgmma)")
+@pytest.mark.parametrize("tile", WS_CONFIGS, ids=lambda t: "{}x{}s{}p{}".format(*t))
+def test_ws_scales_spanning_ten_decades_and_zero(tile):
+    """Scales from 1e-14 to 1e3 per element, changing every K step, and zero scales: the products
+    the producer stages in shared memory must give each row its own relative accuracy."""
+    E, M_max, N, K = 2, 128, 512, 2048
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    a = (torch.randn(E, M_max, K, device="cuda", generator=gen) * 32).to(torch.float8_e4m3fn)
+    b = (torch.randn(E, N, K, device="cuda", generator=gen) * 32).to(torch.float8_e4m3fn)
+    a_scale = 10 ** torch.empty(E, M_max, K // 128, device="cuda").uniform_(-8, 2, generator=gen)
+    b_scale = 10 ** torch.empty(E, N // 128, K // 128, device="cuda").uniform_(-6, 1, generator=gen)
+    a_scale[torch.rand(a_scale.shape, device="cuda", generator=gen) < 0.1] = 0.0
+    a_scale[0, 5] = 0.0  # a row whose every block has a zero scale: exactly zero
+    b_scale[1, 2] = 0.0  # expert 1's columns 256..383: exactly zero
+    a_scale = a_scale.transpose(1, 2).contiguous().transpose(1, 2)
+    masked_m = torch.tensor([128, 77], dtype=torch.int32, device="cuda")
+    config = sg.WsConfig(*tile)
+    out = poisoned(E, M_max, N)
+    sg.masked_grouped_gemm(a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale, num_sms=7, config=config)
+    torch.cuda.synchronize()
+    ref = sg.reference_masked_grouped_gemm(a, b, masked_m, a_scale, b_scale)
+    check_output(out, ref, masked_m, FP8_RTOL)
+    assert not out[0, 5].any() and not out[1, :77, 256:384].any(), "a zero scale must give exact zeros"
+    for e, m in enumerate(masked_m.tolist()):  # row by row: the rows' magnitudes span decades
+        got, want = out[e, :m].double(), ref[e, :m].double()
+        nonzero = want.norm(dim=1) > 0
+        err = (got - want)[nonzero].norm(dim=1) / want[nonzero].norm(dim=1)
+        assert err.max().item() < FP8_RTOL, f"expert {e}: a row's relative error is {err.max().item():.2e}"
+
+
 def test_ws_config_refuses_tiles_its_math_partitions_cannot_hold():
-    with pytest.raises(AssertionError, match="64x256 or 128x128"):
-        sg.WsConfig(block_m=128, block_n=256, math_partitions=2)  # 128 accumulator + 128 partial registers
-    with pytest.raises(AssertionError, match="1 or 2 math partitions"):
+    with pytest.raises(AssertionError, match="64x256 tile on 1 or 2 math partitions, or 128x128 on 2"):
+        sg.WsConfig(block_m=128, block_n=256, math_partitions=2)  # 128 accumulator + 128 product registers
+    with pytest.raises(AssertionError, match="or 128x128 on 2"):
+        sg.WsConfig(block_m=128, block_n=128, math_partitions=1)  # a warpgroup computes 64 rows
+    with pytest.raises(AssertionError, match="on 1 or 2 math partitions"):
         sg.WsConfig(math_partitions=3)
 
 
