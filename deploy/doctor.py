@@ -148,7 +148,7 @@ def format_table(doc: dict[str, Any]) -> str:
     k = doc["kernel"]
     if k["usable"]:
         gluon = "yes" if k["warp_specialized"] else "no (Triton only: needs triton.experimental.gluon on sm_90)"
-        rows.append(("our sm_90 kernel", f"usable; warp-specialized above 16 rows: {gluon}"))
+        rows.append(("our sm_90 kernel", f"usable; warp-specialized (Gluon): {gluon}"))
     else:
         rows.append(("our sm_90 kernel", f"unusable: {k['reason']}"))
     d = doc["deepep_combine"]

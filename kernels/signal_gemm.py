@@ -10,7 +10,7 @@ after the whole GEMM. It needs a down GEMM that says, while it runs, which rows 
 sgl-deep-gemm wheels that sglang ships have no such kernel for sm_90 (H100, H200, H20), so sglang
 refuses ``--enable-single-batch-overlap`` there. This file is that kernel, in Triton, and the entry
 points; ``signal_gemm_ws.py`` is the same GEMM warp-specialized in Gluon, which they pick for FP8
-on sm_90 above 16 rows per expert.
+on sm_90 GPUs.
 
 What it computes
 ----------------
@@ -418,21 +418,15 @@ _TUNED: dict[int, GemmConfig] = {
 }
 #: sglang's row-block signals: its buffer holds one counter per 64 rows, so the tile keeps 64 rows.
 _TUNED_ROW_BLOCKS: dict[int, GemmConfig] = {64: _TUNED[64]}
-#: FP8 on sm_90 above 16 rows: the warp-specialized kernel, whose loads never wait for the math.
-#: Up to 64 rows a 64×256 tile on one 8-warp math partition; at 128 rows a 128×128 tile on two
-#: one-warpgroup partitions that run out of phase, so the tensor cores work while the other scales
-#: (3–7 % faster than 64×256 there). DeepEP's layout costs the one-partition 64×256 tile 4–5 µs a
-#: call and the two-partition one nothing measurable, so that layout takes the latter throughout
-#: (kernels/README.md).
-_TUNED_WS: dict[int, WsConfig] = {
-    64: WsConfig(block_m=64, block_n=256, num_stages=3),
-    128: WsConfig(block_m=128, block_n=128, num_stages=4, math_partitions=2),
-}
-_TUNED_WS_DEEPEP: dict[int, WsConfig] = {
-    **_TUNED_WS,
-    64: WsConfig(block_m=64, block_n=256, num_stages=3, math_partitions=2),
-}
-_WS_ABOVE_ROWS = 16
+#: FP8 on sm_90: the warp-specialized kernel, whose loads never wait for the math, at every m.
+#: Its two one-warpgroup math partitions run out of phase, so the tensor cores work while the
+#: other scales. The 64×256 tile measured within 2 % of the best configuration at every shape
+#: and ahead of every Triton tile, swap-AB included (kernels/README.md, scripts/sweep_sbo_gemm.py).
+_WS = WsConfig(block_m=64, block_n=256, num_stages=4, math_partitions=2)
+#: Under a ``max_block_n`` below 256 (sglang passes 160 or 256), 128 columns: above 64 rows the
+#: Gluon kernel's 128×128 tile, below it the Triton tables.
+_WS_NARROW = WsConfig(block_m=128, block_n=128, num_stages=4, math_partitions=2)
+_WS_NARROW_ABOVE_ROWS = 64
 
 
 def pick_config(
@@ -440,13 +434,12 @@ def pick_config(
 ) -> GemmConfig | WsConfig:
     """The configuration for ``expected_m`` rows per expert and this signal layout, with
     ``block_n <= max_block_n``; with ``warp_specialized`` (FP8 on an sm_90 GPU with Gluon: see
-    ``ws_usable``) the Gluon kernel's configuration above 16 rows. Signals are released through the inline-PTX
+    ``ws_usable``) the Gluon kernel's. The Triton kernel releases signals through the inline-PTX
     block: Triton's own atomic in the flattened loop costs 120 % (kernels/README.md)."""
-    if warp_specialized and expected_m > _WS_ABOVE_ROWS:
-        table_ws = _TUNED_WS_DEEPEP if signal_mode == SIGNAL_DEEPEP else _TUNED_WS
-        ws = table_ws[min((k for k in table_ws if k >= expected_m), default=max(table_ws))]
-        if ws.block_n <= max_block_n:
-            return ws
+    if warp_specialized and _WS.block_n <= max_block_n:
+        return _WS
+    if warp_specialized and expected_m > _WS_NARROW_ABOVE_ROWS and _WS_NARROW.block_n <= max_block_n:
+        return _WS_NARROW
     table = _TUNED_ROW_BLOCKS if signal_mode == SIGNAL_SGLANG else _TUNED
     config = table[min((k for k in table if k >= expected_m), default=max(table))]
     if signal_mode != SIGNAL_NONE:

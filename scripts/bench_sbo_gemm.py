@@ -6,8 +6,8 @@ For E = 16 and 32 local experts (M_max = 2048 and 1024 rows, as DeepEP's low-lat
 
 * our kernel's time without signals (on the SMs SBO leaves it, and on all of them), with
   sglang-layout signals and with DeepEP-layout signals, each with the configuration
-  ``pick_config`` gives that layout on this GPU (on sm_90 the warp-specialized Gluon kernel above
-  16 rows), and the signals' cost against the same tile without them;
+  ``pick_config`` gives that layout on this GPU (on sm_90 the warp-specialized Gluon kernel), and
+  the signals' cost against the same tile without them;
 * beside it, the Triton kernel's tile without signals ("Triton"), to show what the Gluon kernel
   gains;
 * bytes moved (weights + weight scales + active activation rows + their scales + active output
@@ -163,7 +163,7 @@ def measure(E: int, m: int, problem: tuple, num_sms: int, sig_sms: int, deep_gem
     """All timings and errors of one shape."""
     a, a_scale, b, b_scale, masked_m, out = problem
     M_max = a.shape[1]
-    ws = sg.ws_usable(0)  # what the entry point picks on this GPU: the Gluon kernel above 16 rows
+    ws = sg.ws_usable(0)  # what the entry point picks on this GPU: on sm_90 the Gluon kernel
     plain = sg.pick_config(m, warp_specialized=ws)
     for_sglang = sg.pick_config(m, signal_mode=sg.SIGNAL_SGLANG, warp_specialized=ws)
     for_deepep = sg.pick_config(m, signal_mode=sg.SIGNAL_DEEPEP, warp_specialized=ws)

@@ -111,7 +111,7 @@ def kernel_status() -> Availability:
         return Availability(False, "no CUDA device is visible, and our kernel needs an sm_90 GPU")
     if cap[0] != 9:
         return Availability(False, f"our kernel targets sm_90 (Hopper); this GPU is sm_{cap[0]}{cap[1]}")
-    # Above 16 rows per expert the entry point runs the warp-specialized Gluon kernel when it can.
+    # The entry point runs the warp-specialized Gluon kernel when it can.
     return Availability(True, detail={"capability": f"sm_{cap[0]}{cap[1]}", "warp_specialized": module.ws_usable()})
 
 

@@ -54,7 +54,7 @@ def test_sm90_with_our_kernel_serves_both_halves(sm90) -> None:
 
 def test_kernel_row_says_which_kernel_runs(sm90, monkeypatch: pytest.MonkeyPatch) -> None:
     kernel = pytest.importorskip(status.KERNEL_MODULE, reason="our kernel needs torch and triton")
-    for ws, expected in ((True, "warp-specialized above 16 rows: yes"), (False, "Triton only")):
+    for ws, expected in ((True, "warp-specialized (Gluon): yes"), (False, "Triton only")):
         monkeypatch.setattr(kernel, "ws_usable", lambda *a, ws=ws: ws)
         doc = doctor.collect(check_targets=False)
         assert doc["kernel"]["usable"] and doc["kernel"]["warp_specialized"] is ws

@@ -249,10 +249,12 @@ def test_signal_ordering_with_polling_consumer(layout):
     per_expert = layout == "deepep"
     mode = sg.SIGNAL_DEEPEP if per_expert else sg.SIGNAL_SGLANG
 
-    def pick(m: int) -> sg.GemmConfig | sg.WsConfig:  # what the entry point picks on this GPU
-        return sg.pick_config(m, signal_mode=mode, warp_specialized=sg.ws_usable(0))
+    def pick(m: int, max_block_n: int) -> sg.GemmConfig | sg.WsConfig:  # what the entry point picks here
+        return sg.pick_config(m, max_block_n, signal_mode=mode, warp_specialized=sg.ws_usable(0))
 
-    for cfg in {pick(m) for m in (1, 17, 64, 128, M_max)}:
+    # sglang passes max_block_n 160 or 256: on sm_90 the Gluon 64x256 tile, or the Gluon 128x128 tile
+    # above 64 rows and the Triton kernel's tiles below.
+    for cfg in {pick(m, cap) for m in (1, 17, 64, 128, M_max) for cap in (160, 256)}:
         warm = torch.zeros(E * -(-M_max // cfg.block_m), dtype=torch.int32, device="cuda")
         full = torch.full((E,), M_max, dtype=torch.int32, device="cuda")
         sg.masked_grouped_gemm(
@@ -274,14 +276,14 @@ def test_signal_ordering_with_polling_consumer(layout):
     slowest_launch = (0.0, -1)  # (seconds, run)
     stuck: list = []  # (run, launch seconds, config, masked_m, final signals, waited) where the consumer gave up
     for run in range(runs):
-        # Every other run has few rows per expert, where the picked tile is a swap-AB one.
+        # Every other run has few rows per expert (the Triton tile at max_block_n=160).
         rows_hi = M_max if run % 2 == 0 else 48
         masked_m = torch.randint(0, rows_hi + 1, (E,), generator=gen).to(torch.int32).cuda()
         if run % 4 == 0:
             a, a_scale, _, _ = make_fp8_problem(E, M_max, 128, K)  # fresh activations now and then
         out.fill_(float("nan"))
         copy.fill_(float("-inf"))
-        cfg = pick(int(masked_m.float().mean().item()) or 1)
+        cfg = pick(int(masked_m.float().mean().item()) or 1, (256, 256, 160, 160)[run % 4])
         signal = torch.zeros(E if per_expert else E * -(-M_max // cfg.block_m), dtype=torch.int32, device="cuda")
         target = num_sms if per_expert else -(-N // cfg.block_n)
         torch.cuda.synchronize()
@@ -470,25 +472,23 @@ def test_ws_config_refuses_tiles_its_math_partitions_cannot_hold():
 
 
 def test_ws_pick_by_rows_and_signal_layout():
-    """The measured choices (kernels/README.md): one 8-warp partition on 64x256 up to 64 rows, two
-    one-warpgroup partitions on 128x128 above, and two on 64x256 for DeepEP's layout."""
-    deepep = sg.SIGNAL_DEEPEP
-    assert sg.pick_config(64, warp_specialized=True) == sg.WsConfig(block_m=64, block_n=256, num_stages=3)
-    assert sg.pick_config(64, signal_mode=deepep, warp_specialized=True).math_partitions == 2
-    at_128 = sg.pick_config(128, signal_mode=sg.SIGNAL_SGLANG, warp_specialized=True)
-    assert (at_128.block_m, at_128.block_n, at_128.math_partitions) == (128, 128, 2)
-    # sglang's max_block_n=160 admits the 128-column tile but not the 256-column one
-    assert isinstance(sg.pick_config(128, max_block_n=160, warp_specialized=True), sg.WsConfig)
-    assert isinstance(sg.pick_config(64, max_block_n=160, warp_specialized=True), sg.GemmConfig)
+    """The measured choices (kernels/README.md): the 64x256 tile on two one-warpgroup partitions at
+    every m and signal layout; under sglang's max_block_n=160 the 128x128 one above 64 rows and the
+    Triton kernel's 128-column tiles below."""
+    for m in (1, 8, 16, 32, 64, 128, 512):
+        for mode in (sg.SIGNAL_NONE, sg.SIGNAL_SGLANG, sg.SIGNAL_DEEPEP):
+            assert sg.pick_config(m, signal_mode=mode, warp_specialized=True) == sg.WsConfig(64, 256, 4, 2)
+    assert sg.pick_config(128, max_block_n=160, warp_specialized=True) == sg.WsConfig(128, 128, 4, 2)
+    narrow = sg.pick_config(64, max_block_n=160, warp_specialized=True)
+    assert isinstance(narrow, sg.GemmConfig) and narrow.block_n == 128
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU (wgmma)")
-def test_default_config_is_warp_specialized_above_16_rows():
-    """What sglang's call gets on sm_90: the Gluon kernel above 16 rows, the Triton swap-AB tile below."""
+def test_default_config_is_warp_specialized():
+    """What sglang's call gets on sm_90: the Gluon kernel."""
     assert sg.ws_usable(0)
-    assert isinstance(sg.pick_config(17, warp_specialized=True), sg.WsConfig)
-    assert isinstance(sg.pick_config(16, warp_specialized=True), sg.GemmConfig)
+    assert isinstance(sg.pick_config(8, warp_specialized=True), sg.WsConfig)
     E, M_max, N, K = 4, 128, 7168, 2048
     a, a_scale, b, b_scale = make_fp8_problem(E, M_max, N, K)
     masked_m = torch.tensor([5, 64, 0, 128], dtype=torch.int32, device="cuda")
