@@ -78,8 +78,9 @@ def measure(E: int, M_max: int, m: int, programs: int) -> dict:
     out = torch.empty(E, M_max, N, dtype=torch.bfloat16, device="cuda:0")
     peer = torch.zeros(E, M_max, N, dtype=torch.bfloat16, device="cuda:1")
     all_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cfg = sg.pick_config(m, signal_mode=sg.SIGNAL_SGLANG)
-    plain_cfg = sg.pick_config(m)
+    ws = sg.ws_usable(0)  # what the entry point picks on this GPU: on sm_90 the Gluon kernel
+    cfg = sg.pick_config(m, signal_mode=sg.SIGNAL_SGLANG, warp_specialized=ws)
+    plain_cfg = sg.pick_config(m, warp_specialized=ws)
     num_units = E * -(-M_max // cfg.block_m)
     signal = torch.zeros(num_units, dtype=torch.int32, device="cuda:0")
     side = torch.cuda.Stream(device="cuda:0")
@@ -120,7 +121,7 @@ def measure(E: int, M_max: int, m: int, programs: int) -> dict:
         main.wait_stream(side)
         end.record()
 
-    row = {"E": E, "m": m, "consumer_programs": programs, "block_m": cfg.block_m}
+    row = {"E": E, "m": m, "consumer_programs": programs, "block_m": cfg.block_m, "config": repr(cfg)}
     row["seq_us"] = timed(seq)
     row["seq_same_us"] = timed(seq_same)
     peer.zero_()
