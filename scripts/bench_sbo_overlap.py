@@ -4,13 +4,15 @@ SBO's second half lets DeepEP's combine-send ship each finished block of tokens 
 GEMM is still running. Here the combine-send is `kernels/signal_consumer.py`: a few programs
 (the SMs the GEMM leaves free) poll the GEMM's signals with acquire loads and copy each finished
 row-block (sglang layout) into the peer GPU's memory over NVLink. Per shape it times, with CUDA
-events around the whole step:
+events around one replay of the whole step:
 
-- `seq`: our GEMM on all 132 SMs, then the rows sent with torch's peer copy (full NVLink speed);
+- `seq`: our GEMM on all 132 SMs, then the rows sent by the copy engines (`cudaMemcpy2DAsync`, full
+  NVLink speed);
 - `seq same`: the signalled GEMM, then the same consumer kernel once the GEMM is done;
 - `overlap`: the signalled GEMM on 132 − P SMs and the consumer on P programs, concurrently;
 
-and checks the peer's copy equals the GEMM's output. Prints a table and writes JSON.
+each step captured in a CUDA graph (as sglang's decode runs it) and timed over its replays, and
+checks the peer's copy equals the GEMM's output. Prints a table and writes JSON.
 
     python scripts/bench_sbo_overlap.py --json overlap.json     # needs 2 GPUs with peer access
 """
@@ -42,31 +44,57 @@ CONSUMER_PROGRAMS = (3, 8)
 ITERS = 50
 
 
+def _cudart() -> ctypes.CDLL:
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise SystemExit("libcudart not found (needed for peer access and peer copies)")
+
+
 def enable_peer_access(a: int, b: int) -> None:
     """Let kernels on GPU `a` store into GPU `b`'s memory (a Triton store through a peer pointer)."""
     if not torch.cuda.can_device_access_peer(a, b):
         raise SystemExit(f"GPU {a} cannot access GPU {b}'s memory (no P2P): this benchmark needs NVLink peers")
-    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
-        try:
-            cudart = ctypes.CDLL(name)
-            break
-        except OSError:
-            continue
-    else:
-        raise SystemExit("libcudart not found to enable peer access")
     with torch.cuda.device(a):
         torch.cuda.synchronize()
-        rc = cudart.cudaDeviceEnablePeerAccess(ctypes.c_int(b), ctypes.c_uint(0))
+        rc = _cudart().cudaDeviceEnablePeerAccess(ctypes.c_int(b), ctypes.c_uint(0))
     if rc not in (0, 704):  # 704: cudaErrorPeerAccessAlreadyEnabled
         raise SystemExit(f"cudaDeviceEnablePeerAccess({b}) on GPU {a} failed with {rc}")
 
 
+def copy_rows_to_peer(src: torch.Tensor, dst: torch.Tensor, m: int) -> None:
+    """``dst[:, :m] = src[:, :m]`` on the current stream by the copy engines, as one 2D memcpy.
+    (torch's cross-device ``copy_`` also synchronises with the peer's stream, which a CUDA graph
+    capture refuses.)"""
+    E, M_max, N = src.shape
+    row_bytes, expert_bytes = N * src.element_size(), M_max * N * src.element_size()
+    rc = _cudart().cudaMemcpy2DAsync(
+        ctypes.c_void_p(dst.data_ptr()), ctypes.c_size_t(expert_bytes),
+        ctypes.c_void_p(src.data_ptr()), ctypes.c_size_t(expert_bytes),
+        ctypes.c_size_t(m * row_bytes), ctypes.c_size_t(E),
+        ctypes.c_int(4),  # cudaMemcpyDefault: unified addressing finds both devices
+        ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"cudaMemcpy2DAsync to the peer failed with {rc}")
+
+
 def timed(step, iters: int = ITERS) -> float:
-    """Median µs of `step()`, which records its own start and end events on the current stream."""
+    """Median µs of one replay of ``step`` captured in a CUDA graph, as sglang's decode runs it
+    (eager launches would add the host's launch time, which is not what overlap changes)."""
+    step()  # compile and load every kernel before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
     times = []
     for _ in range(iters + 5):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        step(start, end)
+        start.record()
+        graph.replay()
+        end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
     return statistics.median(times[5:])
@@ -84,42 +112,40 @@ def measure(E: int, M_max: int, m: int, programs: int) -> dict:
     num_units = E * -(-M_max // cfg.block_m)
     signal = torch.zeros(num_units, dtype=torch.int32, device="cuda:0")
     side = torch.cuda.Stream(device="cuda:0")
-    main = torch.cuda.current_stream()
 
-    def gemm_signalled(num_sms: int) -> int:
+    def gemm_signalled() -> int:
         _, threshold = sg.masked_grouped_gemm(
             a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale, signal=signal,
-            signal_mode=sg.SIGNAL_SGLANG, num_sms=num_sms, config=cfg,
+            signal_mode=sg.SIGNAL_SGLANG, num_sms=all_sms - programs, config=cfg, expected_m=m,
         )  # fmt: skip
         return threshold
 
-    threshold = gemm_signalled(all_sms - programs)
+    threshold = gemm_signalled()
     torch.cuda.synchronize()
 
-    def seq(start, end):
-        start.record()
-        sg.masked_grouped_gemm(a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale, num_sms=all_sms, config=plain_cfg)
-        peer[:, :m].copy_(out[:, :m], non_blocking=True)
-        end.record()
-
-    def seq_same(start, end):
-        signal.zero_()
-        start.record()
-        gemm_signalled(all_sms - programs)
+    def send() -> None:
         copy_when_signalled(signal, masked_m, out, peer, threshold, per_expert=False, block_m=cfg.block_m,
                             num_programs=programs)  # fmt: skip
-        end.record()
 
-    def overlap(start, end):
+    def seq() -> None:
+        sg.masked_grouped_gemm(
+            a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale, num_sms=all_sms, config=plain_cfg, expected_m=m
+        )
+        copy_rows_to_peer(out, peer, m)
+
+    def seq_same() -> None:
         signal.zero_()
-        start.record()
+        gemm_signalled()
+        send()
+
+    def overlap() -> None:
+        signal.zero_()
+        main = torch.cuda.current_stream()
         side.wait_stream(main)
-        gemm_signalled(all_sms - programs)
+        gemm_signalled()
         with torch.cuda.stream(side):
-            copy_when_signalled(signal, masked_m, out, peer, threshold, per_expert=False, block_m=cfg.block_m,
-                                num_programs=programs)  # fmt: skip
+            send()
         main.wait_stream(side)
-        end.record()
 
     row = {"E": E, "m": m, "consumer_programs": programs, "block_m": cfg.block_m, "config": repr(cfg)}
     row["seq_us"] = timed(seq)
@@ -143,7 +169,7 @@ def main() -> None:
     enable_peer_access(0, 1)
     torch.cuda.set_device(0)
     rows = []
-    print(f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, times in µs (median of {ITERS})")
+    print(f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, µs (median of {ITERS} CUDA-graph replays)")
     times = f"{'seq':>7} {'seq same':>9} {'overlap':>8}"
     header = f"{'E':>3} {'m':>4} {'P':>2} {'MB':>6} | {times} | saved vs seq, vs same | exact"
     print(header)
