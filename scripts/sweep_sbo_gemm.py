@@ -112,7 +112,7 @@ def main() -> None:
     deep_gemm, why_not = bench.load_deep_gemm()
     print(f"copy bandwidth {bandwidth:.0f} GB/s; DeepGEMM: {'loaded' if deep_gemm else why_not}", flush=True)
     rows = []
-    resources: dict[tuple[str, int], dict] = {}  # (config, E) -> registers, spills, shared memory
+    resources: dict[str, dict] = {}  # config -> registers, spills, shared memory of its first kernel
     for E in args.experts:
         M_max = bench.EXPERTS[E]
         a, a_scale, b, b_scale = bench.make_problem(E, M_max)  # activation scales MN-major
@@ -142,13 +142,13 @@ def main() -> None:
                 torch.cuda.synchronize()
                 for key, kernel in _compiled().items():
                     if key not in known:  # this configuration's kernel, loaded on its first launch
-                        resources[(repr(config), E)] = {
+                        resources[repr(config)] = {
                             "regs": kernel.n_regs, "spills": kernel.n_spills, "smem": kernel.metadata.shared,
                         }  # fmt: skip
                 row["configs"][repr(config)] = {
                     "us": bench.bench(run, rep_ms=20),
                     "err": bench.rel_err(out[:, :m], ref),
-                    **resources.get((repr(config), E), {}),
+                    **resources.get(repr(config), {}),
                 }
             ranked = sorted(row["configs"].items(), key=lambda kv: kv[1]["us"])
             dg = row.get("deepgemm_us")
@@ -166,9 +166,9 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     print("kernels that spill registers:")
-    for (name, E), r in sorted(resources.items()):
+    for name, r in sorted(resources.items()):
         if r["spills"]:
-            print(f"  E={E} regs {r['regs']} spills {r['spills']} smem {r['smem']}: {name}")
+            print(f"  regs {r['regs']} spills {r['spills']} smem {r['smem']}: {name}")
 
 
 if __name__ == "__main__":
