@@ -16,15 +16,18 @@ from sglang_pd.kernels.sm90_resources import compile_resources, wgmma_waits_on_l
 MODES = {"none": sg.SIGNAL_NONE, "sglang": sg.SIGNAL_SGLANG, "deepep": sg.SIGNAL_DEEPEP}
 
 
+@pytest.mark.parametrize("max_block_n", [256, 160], ids=["bn256", "bn160"])  # what sglang passes
 @pytest.mark.parametrize("warp_specialized", [False, True], ids=["triton", "gluon-ws"])
 @pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
 @pytest.mark.parametrize("expected_m", [1, 16, 17, 32, 64, 128, 2048])
-def test_picked_tiles_do_not_spill(expected_m: int, mode: int, warp_specialized: bool) -> None:
-    config = sg.pick_config(expected_m, signal_mode=mode, warp_specialized=warp_specialized)
+def test_picked_tiles_do_not_spill(expected_m: int, mode: int, warp_specialized: bool, max_block_n: int) -> None:
+    config = sg.pick_config(expected_m, max_block_n, signal_mode=mode, warp_specialized=warp_specialized)
     resources = compile_resources(config, mode)
     assert resources.spill_bytes == 0, f"{config} spills {resources.spill_bytes} B per thread on sm_90a"
     assert resources.registers <= 255
     assert resources.shared_bytes <= 227 * 1024, "H100/H200 give a program at most 227 KiB of shared memory"
+    if isinstance(config, sg.WsConfig):  # its math warps issue no global load, so none can stall a wgmma
+        assert resources.loads_in_wgmma == (), f"{config}: {resources.loads_in_wgmma}"
 
 
 def test_a_tile_too_large_for_the_register_file_is_reported() -> None:
