@@ -387,22 +387,19 @@ class GemmConfig:
 @dataclasses.dataclass(frozen=True)
 class WsConfig:
     """A launch configuration of the warp-specialized Gluon kernel (``signal_gemm_ws.py``): FP8
-    only, no swap-AB; 8 math warps as one partition or as two of a warpgroup each, a producer warp
-    and a signaller warp."""
+    only, no swap-AB; two math warpgroups (a 64×128 half of the tile each), a producer warp and a
+    signaller warp."""
 
     block_m: int = 64
     block_n: int = 256
     num_stages: int = 4
-    math_partitions: int = 1  # 1: one 8-warp partition; 2: a warpgroup per half tile
-    math_regs: int = 232  # registers per thread of the second math warpgroup (setmaxnreg)
+    math_regs: int = 232  # registers per thread of the math warpgroups (setmaxnreg)
     producer_regs: int = 40  # per thread of the producer and the signaller warps
 
     def __post_init__(self) -> None:
-        # A math warpgroup computes 64 rows: its accumulator and the K step's product beside it
-        # must fit in the 232 registers a thread gets.
-        tile = (self.block_m, self.block_n, self.math_partitions)
-        assert tile in ((64, 256, 1), (64, 256, 2), (128, 128, 2)), (
-            f"unsupported configuration {self}: use a 64x256 tile on 1 or 2 math partitions, or 128x128 on 2"
+        assert (self.block_m, self.block_n) in ((64, 256), (128, 128)), (
+            f"unsupported configuration {self}: the tile is 64x256 or 128x128, two 64x128 halves for the "
+            "two math warpgroups (a half's accumulator and its K step's product fill a thread's registers)"
         )
 
 
@@ -419,13 +416,12 @@ _TUNED: dict[int, GemmConfig] = {
 #: sglang's row-block signals: its buffer holds one counter per 64 rows, so the tile keeps 64 rows.
 _TUNED_ROW_BLOCKS: dict[int, GemmConfig] = {64: _TUNED[64]}
 #: FP8 on sm_90: the warp-specialized kernel, whose loads never wait for the math, at every m.
-#: Its two one-warpgroup math partitions run out of phase, so the tensor cores work while the
-#: other scales. The 64×256 tile measured within 2 % of the best configuration at every shape
-#: and ahead of every Triton tile, swap-AB included (kernels/README.md, scripts/sweep_sbo_gemm.py).
-_WS = WsConfig(block_m=64, block_n=256, num_stages=4, math_partitions=2)
+#: The 64×256 tile measured within 2 % of the best configuration at every shape and ahead of
+#: every Triton tile, swap-AB included (kernels/README.md, scripts/sweep_sbo_gemm.py).
+_WS = WsConfig(block_m=64, block_n=256, num_stages=4)
 #: Under a ``max_block_n`` below 256 (sglang passes 160 or 256), 128 columns: above 64 rows the
 #: Gluon kernel's 128×128 tile, below it the Triton tables.
-_WS_NARROW = WsConfig(block_m=128, block_n=128, num_stages=4, math_partitions=2)
+_WS_NARROW = WsConfig(block_m=128, block_n=128, num_stages=4)
 _WS_NARROW_ABOVE_ROWS = 64
 
 

@@ -10,9 +10,9 @@ on sm_90, but Gluon (``triton.experimental.gluon``, shipped with Triton 3.6) can
 * the **producer** (one warp) walks the program's tiles and fills a ring of ``NUM_STAGES``
   shared-memory stages, each guarded by a ``ready`` and an ``empty`` mbarrier: the TMA loads of A
   and B, and the K step's FP8 scales (activation × weight, per row);
-* the **math** (8 warps, as one partition or as two of one warpgroup each) waits on ``ready``,
-  runs the wgmma, hands the stage back on ``empty`` as soon as the wgmma is done, applies the
-  scales and stores the tile;
+* the **math** (two partitions of one warpgroup each, a half tile each) waits on ``ready``, runs
+  the wgmma, hands the stage back on ``empty`` as soon as the wgmma is done, applies the scales
+  and stores its half of the tile;
 * the **signaller** (one warp) waits until every math partition has stored a tile and releases
   its completion signal, so the GPU-scope release never stalls a math warp.
 
@@ -37,6 +37,7 @@ __all__ = ["launch"]
 
 _SCALE_BLOCK = gl.constexpr(SCALE_BLOCK)  # the kernels read module constants only as constexprs
 _PIECE_ROWS = gl.constexpr(64)  # a math warpgroup's rows: wgmma's M
+_PIECE_COLS = gl.constexpr(SCALE_BLOCK)  # and columns: one weight-scale block, so one scale a row
 # Gluon is experimental and renames things: Triton 3.6's `thread_barrier` is 3.8's `barrier`.
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
@@ -209,47 +210,30 @@ def _producer(
 # %%
 # The math: wgmma, scales, stores
 # -------------------------------
-# A math partition owns a piece of every tile: the whole 64×256 tile (one partition of 8 warps,
-# whose wgmma spans both warpgroups), or half of a tile (two partitions of one warpgroup each: the
-# rows of a 128×128 tile, or the columns of a 64×256 one). Two partitions have barriers over their
+# Each of the two math partitions (a warpgroup each) owns a 64×128 piece of every tile: the rows
+# ROW0.. of a 128×128 tile, or the columns COL0.. of a 64×256 one, so a piece lies in one 128-wide
+# weight-scale block and its scale is one number per row. The partitions have barriers over their
 # own 128 threads only, so they run out of phase: while one scales its product, the tensor cores
-# run the other's wgmma. Each K step's product is scaled into a float32 accumulator in the
-# registers: the tensor cores keep only about 14 bits when they add FP8 products, so letting them
-# accumulate across K steps loses accuracy (measured: 3.5e-2 relative error on all-positive data
-# against 1.9e-3, kernels/README.md).
+# run the other's wgmma. (One 8-warp partition over the 64×256 tile, both warpgroups in lockstep,
+# measured from 1.5 % faster to 10 % slower, the latter at 128 rows; kernels/README.md.) Each K
+# step's product is scaled into a float32 accumulator in the registers: the tensor cores keep only
+# about 14 bits when they add FP8 products, so letting them accumulate across K steps loses
+# accuracy (measured: 3.5e-2 relative error on all-positive data against 1.9e-3, kernels/README.md).
 
 
 @gluon.jit
-def _piece_scales(
-    scales, slot, ROW0: gl.constexpr, COL0: gl.constexpr, PIECE_N: gl.constexpr,
-    ROW_CHUNKS: gl.constexpr, SCALE_BLOCKS: gl.constexpr, ROWS: gl.constexpr,
-):  # fmt: skip
-    """The piece's rows' scales (activation × weight) in its first and last 128-wide weight-scale block."""
-    block = COL0 // _SCALE_BLOCK
-    chunk = ROW0 // _PIECE_ROWS
-    scale_lo = scales.index(_scale_row(slot, block, chunk, SCALE_BLOCKS, ROW_CHUNKS)).load(ROWS)
-    scale_hi = scale_lo
-    if PIECE_N > _SCALE_BLOCK:
-        scale_hi = scales.index(_scale_row(slot, block + 1, chunk, SCALE_BLOCKS, ROW_CHUNKS)).load(ROWS)
-    return scale_lo, scale_hi
-
-
-@gluon.jit
-def _per_element(lo, hi, cols_in_piece, PIECE_N: gl.constexpr):
-    """Per-row values of the first and the second weight-scale block, spread over the piece."""
-    values = gl.expand_dims(lo, 1)
-    if PIECE_N > _SCALE_BLOCK:
-        first_block = gl.expand_dims(cols_in_piece < _SCALE_BLOCK, 0)
-        values = gl.where(first_block, values, gl.expand_dims(hi, 1))
-    return values
+def _piece_scales(scales, slot, ROW0: gl.constexpr, COL0: gl.constexpr, ROW_CHUNKS: gl.constexpr,
+                  SCALE_BLOCKS: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
+    """The piece's rows' scales (activation × weight) in stage ``slot``."""
+    row = _scale_row(slot, COL0 // _SCALE_BLOCK, ROW0 // _PIECE_ROWS, SCALE_BLOCKS, ROW_CHUNKS)
+    return scales.index(row).load(ROWS)
 
 
 @gluon.jit
 def _math(
     a_bufs, b_bufs, scales, ready, empty, tile_done, tile_free, d_ptr, masked_m_ptr,
     E, M_MAX, N, K, num_workers, stride_de, stride_dm,
-    ROW0: gl.constexpr, COL0: gl.constexpr, PIECE_M: gl.constexpr, PIECE_N: gl.constexpr,
-    MMA_LAYOUT: gl.constexpr, STORE_LAYOUT: gl.constexpr,
+    ROW0: gl.constexpr, COL0: gl.constexpr, MMA_LAYOUT: gl.constexpr, STORE_LAYOUT: gl.constexpr,
 ):  # fmt: skip
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
@@ -258,16 +242,13 @@ def _math(
     ROW_CHUNKS: gl.constexpr = BLOCK_M // _PIECE_ROWS
     SCALE_BLOCKS: gl.constexpr = BLOCK_N // _SCALE_BLOCK
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA_LAYOUT)
-    gl.static_assert(PIECE_M == _PIECE_ROWS, "a math warpgroup's piece has 64 rows")
-    gl.static_assert(PIECE_N <= 2 * _SCALE_BLOCK, "at most two weight-scale blocks per piece")
     num_n_blocks = gl.cdiv(N, BLOCK_N)
     num_tiles = _num_tiles(masked_m_ptr, E, M_MAX, num_n_blocks, BLOCK_M)
     first = _first_tile(num_tiles, num_workers)
 
-    cols_in_piece = gl.arange(0, PIECE_N, layout=gl.SliceLayout(0, MMA_LAYOUT))
-    store_rows = gl.arange(0, PIECE_M, layout=gl.SliceLayout(1, STORE_LAYOUT))
-    store_cols = gl.arange(0, PIECE_N, layout=gl.SliceLayout(0, STORE_LAYOUT))
-    zero = gl.zeros([PIECE_M, PIECE_N], gl.float32, MMA_LAYOUT)
+    store_rows = gl.arange(0, _PIECE_ROWS, layout=gl.SliceLayout(1, STORE_LAYOUT))
+    store_cols = gl.arange(0, _PIECE_COLS, layout=gl.SliceLayout(0, STORE_LAYOUT))
+    zero = gl.zeros([_PIECE_ROWS, _PIECE_COLS], gl.float32, MMA_LAYOUT)
 
     e = 0
     before_e = 0
@@ -283,13 +264,13 @@ def _math(
         for _k in range(0, K, BLOCK_K):
             slot = step % NUM_STAGES
             mbarrier.wait(ready.index(slot), (step // NUM_STAGES) & 1)
-            scale_lo, scale_hi = _piece_scales(scales, slot, ROW0, COL0, PIECE_N, ROW_CHUNKS, SCALE_BLOCKS, ROWS)
-            a_piece = a_bufs.index(slot).slice(ROW0, PIECE_M)
-            b_piece = b_bufs.index(slot).slice(COL0, PIECE_N)
+            scale = _piece_scales(scales, slot, ROW0, COL0, ROW_CHUNKS, SCALE_BLOCKS, ROWS)
+            a_piece = a_bufs.index(slot).slice(ROW0, _PIECE_ROWS)
+            b_piece = b_bufs.index(slot).slice(COL0, _PIECE_COLS)
             part = warpgroup_mma(a_piece, b_piece.permute((1, 0)), zero, use_acc=False, is_async=True)
             part, a_piece, b_piece = warpgroup_mma_wait(num_outstanding=0, deps=(part, a_piece, b_piece))
             mbarrier.arrive(empty.index(slot), count=1)  # this partition is done with the stage
-            acc += part * _per_element(scale_lo, scale_hi, cols_in_piece, PIECE_N)
+            acc += part * gl.expand_dims(scale, 1)
             step += 1
 
         row0 = mb * BLOCK_M + ROW0
@@ -368,9 +349,7 @@ def _masked_grouped_gemm_ws_kernel(
     a_desc, b_desc, a_scale_ptr, b_scale_ptr, d_ptr, masked_m_ptr, signal_ptr,
     E, M_MAX, N, K, num_workers,
     stride_ase, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_de, stride_dm,
-    SIGNAL_MODE: gl.constexpr, NUM_STAGES: gl.constexpr,
-    MATH_PARTITIONS: gl.constexpr, ROW_STEP: gl.constexpr, COL_STEP: gl.constexpr,
-    PIECE_M: gl.constexpr, PIECE_N: gl.constexpr,
+    SIGNAL_MODE: gl.constexpr, NUM_STAGES: gl.constexpr, ROW_STEP: gl.constexpr, COL_STEP: gl.constexpr,
     MMA_LAYOUT: gl.constexpr, STORE_LAYOUT: gl.constexpr, MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):  # fmt: skip
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
@@ -389,65 +368,40 @@ def _masked_grouped_gemm_ws_kernel(
     tile_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=2)  # the producer's expect-tx arrive and its scales' arrive
-        mbarrier.init(empty.index(i), count=MATH_PARTITIONS)  # one arrive per math partition
+        mbarrier.init(empty.index(i), count=2)  # one arrive per math partition
     for i in gl.static_range(2):
-        mbarrier.init(tile_done.index(i), count=MATH_PARTITIONS)
+        mbarrier.init(tile_done.index(i), count=2)
         mbarrier.init(tile_free.index(i), count=1)
     # (Gluon takes the partitions' tuples only written out in place.)
-    if MATH_PARTITIONS == 2:
-        gl.warp_specialize(
-            [
-                (
-                    _math,
-                    (a_bufs, b_bufs, scales, ready, empty, tile_done, tile_free, d_ptr, masked_m_ptr,
-                     E, M_MAX, N, K, num_workers, stride_de, stride_dm,
-                     0, 0, PIECE_M, PIECE_N, MMA_LAYOUT, STORE_LAYOUT),
-                ),
-                (
-                    _math,
-                    (a_bufs, b_bufs, scales, ready, empty, tile_done, tile_free, d_ptr, masked_m_ptr,
-                     E, M_MAX, N, K, num_workers, stride_de, stride_dm,
-                     ROW_STEP, COL_STEP, PIECE_M, PIECE_N, MMA_LAYOUT, STORE_LAYOUT),
-                ),
-                (
-                    _producer,
-                    (a_desc, b_desc, a_bufs, b_bufs, scales, ready, empty,
-                     a_scale_ptr, b_scale_ptr, masked_m_ptr, E, M_MAX, N, K, num_workers,
-                     stride_ase, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk),
-                ),
-                (
-                    _signaller,
-                    (tile_done, tile_free, masked_m_ptr, signal_ptr, E, M_MAX, N, num_workers,
-                     BLOCK_M, BLOCK_N, SIGNAL_MODE),
-                ),
-            ],
-            [4, 1, 1],
-            [MATH_REGS, PRODUCER_REGS, PRODUCER_REGS],
-        )  # fmt: skip
-    else:
-        gl.warp_specialize(
-            [
-                (
-                    _math,
-                    (a_bufs, b_bufs, scales, ready, empty, tile_done, tile_free, d_ptr, masked_m_ptr,
-                     E, M_MAX, N, K, num_workers, stride_de, stride_dm,
-                     0, 0, PIECE_M, PIECE_N, MMA_LAYOUT, STORE_LAYOUT),
-                ),
-                (
-                    _producer,
-                    (a_desc, b_desc, a_bufs, b_bufs, scales, ready, empty,
-                     a_scale_ptr, b_scale_ptr, masked_m_ptr, E, M_MAX, N, K, num_workers,
-                     stride_ase, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk),
-                ),
-                (
-                    _signaller,
-                    (tile_done, tile_free, masked_m_ptr, signal_ptr, E, M_MAX, N, num_workers,
-                     BLOCK_M, BLOCK_N, SIGNAL_MODE),
-                ),
-            ],
-            [1, 1],
-            [PRODUCER_REGS, PRODUCER_REGS],
-        )  # fmt: skip
+    gl.warp_specialize(
+        [
+            (
+                _math,
+                (a_bufs, b_bufs, scales, ready, empty, tile_done, tile_free, d_ptr, masked_m_ptr,
+                 E, M_MAX, N, K, num_workers, stride_de, stride_dm,
+                 0, 0, MMA_LAYOUT, STORE_LAYOUT),
+            ),
+            (
+                _math,
+                (a_bufs, b_bufs, scales, ready, empty, tile_done, tile_free, d_ptr, masked_m_ptr,
+                 E, M_MAX, N, K, num_workers, stride_de, stride_dm,
+                 ROW_STEP, COL_STEP, MMA_LAYOUT, STORE_LAYOUT),
+            ),
+            (
+                _producer,
+                (a_desc, b_desc, a_bufs, b_bufs, scales, ready, empty,
+                 a_scale_ptr, b_scale_ptr, masked_m_ptr, E, M_MAX, N, K, num_workers,
+                 stride_ase, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk),
+            ),
+            (
+                _signaller,
+                (tile_done, tile_free, masked_m_ptr, signal_ptr, E, M_MAX, N, num_workers,
+                 BLOCK_M, BLOCK_N, SIGNAL_MODE),
+            ),
+        ],
+        [4, 1, 1],
+        [MATH_REGS, PRODUCER_REGS, PRODUCER_REGS],
+    )  # fmt: skip
 
 
 # %%
@@ -456,22 +410,14 @@ def _masked_grouped_gemm_ws_kernel(
 
 
 def _math_split(config: WsConfig) -> dict:
-    """How the tile is split over the math partitions, and their layouts (the kernel's constexprs)."""
-    if config.math_partitions == 1:  # one 8-warp partition: a wgmma over both warpgroups
-        warps = [4, 2]
-        split = {"ROW_STEP": 0, "COL_STEP": 0, "PIECE_M": config.block_m, "PIECE_N": config.block_n}
-    elif config.block_m == 128:  # a warpgroup per 64 rows
-        warps = [4, 1]
-        split = {"ROW_STEP": 64, "COL_STEP": 0, "PIECE_M": 64, "PIECE_N": config.block_n}
-    else:  # a warpgroup per half of the columns
-        warps = [4, 1]
-        split = {"ROW_STEP": 0, "COL_STEP": config.block_n // 2, "PIECE_M": 64, "PIECE_N": config.block_n // 2}
-    num_warps = warps[0] * warps[1]
-    # m16 × (columns per warp) × k32 per warp for FP8; the store: 8 bf16 = 16 bytes per thread.
-    instr_shape = [16, split["PIECE_N"] // warps[1], 32]
-    mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps, instr_shape=instr_shape)
-    store = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    return {**split, "MMA_LAYOUT": mma, "STORE_LAYOUT": store, "num_warps": num_warps}
+    """Where the second math partition's piece starts, and the layouts (the kernel's constexprs)."""
+    # A warpgroup per 64 rows of a 128×128 tile, or per 128 columns of a 64×256 one.
+    split = {"ROW_STEP": 64, "COL_STEP": 0} if config.block_m == 128 else {"ROW_STEP": 0, "COL_STEP": 128}
+    # A warpgroup's wgmma: m16 × 128 columns × k32 per warp for FP8, 4 warps down the 64 rows.
+    # The store: 8 bf16 = 16 bytes per thread.
+    mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
+    store = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    return {**split, "MMA_LAYOUT": mma, "STORE_LAYOUT": store, "num_warps": 4}
 
 
 def launch(
@@ -508,6 +454,6 @@ def launch(
         b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),
         out.stride(0), out.stride(1),
         SIGNAL_MODE=signal_mode, NUM_STAGES=config.num_stages,
-        MATH_PARTITIONS=config.math_partitions, MATH_REGS=config.math_regs, PRODUCER_REGS=config.producer_regs,
+        MATH_REGS=config.math_regs, PRODUCER_REGS=config.producer_regs,
         **_math_split(config),
     )  # fmt: skip

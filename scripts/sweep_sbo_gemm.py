@@ -55,9 +55,9 @@ def candidates(m: int, warp_specialized: bool) -> list[Config | sg.WsConfig]:
         found += [Config(block_m=128, block_n=128, num_stages=s, num_warps=8, **tma) for s in (3, 4, 5)]
         found += [Config(block_m=128, block_n=64, num_stages=s, num_warps=4, **tma) for s in (4, 6)]
     if warp_specialized:
-        found += [sg.WsConfig(64, 256, s, p) for p in (1, 2) for s in (3, 4)]
+        found += [sg.WsConfig(64, 256, s) for s in (3, 4)]
         if m > 32:
-            found += [sg.WsConfig(128, 128, s, 2) for s in (4, 5, 6)]
+            found += [sg.WsConfig(128, 128, s) for s in (4, 5, 6)]
     return list(dict.fromkeys(found))
 
 

@@ -394,15 +394,15 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-# (block_m, block_n, num_stages, math_partitions)
-WS_CONFIGS = [(64, 256, 4, 1), (64, 256, 4, 2), (128, 128, 5, 2)]
+# (block_m, block_n, num_stages)
+WS_CONFIGS = [(64, 256, 4), (64, 256, 3), (128, 128, 5)]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU (wgmma)")
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("tile", WS_CONFIGS, ids=lambda t: "{}x{}s{}p{}".format(*t))
+@pytest.mark.parametrize("tile", WS_CONFIGS, ids=lambda t: "{}x{}s{}".format(*t))
 @pytest.mark.parametrize("mode", [sg.SIGNAL_NONE, sg.SIGNAL_SGLANG, sg.SIGNAL_DEEPEP])
 def test_ws_fp8_masked_gemm(shape, mask, tile, mode):
     E, M_max, N, K = shape
@@ -433,7 +433,7 @@ def test_ws_fp8_masked_gemm(shape, mask, tile, mode):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU (wgmma)")
-@pytest.mark.parametrize("tile", WS_CONFIGS, ids=lambda t: "{}x{}s{}p{}".format(*t))
+@pytest.mark.parametrize("tile", WS_CONFIGS, ids=lambda t: "{}x{}s{}".format(*t))
 def test_ws_scales_spanning_ten_decades_and_zero(tile):
     """Scales from 1e-14 to 1e3 per element, changing every K step, and zero scales: the products
     the producer stages in shared memory must give each row its own relative accuracy."""
@@ -462,23 +462,21 @@ def test_ws_scales_spanning_ten_decades_and_zero(tile):
         assert err.max().item() < FP8_RTOL, f"expert {e}: a row's relative error is {err.max().item():.2e}"
 
 
-def test_ws_config_refuses_tiles_its_math_partitions_cannot_hold():
-    with pytest.raises(AssertionError, match="64x256 tile on 1 or 2 math partitions, or 128x128 on 2"):
-        sg.WsConfig(block_m=128, block_n=256, math_partitions=2)  # 128 accumulator + 128 product registers
-    with pytest.raises(AssertionError, match="or 128x128 on 2"):
-        sg.WsConfig(block_m=128, block_n=128, math_partitions=1)  # a warpgroup computes 64 rows
-    with pytest.raises(AssertionError, match="on 1 or 2 math partitions"):
-        sg.WsConfig(math_partitions=3)
+def test_ws_config_refuses_tiles_its_math_warpgroups_cannot_hold():
+    with pytest.raises(AssertionError, match="the tile is 64x256 or 128x128"):
+        sg.WsConfig(block_m=128, block_n=256)  # 128 accumulator + 128 product registers a thread
+    with pytest.raises(AssertionError, match="two 64x128 halves"):
+        sg.WsConfig(block_m=64, block_n=128)
 
 
 def test_ws_pick_by_rows_and_signal_layout():
-    """The measured choices (kernels/README.md): the 64x256 tile on two one-warpgroup partitions at
-    every m and signal layout; under sglang's max_block_n=160 the 128x128 one above 64 rows and the
-    Triton kernel's 128-column tiles below."""
+    """The measured choices (kernels/README.md): the 64x256 tile at every m and signal layout; under
+    sglang's max_block_n=160 the 128x128 one above 64 rows and the Triton kernel's 128-column tiles
+    below."""
     for m in (1, 8, 16, 32, 64, 128, 512):
         for mode in (sg.SIGNAL_NONE, sg.SIGNAL_SGLANG, sg.SIGNAL_DEEPEP):
-            assert sg.pick_config(m, signal_mode=mode, warp_specialized=True) == sg.WsConfig(64, 256, 4, 2)
-    assert sg.pick_config(128, max_block_n=160, warp_specialized=True) == sg.WsConfig(128, 128, 4, 2)
+            assert sg.pick_config(m, signal_mode=mode, warp_specialized=True) == sg.WsConfig(64, 256, 4)
+    assert sg.pick_config(128, max_block_n=160, warp_specialized=True) == sg.WsConfig(128, 128, 4)
     narrow = sg.pick_config(64, max_block_n=160, warp_specialized=True)
     assert isinstance(narrow, sg.GemmConfig) and narrow.block_n == 128
 
