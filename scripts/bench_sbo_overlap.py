@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import statistics
 import sys
@@ -44,7 +45,9 @@ CONSUMER_PROGRAMS = (3, 8)
 ITERS = 50
 
 
+@functools.cache
 def _cudart() -> ctypes.CDLL:
+    """The CUDA runtime, loaded once (peer access at start, then a peer copy per captured step)."""
     for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
         try:
             return ctypes.CDLL(name)
