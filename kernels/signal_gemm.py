@@ -387,8 +387,8 @@ class GemmConfig:
 @dataclasses.dataclass(frozen=True)
 class WsConfig:
     """A launch configuration of the warp-specialized Gluon kernel (``signal_gemm_ws.py``): FP8
-    only, no swap-AB; two math warpgroups (a 64×128 half of the tile each), a producer warp and a
-    signaller warp."""
+    only, no swap-AB; two math warpgroups (a 64-row or 128-column half of the tile each), a
+    producer warp and a signaller warp."""
 
     block_m: int = 64
     block_n: int = 256
@@ -396,10 +396,15 @@ class WsConfig:
     math_regs: int = 232  # registers per thread of the math warpgroups (setmaxnreg)
     producer_regs: int = 40  # per thread of the producer and the signaller warps
 
+    #: The tiles whose halves fit a math warpgroup's registers: a half's accumulator and its K
+    #: step's product, 64×128 (or 64×192 as a 128- and a 64-column wgmma) float32s.
+    TILES = ((64, 256), (128, 128), (128, 192))
+
     def __post_init__(self) -> None:
-        assert (self.block_m, self.block_n) in ((64, 256), (128, 128)), (
-            f"unsupported configuration {self}: the tile is 64x256 or 128x128, two 64x128 halves for the "
-            "two math warpgroups (a half's accumulator and its K step's product fill a thread's registers)"
+        assert (self.block_m, self.block_n) in self.TILES, (
+            f"unsupported configuration {self}: the tile is 64x256, 128x128 or 128x192, split in two "
+            "halves for the two math warpgroups (a half's accumulator and its K step's product fill a "
+            "thread's registers)"
         )
 
 

@@ -95,6 +95,23 @@ def _row_and_column_block(t, rows_e, BLOCK_M: gl.constexpr):
     return t % m_blocks, t // m_blocks
 
 
+@gluon.jit
+def _part_columns(nb, WIDE: gl.constexpr, NARROW: gl.constexpr):
+    """First columns of column-block nb's wide part (WIDE columns) and narrow part (NARROW = 64
+    columns, 192-wide tiles only). Each part must lie in one 128-wide weight-scale block per 128
+    columns, so that a row has one scale per part: a 192-wide tile starts on a block boundary when
+    nb is even (wide part first) and 64 columns into a block when nb is odd (narrow part first)."""
+    col0 = nb * (WIDE + NARROW)
+    wide = col0
+    narrow = col0
+    if NARROW > 0:
+        gl.static_assert(WIDE == _SCALE_BLOCK and NARROW == _SCALE_BLOCK // 2, "the split is 128 + 64 columns")
+        odd = nb % 2
+        wide = col0 + NARROW * odd
+        narrow = col0 + WIDE * (1 - odd)
+    return wide, narrow
+
+
 # %%
 # The producer: TMA loads and scales into the ring
 # ------------------------------------------------
@@ -114,12 +131,13 @@ def _scale_row(slot, block, chunk, SCALE_BLOCKS: gl.constexpr, ROW_CHUNKS: gl.co
 
 @gluon.jit
 def _load_scales(
-    a_scale_ptr, b_scale_ptr, e, row0, rows_e, col_block, ks, last_scale_block,
+    a_scale_ptr, b_scale_ptr, e, row0, rows_e, block_lo, block_hi, ks, last_scale_block,
     stride_ase, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
     ROW_CHUNKS: gl.constexpr, SCALE_BLOCKS: gl.constexpr, ROWS: gl.constexpr,
 ):  # fmt: skip
     """K step ks's activation scales of the tile's first and last 64 rows (0 past the expert's
-    rows) and its first and last weight scale (the same ones again for a 64-row or 128-column tile)."""
+    rows) and the weight scales of its weight-scale blocks ``block_lo`` and ``block_hi`` (the same
+    ones again for a 64-row tile or a 128-column one)."""
     rows = row0 + gl.arange(0, _PIECE_ROWS, layout=ROWS)
     sa_ptrs = a_scale_ptr + e * stride_ase + rows * stride_asm + ks * stride_ask
     sa_first = gl.load(sa_ptrs, mask=rows < rows_e, other=0.0)
@@ -127,10 +145,10 @@ def _load_scales(
     if ROW_CHUNKS > 1:
         sa_last = gl.load(sa_ptrs + _PIECE_ROWS * stride_asm, mask=rows + _PIECE_ROWS < rows_e, other=0.0)
     sb_row = b_scale_ptr + e * stride_bse + ks * stride_bsk
-    scale_lo = gl.load(sb_row + gl.minimum(col_block, last_scale_block) * stride_bsn)
+    scale_lo = gl.load(sb_row + gl.minimum(block_lo, last_scale_block) * stride_bsn)
     scale_hi = scale_lo
     if SCALE_BLOCKS > 1:
-        scale_hi = gl.load(sb_row + gl.minimum(col_block + 1, last_scale_block) * stride_bsn)
+        scale_hi = gl.load(sb_row + gl.minimum(block_hi, last_scale_block) * stride_bsn)
     return sa_first, sa_last, scale_lo, scale_hi
 
 
@@ -150,16 +168,21 @@ def _store_scales(
 
 @gluon.jit
 def _producer(
-    a_desc, b_desc, a_bufs, b_bufs, scales, ready, empty,
+    a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, scales, ready, empty,
     a_scale_ptr, b_scale_ptr, masked_m_ptr, E, M_MAX, N, K, num_workers,
     stride_ase, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
+    NARROW: gl.constexpr,
 ):  # fmt: skip
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    WIDE: gl.constexpr = b_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = WIDE + NARROW
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     ROW_CHUNKS: gl.constexpr = BLOCK_M // _PIECE_ROWS
-    SCALE_BLOCKS: gl.constexpr = BLOCK_N // _SCALE_BLOCK
+    SCALE_BLOCKS: gl.constexpr = (BLOCK_N + _SCALE_BLOCK - 1) // _SCALE_BLOCK  # weight-scale blocks a tile touches
+    A_BYTES: gl.constexpr = a_desc.block_type.nbytes
+    WIDE_BYTES: gl.constexpr = b_desc.block_type.nbytes
+    NARROW_BYTES: gl.constexpr = b2_desc.block_type.nbytes
     ROWS: gl.constexpr = gl.BlockedLayout([_PIECE_ROWS // 32], [32], [1], [0])  # the producer is one warp
     gl.static_assert(BLOCK_K == _SCALE_BLOCK, "one scale per row and weight block per K step")
     num_n_blocks = gl.cdiv(N, BLOCK_N)
@@ -179,6 +202,11 @@ def _producer(
             g, e, before_e, tiles_e, rows_e, masked_m_ptr, M_MAX, num_n_blocks, BLOCK_M
         )
         mb, nb = _row_and_column_block(g - before_e, rows_e, BLOCK_M)
+        wide_col, narrow_col = _part_columns(nb, WIDE, NARROW)
+        block_lo = wide_col // _SCALE_BLOCK
+        block_hi = block_lo + 1  # a 256-wide tile's second half
+        if NARROW > 0:
+            block_hi = narrow_col // _SCALE_BLOCK
         for k in range(0, K, BLOCK_K):
             slot = step % NUM_STAGES
             if step > 0:  # the previous step's scales, loaded an iteration ago
@@ -187,18 +215,31 @@ def _producer(
                 _barrier()  # every lane's stores before the elected arrive (a CTA-scope release)
                 mbarrier.arrive(ready.index(previous), count=1)
             sa_first, sa_last, scale_lo, scale_hi = _load_scales(
-                a_scale_ptr, b_scale_ptr, e, mb * BLOCK_M, rows_e, nb * BLOCK_N // _SCALE_BLOCK,
+                a_scale_ptr, b_scale_ptr, e, mb * BLOCK_M, rows_e, block_lo, block_hi,
                 k // _SCALE_BLOCK, last_scale_block,
                 stride_ase, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk,
                 ROW_CHUNKS, SCALE_BLOCKS, ROWS,
             )  # fmt: skip
             # mbarriers start in phase 1 complete: the first pass over the ring does not wait.
             mbarrier.wait(empty.index(slot), ((step // NUM_STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                a_desc, [e * M_MAX + mb * BLOCK_M, k], ready.index(slot), a_bufs.index(slot)
-            )
-            tma.async_copy_global_to_shared(b_desc, [e * N + nb * BLOCK_N, k], ready.index(slot), b_bufs.index(slot))
+            bar = ready.index(slot)
+            if NARROW == 0:
+                mbarrier.expect(bar, A_BYTES + WIDE_BYTES)
+                tma.async_copy_global_to_shared(b_desc, [e * N + wide_col, k], bar, b_bufs.index(slot))
+            else:
+                # A 192-wide tile's part past N is not loaded (it would read the next expert's
+                # weights, 1.7 % more bytes at N = 7168); the math runs the wgmma on whatever the
+                # buffer holds and never stores those columns. Exactly one expect arrives.
+                wide_in = wide_col < N
+                narrow_in = narrow_col < N
+                mbarrier.expect(bar, A_BYTES + WIDE_BYTES + NARROW_BYTES, pred=wide_in & narrow_in)
+                mbarrier.expect(bar, A_BYTES + NARROW_BYTES, pred=wide_col >= N)
+                mbarrier.expect(bar, A_BYTES + WIDE_BYTES, pred=narrow_col >= N)
+                tma.async_copy_global_to_shared(b_desc, [e * N + wide_col, k], bar, b_bufs.index(slot), pred=wide_in)
+                tma.async_copy_global_to_shared(
+                    b2_desc, [e * N + narrow_col, k], bar, b2_bufs.index(slot), pred=narrow_in
+                )
+            tma.async_copy_global_to_shared(a_desc, [e * M_MAX + mb * BLOCK_M, k], bar, a_bufs.index(slot))
             step += 1
     if step > 0:
         last = (step - 1) % NUM_STAGES
@@ -222,25 +263,28 @@ def _producer(
 
 
 @gluon.jit
-def _piece_scales(scales, slot, ROW0: gl.constexpr, COL0: gl.constexpr, ROW_CHUNKS: gl.constexpr,
+def _piece_scales(scales, slot, ROW0: gl.constexpr, BLOCK: gl.constexpr, ROW_CHUNKS: gl.constexpr,
                   SCALE_BLOCKS: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
-    """The piece's rows' scales (activation × weight) in stage ``slot``."""
-    row = _scale_row(slot, COL0 // _SCALE_BLOCK, ROW0 // _PIECE_ROWS, SCALE_BLOCKS, ROW_CHUNKS)
+    """The rows' scales (activation × weight) of the piece at ROW0 in the tile's weight-scale
+    block BLOCK (0 or 1), in stage ``slot``."""
+    row = _scale_row(slot, BLOCK, ROW0 // _PIECE_ROWS, SCALE_BLOCKS, ROW_CHUNKS)
     return scales.index(row).load(ROWS)
 
 
 @gluon.jit
 def _math(
-    a_bufs, b_bufs, scales, ready, empty, tile_done, tile_free, d_ptr, masked_m_ptr,
+    a_bufs, b_bufs, b2_bufs, scales, ready, empty, tile_done, tile_free, d_ptr, masked_m_ptr,
     E, M_MAX, N, K, num_workers, stride_de, stride_dm,
-    ROW0: gl.constexpr, COL0: gl.constexpr, MMA_LAYOUT: gl.constexpr, STORE_LAYOUT: gl.constexpr,
+    ROW0: gl.constexpr, COL0: gl.constexpr, NARROW: gl.constexpr,
+    MMA_LAYOUT: gl.constexpr, NARROW_MMA_LAYOUT: gl.constexpr, STORE_LAYOUT: gl.constexpr,
 ):  # fmt: skip
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    WIDE: gl.constexpr = b_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = WIDE + NARROW
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     ROW_CHUNKS: gl.constexpr = BLOCK_M // _PIECE_ROWS
-    SCALE_BLOCKS: gl.constexpr = BLOCK_N // _SCALE_BLOCK
+    SCALE_BLOCKS: gl.constexpr = (BLOCK_N + _SCALE_BLOCK - 1) // _SCALE_BLOCK
     ROWS: gl.constexpr = gl.SliceLayout(1, MMA_LAYOUT)
     num_n_blocks = gl.cdiv(N, BLOCK_N)
     num_tiles = _num_tiles(masked_m_ptr, E, M_MAX, num_n_blocks, BLOCK_M)
@@ -249,6 +293,10 @@ def _math(
     store_rows = gl.arange(0, _PIECE_ROWS, layout=gl.SliceLayout(1, STORE_LAYOUT))
     store_cols = gl.arange(0, _PIECE_COLS, layout=gl.SliceLayout(0, STORE_LAYOUT))
     zero = gl.zeros([_PIECE_ROWS, _PIECE_COLS], gl.float32, MMA_LAYOUT)
+    if NARROW > 0:  # a 192-wide tile's 64-column part: its own wgmma and accumulator
+        narrow_cols = gl.arange(0, NARROW, layout=gl.SliceLayout(0, STORE_LAYOUT))
+        zero_narrow = gl.zeros([_PIECE_ROWS, NARROW], gl.float32, NARROW_MMA_LAYOUT)
+        narrow_rows: gl.constexpr = gl.SliceLayout(1, NARROW_MMA_LAYOUT)
 
     e = 0
     before_e = 0
@@ -261,27 +309,45 @@ def _math(
         )
         mb, nb = _row_and_column_block(g - before_e, rows_e, BLOCK_M)
         acc = zero
+        if NARROW > 0:
+            acc_narrow = zero_narrow
         for _k in range(0, K, BLOCK_K):
             slot = step % NUM_STAGES
             mbarrier.wait(ready.index(slot), (step // NUM_STAGES) & 1)
-            scale = _piece_scales(scales, slot, ROW0, COL0, ROW_CHUNKS, SCALE_BLOCKS, ROWS)
+            scale = _piece_scales(scales, slot, ROW0, COL0 // _SCALE_BLOCK, ROW_CHUNKS, SCALE_BLOCKS, ROWS)
             a_piece = a_bufs.index(slot).slice(ROW0, _PIECE_ROWS)
             b_piece = b_bufs.index(slot).slice(COL0, _PIECE_COLS)
             part = warpgroup_mma(a_piece, b_piece.permute((1, 0)), zero, use_acc=False, is_async=True)
-            part, a_piece, b_piece = warpgroup_mma_wait(num_outstanding=0, deps=(part, a_piece, b_piece))
+            if NARROW > 0:
+                scale_narrow = _piece_scales(scales, slot, ROW0, 1, ROW_CHUNKS, SCALE_BLOCKS, narrow_rows)
+                b_narrow = b2_bufs.index(slot)
+                part_narrow = warpgroup_mma(
+                    a_piece, b_narrow.permute((1, 0)), zero_narrow, use_acc=False, is_async=True
+                )
+                part, part_narrow, a_piece, b_piece, b_narrow = warpgroup_mma_wait(
+                    num_outstanding=0, deps=(part, part_narrow, a_piece, b_piece, b_narrow)
+                )
+            else:
+                part, a_piece, b_piece = warpgroup_mma_wait(num_outstanding=0, deps=(part, a_piece, b_piece))
             mbarrier.arrive(empty.index(slot), count=1)  # this partition is done with the stage
             acc += part * gl.expand_dims(scale, 1)
+            if NARROW > 0:
+                acc_narrow += part_narrow * gl.expand_dims(scale_narrow, 1)
             step += 1
 
-        row0 = mb * BLOCK_M + ROW0
-        col0 = nb * BLOCK_N + COL0
+        wide_col, narrow_col = _part_columns(nb, WIDE, NARROW)
+        rows = mb * BLOCK_M + ROW0 + store_rows
+        row_ptrs = d_ptr + e * stride_de + gl.expand_dims(rows, 1) * stride_dm
+        row_in = gl.expand_dims(rows < rows_e, 1)
         # Through shared memory to 16-byte stores per thread: storing straight from the wgmma
         # layout (4 bytes a thread) measured up to 14 % slower (kernels/README.md).
+        cols = wide_col + COL0 + store_cols
         out = gl.convert_layout(acc.to(gl.bfloat16), STORE_LAYOUT)
-        rows = row0 + store_rows
-        cols = col0 + store_cols
-        d_ptrs = d_ptr + e * stride_de + gl.expand_dims(rows, 1) * stride_dm + gl.expand_dims(cols, 0)
-        gl.store(d_ptrs, out, mask=gl.expand_dims(rows < rows_e, 1) & gl.expand_dims(cols < N, 0))
+        gl.store(row_ptrs + gl.expand_dims(cols, 0), out, mask=row_in & gl.expand_dims(cols < N, 0))
+        if NARROW > 0:
+            cols = narrow_col + narrow_cols
+            out = gl.convert_layout(acc_narrow.to(gl.bfloat16), STORE_LAYOUT)
+            gl.store(row_ptrs + gl.expand_dims(cols, 0), out, mask=row_in & gl.expand_dims(cols < N, 0))
         # Hand the tile to the signaller: every thread's stores come before the elected arrive
         # (release at CTA scope; the signaller's wait acquires, then releases at GPU scope).
         # A slot is reused only once the signaller has freed it (a 2-tile ring).
@@ -346,17 +412,22 @@ def _signaller(
 
 @gluon.jit
 def _masked_grouped_gemm_ws_kernel(
-    a_desc, b_desc, a_scale_ptr, b_scale_ptr, d_ptr, masked_m_ptr, signal_ptr,
+    a_desc, b_desc, b2_desc, a_scale_ptr, b_scale_ptr, d_ptr, masked_m_ptr, signal_ptr,
     E, M_MAX, N, K, num_workers,
     stride_ase, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_de, stride_dm,
     SIGNAL_MODE: gl.constexpr, NUM_STAGES: gl.constexpr, ROW_STEP: gl.constexpr, COL_STEP: gl.constexpr,
-    MMA_LAYOUT: gl.constexpr, STORE_LAYOUT: gl.constexpr, MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    NARROW: gl.constexpr,  # columns of a tile's narrow part, loaded through b2_desc: 64 in a 192-wide tile, else 0
+    MMA_LAYOUT: gl.constexpr, NARROW_MMA_LAYOUT: gl.constexpr, STORE_LAYOUT: gl.constexpr,
+    MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):  # fmt: skip
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-    SCALE_BLOCKS: gl.constexpr = BLOCK_N // _SCALE_BLOCK  # weight-scale blocks per tile
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0] + NARROW
+    SCALE_BLOCKS: gl.constexpr = (BLOCK_N + _SCALE_BLOCK - 1) // _SCALE_BLOCK  # weight-scale blocks a tile touches
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)  # noqa: RUF005 (jit AST)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)  # noqa: RUF005
+    b2_bufs = b_bufs  # unused without a narrow part
+    if NARROW > 0:
+        b2_bufs = gl.allocate_shared_memory(b2_desc.dtype, [NUM_STAGES] + b2_desc.block_type.shape, b2_desc.layout)  # noqa: RUF005
     scales = gl.allocate_shared_memory(  # rows of 64 row scales: see _scale_row
         gl.float32,
         [NUM_STAGES * SCALE_BLOCKS * (BLOCK_M // _PIECE_ROWS), _PIECE_ROWS],
@@ -377,21 +448,21 @@ def _masked_grouped_gemm_ws_kernel(
         [
             (
                 _math,
-                (a_bufs, b_bufs, scales, ready, empty, tile_done, tile_free, d_ptr, masked_m_ptr,
+                (a_bufs, b_bufs, b2_bufs, scales, ready, empty, tile_done, tile_free, d_ptr, masked_m_ptr,
                  E, M_MAX, N, K, num_workers, stride_de, stride_dm,
-                 0, 0, MMA_LAYOUT, STORE_LAYOUT),
+                 0, 0, NARROW, MMA_LAYOUT, NARROW_MMA_LAYOUT, STORE_LAYOUT),
             ),
             (
                 _math,
-                (a_bufs, b_bufs, scales, ready, empty, tile_done, tile_free, d_ptr, masked_m_ptr,
+                (a_bufs, b_bufs, b2_bufs, scales, ready, empty, tile_done, tile_free, d_ptr, masked_m_ptr,
                  E, M_MAX, N, K, num_workers, stride_de, stride_dm,
-                 ROW_STEP, COL_STEP, MMA_LAYOUT, STORE_LAYOUT),
+                 ROW_STEP, COL_STEP, NARROW, MMA_LAYOUT, NARROW_MMA_LAYOUT, STORE_LAYOUT),
             ),
             (
                 _producer,
-                (a_desc, b_desc, a_bufs, b_bufs, scales, ready, empty,
+                (a_desc, b_desc, b2_desc, a_bufs, b_bufs, b2_bufs, scales, ready, empty,
                  a_scale_ptr, b_scale_ptr, masked_m_ptr, E, M_MAX, N, K, num_workers,
-                 stride_ase, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk),
+                 stride_ase, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, NARROW),
             ),
             (
                 _signaller,
@@ -409,15 +480,28 @@ def _masked_grouped_gemm_ws_kernel(
 # ------------
 
 
+def _wide_and_narrow(config: WsConfig) -> tuple[int, int]:
+    """A tile's columns as a wide part (one TMA box) and a narrow one (0, or 64 of a 192-wide tile)."""
+    return (128, 64) if config.block_n == 192 else (config.block_n, 0)
+
+
 def _math_split(config: WsConfig) -> dict:
     """Where the second math partition's piece starts, and the layouts (the kernel's constexprs)."""
-    # A warpgroup per 64 rows of a 128×128 tile, or per 128 columns of a 64×256 one.
+    # A warpgroup per 64 rows of a 128-row tile, or per 128 columns of a 64×256 one.
     split = {"ROW_STEP": 64, "COL_STEP": 0} if config.block_m == 128 else {"ROW_STEP": 0, "COL_STEP": 128}
-    # A warpgroup's wgmma: m16 × 128 columns × k32 per warp for FP8, 4 warps down the 64 rows.
-    # The store: 8 bf16 = 16 bytes per thread.
+    # A warpgroup's wgmma: m16 × 128 (or the narrow part's 64) columns × k32 per warp for FP8,
+    # 4 warps down the 64 rows. The store: 8 bf16 = 16 bytes per thread.
     mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
+    narrow = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
     store = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    return {**split, "MMA_LAYOUT": mma, "STORE_LAYOUT": store, "num_warps": 4}
+    return {
+        **split,
+        "NARROW": _wide_and_narrow(config)[1],
+        "MMA_LAYOUT": mma,
+        "NARROW_MMA_LAYOUT": narrow,
+        "STORE_LAYOUT": store,
+        "num_warps": 4,
+    }
 
 
 def launch(
@@ -441,14 +525,20 @@ def launch(
     N = b.shape[1]
     assert a.is_contiguous() and b.is_contiguous(), "TMA needs contiguous A and B"
     assert out.stride(2) == 1, "D must be contiguous along N"
-    a_layout = gl.NVMMASharedLayout.get_default_for([config.block_m, SCALE_BLOCK], gl.float8e4nv)
-    b_layout = gl.NVMMASharedLayout.get_default_for([config.block_n, SCALE_BLOCK], gl.float8e4nv)
-    a_desc = TensorDescriptor.from_tensor(a.view(E * M_max, K), [config.block_m, SCALE_BLOCK], a_layout)
-    b_desc = TensorDescriptor.from_tensor(b.view(E * N, K), [config.block_n, SCALE_BLOCK], b_layout)
+
+    def descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:
+        """TMA boxes of rows × one K step (128 FP8 bytes, so the 128-byte swizzle)."""
+        layout = gl.NVMMASharedLayout.get_default_for([rows, SCALE_BLOCK], gl.float8e4nv)
+        return TensorDescriptor.from_tensor(x.view(-1, K), [rows, SCALE_BLOCK], layout)
+
+    wide, narrow = _wide_and_narrow(config)
+    a_desc = descriptor(a, config.block_m)
+    b_desc = descriptor(b, wide)
+    b2_desc = descriptor(b, narrow) if narrow else b_desc
     tiles = E * triton.cdiv(min(expected_m, M_max), config.block_m) * triton.cdiv(N, config.block_n)
     num_workers = triton.cdiv(tiles, triton.cdiv(tiles, num_programs)) if tiles else num_programs
     _masked_grouped_gemm_ws_kernel[(num_programs,)](
-        a_desc, b_desc, a_scale, b_scale, out, masked_m, signal,
+        a_desc, b_desc, b2_desc, a_scale, b_scale, out, masked_m, signal,
         E, M_max, N, K, num_workers,
         a_scale.stride(0), a_scale.stride(1), a_scale.stride(2),
         b_scale.stride(0), b_scale.stride(1), b_scale.stride(2),

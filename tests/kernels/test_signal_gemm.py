@@ -395,7 +395,9 @@ def _hopper() -> bool:
 
 
 # (block_m, block_n, num_stages)
-WS_CONFIGS = [(64, 256, 4), (64, 256, 3), (128, 128, 5)]
+# 128x192 covers the split tile (a 128- and a 64-column part, in either order), and with N = 7168,
+# 200 and 512 a last tile whose wide or narrow part lies past N.
+WS_CONFIGS = [(64, 256, 4), (64, 256, 3), (128, 128, 5), (128, 192, 4)]
 
 
 @pytest.mark.gpu
@@ -463,10 +465,12 @@ def test_ws_scales_spanning_ten_decades_and_zero(tile):
 
 
 def test_ws_config_refuses_tiles_its_math_warpgroups_cannot_hold():
-    with pytest.raises(AssertionError, match="the tile is 64x256 or 128x128"):
+    with pytest.raises(AssertionError, match="the tile is 64x256, 128x128 or 128x192"):
         sg.WsConfig(block_m=128, block_n=256)  # 128 accumulator + 128 product registers a thread
-    with pytest.raises(AssertionError, match="two 64x128 halves"):
+    with pytest.raises(AssertionError, match="split in two halves"):
         sg.WsConfig(block_m=64, block_n=128)
+    with pytest.raises(AssertionError, match="unsupported configuration"):
+        sg.WsConfig(block_m=64, block_n=192)
 
 
 def test_ws_pick_by_rows_and_signal_layout():
