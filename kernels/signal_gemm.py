@@ -388,19 +388,25 @@ class GemmConfig:
 class WsConfig:
     """A launch configuration of the warp-specialized Gluon kernel (``signal_gemm_ws.py``): FP8
     only, no swap-AB; two math warpgroups (a 64-row or 128-column half of the tile each), a
-    producer warp and a signaller warp."""
+    producer warp and storer warps (the tile out to D, then its signal)."""
 
     block_m: int = 64
     block_n: int = 256
     num_stages: int = 4
     math_regs: int = 232  # registers per thread of the math warpgroups (setmaxnreg)
-    producer_regs: int = 40  # per thread of the producer and the signaller warps
+    producer_regs: int = 40  # per thread of the producer warp
+    storer_warps: int = 2  # warps that copy finished tiles out and release their signals
+    storer_regs: int = 40  # per thread of the storer warps
 
     #: The tiles whose halves fit a math warpgroup's registers: a half's accumulator and its K
     #: step's product, 64×128 (or 64×192 as a 128- and a 64-column wgmma) float32s.
     TILES = ((64, 256), (128, 128), (128, 192))
 
     def __post_init__(self) -> None:
+        registers = 256 * self.math_regs + 32 * self.producer_regs + 32 * self.storer_warps * self.storer_regs
+        assert registers <= 65536, (
+            f"{self} needs {registers} registers, more than an SM's 65536: lower storer_warps or the per-thread counts"
+        )
         assert (self.block_m, self.block_n) in self.TILES, (
             f"unsupported configuration {self}: the tile is 64x256, 128x128 or 128x192, split in two "
             "halves for the two math warpgroups (a half's accumulator and its K step's product fill a "
@@ -421,13 +427,15 @@ _TUNED: dict[int, GemmConfig] = {
 #: sglang's row-block signals: its buffer holds one counter per 64 rows, so the tile keeps 64 rows.
 _TUNED_ROW_BLOCKS: dict[int, GemmConfig] = {64: _TUNED[64]}
 #: FP8 on sm_90: the warp-specialized kernel, whose loads never wait for the math, at every m.
-#: The 64×256 tile measured within 2 % of the best configuration at every shape and ahead of
-#: every Triton tile, swap-AB included (kernels/README.md, scripts/sweep_sbo_gemm.py).
+#: Up to 64 rows the 64×256 tile: within 2 % of the best configuration and ahead of every Triton
+#: tile, swap-AB included. Above, 128×192: each weight tile is read once, and 1.5× the outputs of
+#: 128×128 per activation tile loaded (kernels/README.md, scripts/sweep_sbo_gemm.py).
 _WS = WsConfig(block_m=64, block_n=256, num_stages=4)
-#: Under a ``max_block_n`` below 256 (sglang passes 160 or 256), 128 columns: above 64 rows the
+_WS_TALL = WsConfig(block_m=128, block_n=192, num_stages=4)
+_WS_TALL_ABOVE_ROWS = 64
+#: Under a ``max_block_n`` below 192 (sglang passes 160 or 256), 128 columns: above 64 rows the
 #: Gluon kernel's 128×128 tile, below it the Triton tables.
 _WS_NARROW = WsConfig(block_m=128, block_n=128, num_stages=4)
-_WS_NARROW_ABOVE_ROWS = 64
 
 
 def pick_config(
@@ -437,10 +445,12 @@ def pick_config(
     ``block_n <= max_block_n``; with ``warp_specialized`` (FP8 on an sm_90 GPU with Gluon: see
     ``ws_usable``) the Gluon kernel's. The Triton kernel releases signals through the inline-PTX
     block: Triton's own atomic in the flattened loop costs 120 % (kernels/README.md)."""
+    if warp_specialized and expected_m > _WS_TALL_ABOVE_ROWS:
+        for config in (_WS_TALL, _WS_NARROW):
+            if config.block_n <= max_block_n:
+                return config
     if warp_specialized and _WS.block_n <= max_block_n:
         return _WS
-    if warp_specialized and expected_m > _WS_NARROW_ABOVE_ROWS and _WS_NARROW.block_n <= max_block_n:
-        return _WS_NARROW
     table = _TUNED_ROW_BLOCKS if signal_mode == SIGNAL_SGLANG else _TUNED
     config = table[min((k for k in table if k >= expected_m), default=max(table))]
     if signal_mode != SIGNAL_NONE:

@@ -1,6 +1,6 @@
 """
-The signal down GEMM, warp-specialized, in Gluon: a producer warp for the loads, math partitions, a signaller warp
-=================================================================================================================
+The signal down GEMM, warp-specialized, in Gluon: a producer warp for the loads, math partitions, storer warps
+=============================================================================================================
 
 ``signal_gemm.py`` computes the same thing in Triton. There, every warp waits for its K step's
 wgmma, scales the partial product, and only then issues the TMA load that refills the stage, so
@@ -11,15 +11,17 @@ on sm_90, but Gluon (``triton.experimental.gluon``, shipped with Triton 3.6) can
   shared-memory stages, each guarded by a ``ready`` and an ``empty`` mbarrier: the TMA loads of A
   and B, and the K step's FP8 scales (activation × weight, per row);
 * the **math** (two partitions of one warpgroup each, a half tile each) waits on ``ready``, runs
-  the wgmma, hands the stage back on ``empty`` as soon as the wgmma is done, applies the scales
-  and stores its half of the tile;
-* the **signaller** (one warp) waits until every math partition has stored a tile and releases
-  its completion signal, so the GPU-scope release never stalls a math warp.
+  the wgmma, hands the stage back on ``empty`` as soon as the wgmma is done, applies the scales,
+  and leaves its half of the finished tile in shared memory;
+* the **storer** (two warps) copies each finished tile out to D, only the rows below
+  ``masked_m``, and releases its completion signal, so neither the global stores nor the
+  GPU-scope release stall a math warp.
 
-The loads therefore run ``NUM_STAGES`` steps ahead of the math whatever the math costs, and the
-math warps issue no global load at all. Same
-arguments, tile order, scale recipe and signal layouts as the Triton kernel (FP8 only, no swap-AB);
-``signal_gemm.masked_grouped_gemm`` launches it when its config is a ``WsConfig``.
+The loads therefore run ``NUM_STAGES`` steps ahead of the math whatever the math costs, the math
+warps issue no global memory access at all, and the tensor cores start the next tile while the
+last one is written. Same arguments, tile order, scale recipe and signal layouts as the Triton
+kernel (FP8 only, no swap-AB); ``signal_gemm.masked_grouped_gemm`` launches it when its config is
+a ``WsConfig``.
 """
 
 from __future__ import annotations
@@ -249,17 +251,19 @@ def _producer(
 
 
 # %%
-# The math: wgmma, scales, stores
-# -------------------------------
+# The math: wgmma and scales
+# --------------------------
 # Each of the two math partitions (a warpgroup each) owns a 64×128 piece of every tile: the rows
 # ROW0.. of a 128×128 tile, or the columns COL0.. of a 64×256 one, so a piece lies in one 128-wide
-# weight-scale block and its scale is one number per row. The partitions have barriers over their
-# own 128 threads only, so they run out of phase: while one scales its product, the tensor cores
-# run the other's wgmma. (One 8-warp partition over the 64×256 tile, both warpgroups in lockstep,
-# measured from 1.5 % faster to 10 % slower, the latter at 128 rows; kernels/README.md.) Each K
-# step's product is scaled into a float32 accumulator in the registers: the tensor cores keep only
-# about 14 bits when they add FP8 products, so letting them accumulate across K steps loses
-# accuracy (measured: 3.5e-2 relative error on all-positive data against 1.9e-3, kernels/README.md).
+# weight-scale block and its scale is one number per row. Of a 128×192 tile a partition owns 64
+# rows: a 64×128 piece and a 64×64 one (see _part_columns), each with its own wgmma and scale.
+# The partitions have barriers over their own 128 threads only, so they run out of phase: while
+# one scales its product, the tensor cores run the other's wgmma. (One 8-warp partition over the
+# 64×256 tile, both warpgroups in lockstep, measured from 1.5 % faster to 10 % slower, the latter
+# at 128 rows; kernels/README.md.) Each K step's product is scaled into a float32 accumulator in
+# the registers: the tensor cores keep only about 14 bits when they add FP8 products, so letting
+# them accumulate across K steps loses accuracy (measured: 3.5e-2 relative error on all-positive
+# data against 1.9e-3, kernels/README.md).
 
 
 @gluon.jit
@@ -273,10 +277,10 @@ def _piece_scales(scales, slot, ROW0: gl.constexpr, BLOCK: gl.constexpr, ROW_CHU
 
 @gluon.jit
 def _math(
-    a_bufs, b_bufs, b2_bufs, scales, ready, empty, tile_done, tile_free, d_ptr, masked_m_ptr,
-    E, M_MAX, N, K, num_workers, stride_de, stride_dm,
+    a_bufs, b_bufs, b2_bufs, scales, out_wide, out_narrow, ready, empty, tile_done, tile_free, masked_m_ptr,
+    E, M_MAX, N, K, num_workers,
     ROW0: gl.constexpr, COL0: gl.constexpr, NARROW: gl.constexpr,
-    MMA_LAYOUT: gl.constexpr, NARROW_MMA_LAYOUT: gl.constexpr, STORE_LAYOUT: gl.constexpr,
+    MMA_LAYOUT: gl.constexpr, NARROW_MMA_LAYOUT: gl.constexpr,
 ):  # fmt: skip
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     WIDE: gl.constexpr = b_bufs.type.shape[1]
@@ -290,24 +294,16 @@ def _math(
     num_tiles = _num_tiles(masked_m_ptr, E, M_MAX, num_n_blocks, BLOCK_M)
     first = _first_tile(num_tiles, num_workers)
 
-    store_rows = gl.arange(0, _PIECE_ROWS, layout=gl.SliceLayout(1, STORE_LAYOUT))
-    store_cols = gl.arange(0, _PIECE_COLS, layout=gl.SliceLayout(0, STORE_LAYOUT))
+    PIECE: gl.constexpr = ROW0 // _PIECE_ROWS + COL0 // _PIECE_COLS  # this partition's index, 0 or 1
     zero = gl.zeros([_PIECE_ROWS, _PIECE_COLS], gl.float32, MMA_LAYOUT)
     if NARROW > 0:  # a 192-wide tile's 64-column part: its own wgmma and accumulator
-        narrow_cols = gl.arange(0, NARROW, layout=gl.SliceLayout(0, STORE_LAYOUT))
         zero_narrow = gl.zeros([_PIECE_ROWS, NARROW], gl.float32, NARROW_MMA_LAYOUT)
         narrow_rows: gl.constexpr = gl.SliceLayout(1, NARROW_MMA_LAYOUT)
 
-    e = 0
-    before_e = 0
-    tiles_e, rows_e = _expert_tiles(masked_m_ptr, 0, M_MAX, num_n_blocks, BLOCK_M)
+    # Where a tile lies is the producer's and the storer's business: the math only counts them.
     step = 0  # K steps done: the ring slot is step % NUM_STAGES
-    done = 0  # tiles done: the tile_done slot is done % 2
-    for g in range(first, num_tiles, num_workers):
-        e, before_e, tiles_e, rows_e = _advance(
-            g, e, before_e, tiles_e, rows_e, masked_m_ptr, M_MAX, num_n_blocks, BLOCK_M
-        )
-        mb, nb = _row_and_column_block(g - before_e, rows_e, BLOCK_M)
+    done = 0  # tiles done: the phase of tile_done and tile_free
+    for _g in range(first, num_tiles, num_workers):
         acc = zero
         if NARROW > 0:
             acc_narrow = zero_narrow
@@ -335,40 +331,54 @@ def _math(
                 acc_narrow += part_narrow * gl.expand_dims(scale_narrow, 1)
             step += 1
 
-        wide_col, narrow_col = _part_columns(nb, WIDE, NARROW)
-        rows = mb * BLOCK_M + ROW0 + store_rows
-        row_ptrs = d_ptr + e * stride_de + gl.expand_dims(rows, 1) * stride_dm
-        row_in = gl.expand_dims(rows < rows_e, 1)
-        # Through shared memory to 16-byte stores per thread: storing straight from the wgmma
-        # layout (4 bytes a thread) measured up to 14 % slower (kernels/README.md).
-        cols = wide_col + COL0 + store_cols
-        out = gl.convert_layout(acc.to(gl.bfloat16), STORE_LAYOUT)
-        gl.store(row_ptrs + gl.expand_dims(cols, 0), out, mask=row_in & gl.expand_dims(cols < N, 0))
+        # Hand the tile to the storer through shared memory once it has written out the previous
+        # one; every thread's shared stores come before the elected arrive (a CTA-scope release).
+        mbarrier.wait(tile_free, (done & 1) ^ 1)
+        out_wide.index(PIECE).store(acc.to(gl.bfloat16))
         if NARROW > 0:
-            cols = narrow_col + narrow_cols
-            out = gl.convert_layout(acc_narrow.to(gl.bfloat16), STORE_LAYOUT)
-            gl.store(row_ptrs + gl.expand_dims(cols, 0), out, mask=row_in & gl.expand_dims(cols < N, 0))
-        # Hand the tile to the signaller: every thread's stores come before the elected arrive
-        # (release at CTA scope; the signaller's wait acquires, then releases at GPU scope).
-        # A slot is reused only once the signaller has freed it (a 2-tile ring).
-        mbarrier.wait(tile_free.index(done % 2), ((done // 2) & 1) ^ 1)
+            out_narrow.index(PIECE).store(acc_narrow.to(gl.bfloat16))
         _barrier()
-        mbarrier.arrive(tile_done.index(done % 2), count=1)
+        mbarrier.arrive(tile_done, count=1)
         done += 1  # noqa: SIM113 (no enumerate in Gluon)
 
 
 # %%
-# The signaller: completion signals, off the math warps
-# ------------------------------------------------------
-# A releasing atomic at GPU scope waits until the tile's stores are visible GPU-wide (about a
-# microsecond); here one warp pays it, while the math warpgroups go on with the next tile.
+# The storer: the tile out to global memory, then its completion signal
+# ----------------------------------------------------------------------
+# The math warps leave the finished tile in shared memory and go on with the next one; the storer
+# warps copy it out, only the rows below masked_m, in 16-byte stores. (With the math warps storing
+# it themselves, through a layout conversion in shared memory, the tensor cores idled for the
+# whole epilogue: the storer made the 128×192 tile 2.5–6.7 % faster at 96 and 128 rows,
+# kernels/README.md.) A releasing atomic at GPU scope then waits until the stores are visible
+# GPU-wide (about a microsecond); the storer pays that too.
 
 
 @gluon.jit
-def _signaller(
-    tile_done, tile_free, masked_m_ptr, signal_ptr, E, M_MAX, N, num_workers,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SIGNAL_MODE: gl.constexpr,
+def _store_piece(piece, d_tile, row0, col0, rows_e, N, stride_dm, LAYOUT: gl.constexpr):
+    """Copy a piece (rows × columns in shared memory) to D's rows row0.. and columns col0..; row
+    chunks at or past the expert's rows are not even read."""
+    CHUNK: gl.constexpr = LAYOUT.size_per_thread[0] * LAYOUT.threads_per_warp[0] * LAYOUT.warps_per_cta[0]
+    ROWS: gl.constexpr = piece.type.shape[0]
+    COLS: gl.constexpr = piece.type.shape[1]
+    rows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, LAYOUT))
+    cols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, LAYOUT))
+    col_in = gl.expand_dims(cols < N, 0)
+    for r in gl.static_range(0, ROWS, CHUNK):
+        if row0 + r < rows_e:
+            values = piece.slice(r, CHUNK).load(LAYOUT)
+            ptrs = d_tile + gl.expand_dims(row0 + r + rows, 1) * stride_dm + gl.expand_dims(cols, 0)
+            gl.store(ptrs, values, mask=gl.expand_dims(row0 + r + rows < rows_e, 1) & col_in)
+
+
+@gluon.jit
+def _storer(
+    out_wide, out_narrow, tile_done, tile_free, d_ptr, masked_m_ptr, signal_ptr,
+    E, M_MAX, N, num_workers, stride_de, stride_dm,
+    BLOCK_M: gl.constexpr, ROW_STEP: gl.constexpr, COL_STEP: gl.constexpr, NARROW: gl.constexpr,
+    SIGNAL_MODE: gl.constexpr, WIDE_LAYOUT: gl.constexpr, NARROW_LAYOUT: gl.constexpr,
 ):  # fmt: skip
+    WIDE: gl.constexpr = out_wide.type.shape[2] + COL_STEP
+    BLOCK_N: gl.constexpr = WIDE + NARROW
     num_n_blocks = gl.cdiv(N, BLOCK_N)
     num_tiles = _num_tiles(masked_m_ptr, E, M_MAX, num_n_blocks, BLOCK_M)
     first = _first_tile(num_tiles, num_workers)
@@ -399,14 +409,22 @@ def _signaller(
                 next_e, _, _, _ = _advance(
                     g + num_workers, e, before_e, tiles_e, rows_e, masked_m_ptr, M_MAX, num_n_blocks, BLOCK_M
                 )
-        mbarrier.wait(tile_done.index(done % 2), (done // 2) & 1)  # every math partition stored the tile
+        mb, nb = _row_and_column_block(g - before_e, rows_e, BLOCK_M)
+        wide_col, narrow_col = _part_columns(nb, WIDE, NARROW)
+        d_tile = d_ptr + e * stride_de
+        mbarrier.wait(tile_done, done & 1)  # both math partitions left their pieces
+        for p in gl.static_range(2):
+            row0 = mb * BLOCK_M + p * ROW_STEP
+            _store_piece(out_wide.index(p), d_tile, row0, wide_col + p * COL_STEP, rows_e, N, stride_dm, WIDE_LAYOUT)
+            if NARROW > 0:
+                _store_piece(out_narrow.index(p), d_tile, row0, narrow_col, rows_e, N, stride_dm, NARROW_LAYOUT)
+        _barrier()  # every storer thread's stores before the one releasing atomic
         if SIGNAL_MODE == 1:
-            mb, _ = _row_and_column_block(g - before_e, rows_e, BLOCK_M)
             gl.atomic_add(signal_ptr + e * num_m_blocks_max + mb, 1, sem="release", scope="gpu")
         if SIGNAL_MODE == 2:  # noqa: SIM102 (a compile-time and a run-time condition)
             if next_e > e:  # done with expert e: release its tiles
                 gl.atomic_add(signal_ptr + e, 1, sem="release", scope="gpu")
-        mbarrier.arrive(tile_free.index(done % 2), count=1)
+        mbarrier.arrive(tile_free, count=1)  # the math may overwrite the pieces
         done += 1  # noqa: SIM113
 
 
@@ -417,8 +435,9 @@ def _masked_grouped_gemm_ws_kernel(
     stride_ase, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_de, stride_dm,
     SIGNAL_MODE: gl.constexpr, NUM_STAGES: gl.constexpr, ROW_STEP: gl.constexpr, COL_STEP: gl.constexpr,
     NARROW: gl.constexpr,  # columns of a tile's narrow part, loaded through b2_desc: 64 in a 192-wide tile, else 0
-    MMA_LAYOUT: gl.constexpr, NARROW_MMA_LAYOUT: gl.constexpr, STORE_LAYOUT: gl.constexpr,
-    MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    MMA_LAYOUT: gl.constexpr, NARROW_MMA_LAYOUT: gl.constexpr, OUT_LAYOUT: gl.constexpr,
+    NARROW_OUT_LAYOUT: gl.constexpr, WIDE_STORE_LAYOUT: gl.constexpr, NARROW_STORE_LAYOUT: gl.constexpr,
+    MATH_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, STORER_REGS: gl.constexpr, STORER_WARPS: gl.constexpr,
 ):  # fmt: skip
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0] + NARROW
@@ -435,28 +454,33 @@ def _masked_grouped_gemm_ws_kernel(
     )
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    tile_done = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    tile_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # The finished tile, a piece per math partition (one tile: the math writes the next one long
+    # after the storer has emptied this one).
+    out_wide = gl.allocate_shared_memory(gl.bfloat16, [2, _PIECE_ROWS, _PIECE_COLS], OUT_LAYOUT)
+    out_narrow = out_wide  # unused without a narrow part
+    if NARROW > 0:
+        out_narrow = gl.allocate_shared_memory(gl.bfloat16, [2, _PIECE_ROWS, NARROW], NARROW_OUT_LAYOUT)
+    tile_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    tile_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=2)  # the producer's expect-tx arrive and its scales' arrive
         mbarrier.init(empty.index(i), count=2)  # one arrive per math partition
-    for i in gl.static_range(2):
-        mbarrier.init(tile_done.index(i), count=2)
-        mbarrier.init(tile_free.index(i), count=1)
+    mbarrier.init(tile_done, count=2)  # one arrive per math partition
+    mbarrier.init(tile_free, count=1)
     # (Gluon takes the partitions' tuples only written out in place.)
     gl.warp_specialize(
         [
             (
                 _math,
-                (a_bufs, b_bufs, b2_bufs, scales, ready, empty, tile_done, tile_free, d_ptr, masked_m_ptr,
-                 E, M_MAX, N, K, num_workers, stride_de, stride_dm,
-                 0, 0, NARROW, MMA_LAYOUT, NARROW_MMA_LAYOUT, STORE_LAYOUT),
+                (a_bufs, b_bufs, b2_bufs, scales, out_wide, out_narrow, ready, empty, tile_done, tile_free,
+                 masked_m_ptr, E, M_MAX, N, K, num_workers,
+                 0, 0, NARROW, MMA_LAYOUT, NARROW_MMA_LAYOUT),
             ),
             (
                 _math,
-                (a_bufs, b_bufs, b2_bufs, scales, ready, empty, tile_done, tile_free, d_ptr, masked_m_ptr,
-                 E, M_MAX, N, K, num_workers, stride_de, stride_dm,
-                 ROW_STEP, COL_STEP, NARROW, MMA_LAYOUT, NARROW_MMA_LAYOUT, STORE_LAYOUT),
+                (a_bufs, b_bufs, b2_bufs, scales, out_wide, out_narrow, ready, empty, tile_done, tile_free,
+                 masked_m_ptr, E, M_MAX, N, K, num_workers,
+                 ROW_STEP, COL_STEP, NARROW, MMA_LAYOUT, NARROW_MMA_LAYOUT),
             ),
             (
                 _producer,
@@ -465,13 +489,14 @@ def _masked_grouped_gemm_ws_kernel(
                  stride_ase, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, NARROW),
             ),
             (
-                _signaller,
-                (tile_done, tile_free, masked_m_ptr, signal_ptr, E, M_MAX, N, num_workers,
-                 BLOCK_M, BLOCK_N, SIGNAL_MODE),
+                _storer,
+                (out_wide, out_narrow, tile_done, tile_free, d_ptr, masked_m_ptr, signal_ptr,
+                 E, M_MAX, N, num_workers, stride_de, stride_dm,
+                 BLOCK_M, ROW_STEP, COL_STEP, NARROW, SIGNAL_MODE, WIDE_STORE_LAYOUT, NARROW_STORE_LAYOUT),
             ),
         ],
-        [4, 1, 1],
-        [MATH_REGS, PRODUCER_REGS, PRODUCER_REGS],
+        [4, 1, STORER_WARPS],
+        [MATH_REGS, PRODUCER_REGS, STORER_REGS],
     )  # fmt: skip
 
 
@@ -493,13 +518,22 @@ def _math_split(config: WsConfig) -> dict:
     # 4 warps down the 64 rows. The store: 8 bf16 = 16 bytes per thread.
     mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     narrow = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
-    store = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    warps = config.storer_warps
     return {
         **split,
         "NARROW": _wide_and_narrow(config)[1],
         "MMA_LAYOUT": mma,
         "NARROW_MMA_LAYOUT": narrow,
-        "STORE_LAYOUT": store,
+        # The finished pieces in shared memory, swizzled as wgmma operands are (bank-conflict free
+        # for the math's writes and the storer's 16-byte reads).
+        "OUT_LAYOUT": gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16),
+        "NARROW_OUT_LAYOUT": gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16),
+        # The storer's passes: rows of 8 bf16 = 16 bytes a thread, over 8 rows at least (the
+        # swizzle pattern's height, which a slice of the pieces must not split).
+        "WIDE_STORE_LAYOUT": gl.BlockedLayout([max(1, 4 // warps), 8], [2, 16], [warps, 1], [1, 0]),
+        "NARROW_STORE_LAYOUT": gl.BlockedLayout([max(1, 2 // warps), 8], [4, 8], [warps, 1], [1, 0]),
+        "STORER_WARPS": warps,
+        "STORER_REGS": config.storer_regs,
         "num_warps": 4,
     }
 

@@ -252,8 +252,8 @@ def test_signal_ordering_with_polling_consumer(layout):
     def pick(m: int, max_block_n: int) -> sg.GemmConfig | sg.WsConfig:  # what the entry point picks here
         return sg.pick_config(m, max_block_n, signal_mode=mode, warp_specialized=sg.ws_usable(0))
 
-    # sglang passes max_block_n 160 or 256: on sm_90 the Gluon 64x256 tile, or the Gluon 128x128 tile
-    # above 64 rows and the Triton kernel's tiles below.
+    # sglang passes max_block_n 160 or 256: on sm_90 the Gluon 64x256 tile up to 64 rows and 128x192
+    # above, or under 160 the Gluon 128x128 tile above 64 rows and the Triton kernel's tiles below.
     for cfg in {pick(m, cap) for m in (1, 17, 64, 128, M_max) for cap in (160, 256)}:
         warm = torch.zeros(E * -(-M_max // cfg.block_m), dtype=torch.int32, device="cuda")
         full = torch.full((E,), M_max, dtype=torch.int32, device="cuda")
@@ -397,7 +397,7 @@ def _hopper() -> bool:
 # (block_m, block_n, num_stages)
 # 128x192 covers the split tile (a 128- and a 64-column part, in either order), and with N = 7168,
 # 200 and 512 a last tile whose wide or narrow part lies past N.
-WS_CONFIGS = [(64, 256, 4), (64, 256, 3), (128, 128, 5), (128, 192, 4)]
+WS_CONFIGS = [(64, 256, 4), (64, 256, 3), (128, 128, 5), (128, 192, 4), (128, 192, 3)]
 
 
 @pytest.mark.gpu
@@ -471,16 +471,20 @@ def test_ws_config_refuses_tiles_its_math_warpgroups_cannot_hold():
         sg.WsConfig(block_m=64, block_n=128)
     with pytest.raises(AssertionError, match="unsupported configuration"):
         sg.WsConfig(block_m=64, block_n=192)
+    with pytest.raises(AssertionError, match="more than an SM's 65536"):
+        sg.WsConfig(storer_warps=4, storer_regs=40)  # 59392 + 1280 + 5120
 
 
 def test_ws_pick_by_rows_and_signal_layout():
-    """The measured choices (kernels/README.md): the 64x256 tile at every m and signal layout; under
-    sglang's max_block_n=160 the 128x128 one above 64 rows and the Triton kernel's 128-column tiles
-    below."""
-    for m in (1, 8, 16, 32, 64, 128, 512):
-        for mode in (sg.SIGNAL_NONE, sg.SIGNAL_SGLANG, sg.SIGNAL_DEEPEP):
+    """The measured choices (kernels/README.md), the same in every signal layout: the 64x256 tile up
+    to 64 rows and 128x192 above; under sglang's max_block_n=160 the 128x128 one above 64 rows and
+    the Triton kernel's 128-column tiles below."""
+    for mode in (sg.SIGNAL_NONE, sg.SIGNAL_SGLANG, sg.SIGNAL_DEEPEP):
+        for m in (1, 8, 16, 32, 64):
             assert sg.pick_config(m, signal_mode=mode, warp_specialized=True) == sg.WsConfig(64, 256, 4)
-    assert sg.pick_config(128, max_block_n=160, warp_specialized=True) == sg.WsConfig(128, 128, 4)
+        for m in (65, 96, 128, 512):
+            assert sg.pick_config(m, signal_mode=mode, warp_specialized=True) == sg.WsConfig(128, 192, 4)
+            assert sg.pick_config(m, 160, signal_mode=mode, warp_specialized=True) == sg.WsConfig(128, 128, 4)
     narrow = sg.pick_config(64, max_block_n=160, warp_specialized=True)
     assert isinstance(narrow, sg.GemmConfig) and narrow.block_n == 128
 
