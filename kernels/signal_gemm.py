@@ -446,9 +446,9 @@ def pick_config(
     ``ws_usable``) the Gluon kernel's. The Triton kernel releases signals through the inline-PTX
     block: Triton's own atomic in the flattened loop costs 120 % (kernels/README.md)."""
     if warp_specialized and expected_m > _WS_TALL_ABOVE_ROWS:
-        for config in (_WS_TALL, _WS_NARROW):
-            if config.block_n <= max_block_n:
-                return config
+        for tall in (_WS_TALL, _WS_NARROW):
+            if tall.block_n <= max_block_n:
+                return tall
     if warp_specialized and _WS.block_n <= max_block_n:
         return _WS
     table = _TUNED_ROW_BLOCKS if signal_mode == SIGNAL_SGLANG else _TUNED

@@ -17,7 +17,8 @@ For E = 16 and 32 local experts (M_max = 2048 and 1024 rows, as DeepEP's low-lat
 
 Every time is the median of CUDA-graph replays (``triton.testing.do_bench_cudagraph``): sglang's
 decode runs these kernels inside CUDA graphs, and without a graph Python's launch overhead would
-show in the events. The activation scales are MN-major for every kernel, as sglang hands them to
+show in the events. Ours and DeepGEMM's are then the median of ``--rounds`` such timings taken in
+interleaved rounds. The activation scales are MN-major for every kernel, as sglang hands them to
 the down GEMM. ``scripts/sweep_sbo_gemm.py`` is the search that chose the configurations.
 
     python scripts/bench_sbo_gemm.py --json out.json
@@ -159,8 +160,10 @@ def unsignalled(config):
     return dataclasses.replace(config, signal_asm=False) if isinstance(config, sg.GemmConfig) else config
 
 
-def measure(E: int, m: int, problem: tuple, num_sms: int, sig_sms: int, deep_gemm, log) -> dict:
-    """All timings and errors of one shape."""
+def measure(E: int, m: int, problem: tuple, num_sms: int, sig_sms: int, deep_gemm, log, rounds: int) -> dict:
+    """All timings and errors of one shape. Our variants and DeepGEMM are timed in ``rounds``
+    interleaved rounds and each keeps the median of its rounds: one timing each measured up to 6 %
+    apart between two runs of the same kernel on the H200, enough to flip a 3 % signal cost."""
     a, a_scale, b, b_scale, masked_m, out = problem
     M_max = a.shape[1]
     ws = sg.ws_usable(0)  # what the entry point picks on this GPU: on sm_90 the Gluon kernel
@@ -214,10 +217,7 @@ def measure(E: int, m: int, problem: tuple, num_sms: int, sig_sms: int, deep_gem
         row[f"{name}_err"] = rel_err(out[:, :m], ref)
         if signal is not None:  # the final counters of one run, before timing reruns add to them
             row[f"{name}_signals"] = sorted(set(signal.tolist()))
-        row[f"{name}_us"] = bench(fn)
-    row["sig_sglang_cost"] = row["sig_sglang_us"] / row["rows64_us"] - 1
-    row["sig_deepep_cost"] = row["sig_deepep_us"] / row["plain_us"] - 1
-    row["plain_us_again"] = bench(runs["plain"])  # the run-to-run spread
+    timed = dict(runs)
 
     try:
         row["torch_bmm_us"] = bench(lambda: torch_dequant_bmm(a, a_scale, b, b_scale, m))
@@ -242,10 +242,20 @@ def measure(E: int, m: int, problem: tuple, num_sms: int, sig_sms: int, deep_gem
             fn()
             torch.cuda.synchronize()
             row["deepgemm_err"] = rel_err(dg_out[:, :m], ref)
-            row["deepgemm_us"] = bench(fn)
+            timed["deepgemm"] = fn
         except Exception as exc:
             row["deepgemm_error"] = f"{type(exc).__name__}: {exc}"[:300]
             log(traceback.format_exc()[-1500:])
+
+    samples: dict[str, list[float]] = {name: [] for name in timed}
+    for _ in range(rounds):
+        for name, fn in timed.items():
+            samples[name].append(bench(fn))
+    for name, times in samples.items():
+        row[f"{name}_us"] = statistics.median(times)
+        row[f"{name}_us_rounds"] = times
+    row["sig_sglang_cost"] = row["sig_sglang_us"] / row["rows64_us"] - 1
+    row["sig_deepep_cost"] = row["sig_deepep_us"] / row["plain_us"] - 1
     return row
 
 
@@ -260,6 +270,7 @@ def main() -> None:
     parser.add_argument("--log", type=Path, default=None, help="write the log and the table here")
     parser.add_argument("--experts", type=int, nargs="*", default=list(EXPERTS))
     parser.add_argument("--m", type=int, nargs="*", default=list(M_VALUES))
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds; each time is their median")
     args = parser.parse_args()
 
     log_lines: list[str] = []
@@ -284,7 +295,8 @@ def main() -> None:
         for m in args.m:
             masked_m = torch.full((E,), m, dtype=torch.int32, device="cuda")
             out = torch.empty(E, M_max, N, dtype=torch.bfloat16, device="cuda")
-            row = measure(E, m, (a, a_scale, b, b_scale, masked_m, out), num_sms, sig_sms, deep_gemm, log)
+            problem = (a, a_scale, b, b_scale, masked_m, out)
+            row = measure(E, m, problem, num_sms, sig_sms, deep_gemm, log, args.rounds)
             rows.append(row)
             log(json.dumps(row))
 
@@ -328,13 +340,14 @@ def main() -> None:
             f"{row['E']:>3} {row['m']:>4} | plain, sig b: {row['config']} | rows64, sig a: {row['sglang_config']}"
             f" | Triton: {row['triton_config']}"
         )
-    spread = [abs(r["plain_us_again"] / r["plain_us"] - 1) * 100 for r in rows]
+    spread = [(max(r["plain_us_rounds"]) / min(r["plain_us_rounds"]) - 1) * 100 for r in rows]
     errors = [r[k] for r in rows for k in r if k.endswith("_err")]
     signals = sorted({v for r in rows for k in r if k.endswith("_signals") for v in r[k]})
     lines.append(f"largest relative error against the fp32 reference, any kernel: {max(errors):.2e}")
-    lines.append(f"final signal values seen (sglang: ceil(N/block_n) = 28; DeepEP: {sig_sms} programs): {signals}")
+    lines.append(f"final signal values seen (sglang: ceil(N/block_n), 28 or 38; DeepEP: {sig_sms} programs): {signals}")
     lines.append(
-        f"run-to-run spread of the no-signal kernel: median {statistics.median(spread):.1f} %, max {max(spread):.1f} %"
+        f"spread of the no-signal kernel over {args.rounds} rounds (slowest / fastest): median"
+        f" {statistics.median(spread):.1f} %, max {max(spread):.1f} %"
     )
     lines.append(f"scaled_mm method: {sorted({r.get('scaled_mm_method', 'failed') for r in rows})}")
     table = "\n".join(lines)
