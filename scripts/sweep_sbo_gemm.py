@@ -57,7 +57,7 @@ def candidates(m: int, warp_specialized: bool) -> list[Config | sg.WsConfig]:
     if warp_specialized:
         found += [sg.WsConfig(64, 256, s) for s in (3, 4)]
         if m > 32:
-            found += [sg.WsConfig(128, 128, s) for s in (4, 5, 6)]
+            found += [sg.WsConfig(128, 128, s) for s in (4, 5)]  # 6 stages and the tile buffer exceed 227 KiB
             found += [sg.WsConfig(128, 192, s) for s in (3, 4)]
     return list(dict.fromkeys(found))
 
