@@ -407,6 +407,10 @@ class WsConfig:
         assert registers <= 65536, (
             f"{self} needs {registers} registers, more than an SM's 65536: lower storer_warps or the per-thread counts"
         )
+        assert self.storer_warps in (1, 2, 4), (
+            f"storer_warps must be 1, 2 or 4, got {self.storer_warps}: "
+            "a storer pass must cover whole 8-row swizzle patterns"
+        )
         assert (self.block_m, self.block_n) in self.TILES, (
             f"unsupported configuration {self}: the tile is 64x256, 128x128 or 128x192, split in two "
             "halves for the two math warpgroups (a half's accumulator and its K step's product fill a "

@@ -100,9 +100,10 @@ def _row_and_column_block(t, rows_e, BLOCK_M: gl.constexpr):
 @gluon.jit
 def _part_columns(nb, WIDE: gl.constexpr, NARROW: gl.constexpr):
     """First columns of column-block nb's wide part (WIDE columns) and narrow part (NARROW = 64
-    columns, 192-wide tiles only). Each part must lie in one 128-wide weight-scale block per 128
-    columns, so that a row has one scale per part: a 192-wide tile starts on a block boundary when
-    nb is even (wide part first) and 64 columns into a block when nb is odd (narrow part first)."""
+    columns, 192-wide tiles only). Every 128-column piece a math partition owns must lie inside one
+    128-wide weight-scale block, so that a row has one scale per piece: a 192-wide tile starts on a
+    block boundary when nb is even (wide part first) and 64 columns into a block when nb is odd
+    (narrow part first)."""
     col0 = nb * (WIDE + NARROW)
     wide = col0
     narrow = col0

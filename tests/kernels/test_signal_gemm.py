@@ -473,6 +473,8 @@ def test_ws_config_refuses_tiles_its_math_warpgroups_cannot_hold():
         sg.WsConfig(block_m=64, block_n=192)
     with pytest.raises(AssertionError, match="more than an SM's 65536"):
         sg.WsConfig(storer_warps=4, storer_regs=40)  # 59392 + 1280 + 5120
+    with pytest.raises(AssertionError, match="storer_warps must be 1, 2 or 4"):
+        sg.WsConfig(storer_warps=3)
 
 
 def test_ws_pick_by_rows_and_signal_layout():
