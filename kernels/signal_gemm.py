@@ -428,7 +428,9 @@ _TUNED: dict[int, GemmConfig] = {
     64: GemmConfig(block_m=64, block_n=256, num_stages=3, num_warps=8, use_tma=True),
     128: GemmConfig(block_m=128, block_n=128, num_stages=3, num_warps=8, use_tma=True),
 }
-#: sglang's row-block signals: its buffer holds one counter per 64 rows, so the tile keeps 64 rows.
+#: sglang's row-block signals, Triton kernel: a 64-row tile, one row-block per counter of the buffer
+#: sglang sizes (ceil(T / 64) per expert). The Gluon kernel's 128-row tiles use the first
+#: ceil(T / 128) of them; the combine reads the block_m the entry point returns either way.
 _TUNED_ROW_BLOCKS: dict[int, GemmConfig] = {64: _TUNED[64]}
 #: FP8 on sm_90: the warp-specialized kernel, whose loads never wait for the math, at every m.
 #: Up to 64 rows the 64×256 tile: within 2 % of the best configuration and ahead of every Triton
