@@ -22,6 +22,10 @@ interleaved rounds. The activation scales are MN-major for every kernel, as sgla
 the down GEMM. ``scripts/sweep_sbo_gemm.py`` is the search that chose the configurations.
 
     python scripts/bench_sbo_gemm.py --json out.json
+
+It imports the installed package (``pip install -e .``, or ``pip install --target DIR .`` with
+``PYTHONPATH=DIR``); its JSON carries the command, GPU, date and versions of the run, as the
+logs in ``benchmarks/results/`` do.
 """
 
 from __future__ import annotations
@@ -30,10 +34,12 @@ import argparse
 import dataclasses
 import functools
 import json
+import shlex
 import statistics
 import sys
 import time
 import traceback
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -41,15 +47,23 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench_cudagraph
 
-try:
-    from sglang_pd.kernels import signal_gemm as sg
-except ImportError:  # run from a checkout without the package installed
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from kernels import signal_gemm as sg
+from sglang_pd.kernels import signal_gemm as sg
 
 N, K = 7168, 2048
 EXPERTS = {16: 2048, 32: 1024}  # E → M_max
 M_VALUES = (8, 16, 32, 64, 128)
+
+
+def run_info() -> dict:
+    """How and where this run was made: the header of every JSON log these scripts write."""
+    return {
+        "command": shlex.join(["python", *sys.argv]),
+        "gpu": torch.cuda.get_device_name(0),
+        "gpu_count": torch.cuda.device_count(),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
 
 
 def bench(fn, rep_ms: int = 30) -> float:
@@ -67,8 +81,8 @@ def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
 
 def copy_bandwidth() -> float:
     """Device-to-device copy, bytes read + written per second (GB/s), 2 GiB buffers. The GPU idles
-    at 345 MHz; two seconds of copies first bring its clocks up (a cold first reading came out at
-    2.8 TB/s, a warm one at the 4.3 TB/s KINDS.md records)."""
+    at 345 MHz; two seconds of copies first bring its clocks up (on the H200 a cold first reading
+    came out at 2.8 TB/s, warm ones at 4.1 TB/s)."""
     src = torch.empty(2**30, dtype=torch.int16, device="cuda").random_()
     dst = torch.empty_like(src)
     t_end = time.time() + 2.0
@@ -354,7 +368,7 @@ def main() -> None:
     print("\n" + table)
     if args.json:
         args.json.write_text(
-            json.dumps({"device": props.name, "copy_gbps": bw, "rows": rows, "table": table}, indent=1)
+            json.dumps({**run_info(), "device": props.name, "copy_gbps": bw, "rows": rows, "table": table}, indent=1)
         )
     if args.log:
         args.log.write_text("\n".join(log_lines) + "\n\n" + table + "\n")

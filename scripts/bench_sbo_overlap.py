@@ -1,7 +1,7 @@
 """Overlap on 2×H200: the down GEMM with a combine-send stand-in, against GEMM-then-send.
 
 SBO's second half lets DeepEP's combine-send ship each finished block of tokens while the down
-GEMM is still running. Here the combine-send is `kernels/signal_consumer.py`: a few programs
+GEMM is still running. Here the combine-send is `tests/support/signal_consumer.py`: a few programs
 (the SMs the GEMM leaves free) poll the GEMM's signals with acquire loads and copy each finished
 row-block (sglang layout) into the peer GPU's memory over NVLink. Per shape it times, with CUDA
 events around one replay of the whole step:
@@ -14,7 +14,10 @@ events around one replay of the whole step:
 each step captured in a CUDA graph (as sglang's decode runs it) and timed over its replays, and
 checks the peer's copy equals the GEMM's output. Prints a table and writes JSON.
 
-    python scripts/bench_sbo_overlap.py --json overlap.json     # needs 2 GPUs with peer access
+    PYTHONPATH=. python scripts/bench_sbo_overlap.py --json overlap.json   # 2 GPUs with peer access
+
+(from the repository root, with the package installed: the stand-in is a test harness and is not
+shipped).
 """
 
 from __future__ import annotations
@@ -24,21 +27,22 @@ import ctypes
 import functools
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
+from bench_sbo_gemm import EXPERTS, N, make_problem, run_info  # the same problems as the GEMM table
+
+from sglang_pd.kernels import signal_gemm as sg
 
 try:
-    from sglang_pd.kernels import signal_gemm as sg
-    from sglang_pd.kernels.signal_consumer import copy_when_signalled
-except ImportError:  # run from a checkout without the package installed
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from kernels import signal_gemm as sg
-    from kernels.signal_consumer import copy_when_signalled
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_sbo_gemm import EXPERTS, N, make_problem  # the same problems as the GEMM table
+    from tests.support.signal_consumer import copy_when_signalled
+except ModuleNotFoundError as exc:
+    if exc.name not in ("tests", "tests.support"):
+        raise
+    raise SystemExit(
+        "The combine-send stand-in lives in tests/support, which is not installed: run this script from "
+        "the repository root with the root on the path, `PYTHONPATH=. python scripts/bench_sbo_overlap.py`."
+    ) from exc
 
 M_VALUES = (8, 32, 64, 128)
 CONSUMER_PROGRAMS = (3, 8)
@@ -189,7 +193,9 @@ def main() -> None:
                     flush=True,
                 )
     if args.json:
-        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "rows": rows}, indent=2))
+        args.json.write_text(
+            json.dumps({**run_info(), "device": torch.cuda.get_device_name(0), "rows": rows}, indent=2)
+        )
 
 
 if __name__ == "__main__":

@@ -21,14 +21,11 @@ import argparse
 import functools
 import json
 import multiprocessing
-import sys
 import time
 from pathlib import Path
 
+import bench_sbo_gemm as bench  # the shapes, problem, timing and baselines are shared (scripts/ is on the path)
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_sbo_gemm as bench  # the shapes, problem, timing and baselines are shared
 
 sg = bench.sg
 Config = sg.GemmConfig
@@ -163,7 +160,8 @@ def main() -> None:
                     flush=True,
                 )
             rows.append(row)
-            args.json.write_text(json.dumps({"copy_gbps": bandwidth, "failed": failed, "rows": rows}, indent=1))
+            log = {**bench.run_info(), "copy_gbps": bandwidth, "failed": failed, "rows": rows}
+            args.json.write_text(json.dumps(log, indent=1))
         torch.cuda.empty_cache()
 
     print("kernels that spill registers:")

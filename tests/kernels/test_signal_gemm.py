@@ -22,10 +22,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from sglang_pd.kernels import signal_gemm as sg  # noqa: E402
-from sglang_pd.kernels.signal_consumer import copy_when_signalled  # noqa: E402
+from tests.support.signal_consumer import copy_when_signalled  # noqa: E402
 
 #: ‖out − ref‖ / ‖ref‖ for exact FP8 operands, fp32 accumulation and a bf16 output: the bf16
-#: rounding of the output alone gives about 1.5e-3 (METHOD.md: bf16 lands between 1e-3 and 1e-2).
+#: rounding of the output alone gives about 1.5e-3 (bf16 keeps 8 significant bits).
 FP8_RTOL = 4e-3
 #: bf16 operands accumulate in fp32; same output rounding.
 BF16_RTOL = 4e-3
@@ -230,7 +230,7 @@ def test_signal_ordering_with_polling_consumer(layout):
     """Over 1000 randomized runs, a consumer that copies each unit as soon as its signal completes
     copies exactly the final output: no unit is ever announced before its rows are stored.
     Only the shipped signal path (inline-PTX release) is held to this; Triton's own atomic path,
-    kept for comparison, is slower and was seen to stall its consumer (kernels/README.md)."""
+    kept for comparison, is never picked (it costs +120 % in the flattened loop, kernels/README.md)."""
     runs = int(os.environ.get("SIGNAL_ORDERING_RUNS", "1000"))
     E, M_max, N, K = 8, 256, 7168, 2048
     consumer_programs = 3

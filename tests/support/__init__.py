@@ -1,0 +1,1 @@
+"""Test doubles and harnesses shared by tests/ and scripts/ (never shipped in the wheel)."""
