@@ -6,7 +6,9 @@ all go through `render_plan` / `render_node` (DESIGN.md "One source of truth").
 
 from __future__ import annotations
 
+import json
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -18,6 +20,7 @@ __all__ = [
     "LEADER_HOST_FROM_ENV",
     "NodeCommand",
     "Role",
+    "ib_device_arg",
     "render_node",
     "render_plan",
 ]
@@ -94,17 +97,24 @@ def render_node(
     if role == "prefill":
         a += ["--disaggregation-bootstrap-port", str(t.prefill.bootstrap_port + offset)]
     if t.transfer.protocol == "rdma" and t.transfer.ib_devices:
-        devices = [t.transfer.ib_devices[g] for g in sorted(t.transfer.ib_devices)]
-        a += ["--disaggregation-ib-device", ",".join(devices)]
+        a += ["--disaggregation-ib-device", ib_device_arg(t.transfer.ib_devices)]
 
-    a += ["--tp", str(spec.tp)]
+    # Full option names: sglang's parser would take `--tp` only as an abbreviation of `--tp-size`.
+    a += ["--tp-size", str(spec.tp)]
     if spec.attn_dp_size > 1:
-        # DP attention with DeepSeek's MLA: dense layers and the LM head run data-parallel too.
-        a += ["--attn-dp-size", str(spec.attn_dp_size), "--moe-dense-tp-size", "1", "--enable-dp-lm-head"]
+        # DP attention with DeepSeek's MLA: the dense MLP layers run data-parallel too. The LM head
+        # stays sglang's choice unless the topology asks for a replicated one (dp_lm_head).
+        a += ["--attn-dp-size", str(spec.attn_dp_size), "--moe-dense-tp-size", "1"]
+        if spec.dp_lm_head:
+            a.append("--enable-dp-lm-head")
     if spec.ep > 1:
-        a += ["--ep", str(spec.ep)]
+        a += ["--ep-size", str(spec.ep)]
     if spec.moe_a2a_backend != "none":
         a += ["--moe-a2a-backend", spec.moe_a2a_backend, "--deepep-mode", spec.deepep_mode]
+    if spec.moe_runner_backend != "auto":
+        a += ["--moe-runner-backend", spec.moe_runner_backend]
+    if spec.attention_backend is not None:
+        a += ["--attention-backend", spec.attention_backend]
     if spec.nodes > 1:
         a += [
             "--nnodes", str(spec.nodes),
@@ -133,18 +143,29 @@ def render_node(
             # every process. SGLANG_PLUGINS is left unset: it is a whitelist and would switch off any
             # other plugin installed in the image.
             env[SBO_MODE_ENV] = spec.sbo.value
+            if t.hardware.gpu.upper() == "H20" and spec.sbo is SBOMode.FULL:
+                # Read only by sglang's DeepGEMM runner when the down GEMM overlaps combine: it narrows
+                # the GEMM's N blocks (160) for the H20's fewer SMs.
+                env["SGLANG_DEEPGEMM_ON_H20"] = "1"
         if spec.cuda_graph_max_bs is not None:
             a += ["--cuda-graph-max-bs-decode", str(spec.cuda_graph_max_bs)]
         if spec.moe_a2a_backend == "deepep":
             env[DISPATCH_BUDGET_ENV] = str(spec.dispatch_token_budget)
     a += spec.extra_args
 
-    if t.hardware.gpu.upper() == "H20":
-        env["SGLANG_DEEPGEMM_ON_H20"] = "1"
     if t.transfer.backend == "mooncake" and t.transfer.protocol == "tcp":
-        env["MC_FORCE_TCP"] = "true"
+        # sglang and Mooncake compare the value with "1" (mooncake_transfer_engine.py).
+        env["MC_FORCE_TCP"] = "1"
     env.update(spec.env)
     return NodeCommand(role=role, instance=instance, node_rank=node_rank, argv=a, env=env)
+
+
+def ib_device_arg(ib_devices: Mapping[int, str]) -> str:
+    """`--disaggregation-ib-device`: one device for every GPU, or sglang's per-GPU JSON map."""
+    devices = set(ib_devices.values())
+    if len(devices) == 1:
+        return devices.pop()
+    return json.dumps({str(gpu): ib_devices[gpu] for gpu in sorted(ib_devices)}, separators=(",", ":"))
 
 
 def render_plan(t: Topology, leader_host: str = LEADER_HOST_FROM_ENV) -> dict[Role, list[NodeCommand]]:

@@ -19,9 +19,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 __all__ = [
+    "GPU_CAPABILITY",
     "DecodeSpec",
     "HardwareSpec",
     "ModelSpec",
+    "PodSettings",
     "PrefillSpec",
     "RouterSpec",
     "RuleReport",
@@ -30,10 +32,12 @@ __all__ = [
     "TopologyError",
     "TransferSpec",
     "check_rules",
+    "estimate_weight_bytes",
     "find_topology",
     "load_checked_topology",
     "load_topology",
     "parse_topology",
+    "required_startup_s",
 ]
 
 # sglang's default for SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK (REFERENCE.md §1).
@@ -47,6 +51,22 @@ SHIPPED_CONFIGS_DIR = PRESETS_DIR
 Port = Annotated[int, Field(ge=1, le=65535)]
 Fraction = Annotated[float, Field(gt=0.0, lt=1.0)]
 Positive = Annotated[int, Field(ge=1)]
+
+# Compute capability of each GPU type a topology may name: sglang's predicates (SBO halves,
+# attention defaults, the sm_90 SBO refusal) depend on it, and `plan --check` evaluates them
+# with it. `hardware.compute_capability` covers a type missing here.
+GPU_CAPABILITY: dict[str, tuple[int, int]] = {
+    "H100": (9, 0),
+    "H200": (9, 0),
+    "H20": (9, 0),
+    "H800": (9, 0),
+    "GH200": (9, 0),
+    "B100": (10, 0),
+    "B200": (10, 0),
+    "GB200": (10, 0),
+    "B300": (10, 3),
+    "GB300": (10, 3),
+}
 
 
 class TopologyError(ValueError):
@@ -89,6 +109,18 @@ class HardwareSpec(_Strict):
         default_factory=list,
         description="RDMA devices of a node: one shared list, or one per GPU (length = gpus_per_node).",
     )
+    compute_capability: str | None = Field(
+        None,
+        pattern=r"^\d+\.\d+$",
+        description="CUDA compute capability, e.g. '9.0'; needed only for a GPU type sglang-pd does not know.",
+    )
+
+    def capability(self) -> tuple[int, int] | None:
+        """The GPUs' compute capability: the explicit field, else the known GPU type's, else None."""
+        if self.compute_capability:
+            major, minor = self.compute_capability.split(".")
+            return int(major), int(minor)
+        return GPU_CAPABILITY.get(self.gpu.upper())
 
 
 class TBOSpec(_Strict):
@@ -106,6 +138,13 @@ class SBOMode(StrEnum):
 
 MoEA2ABackend = Literal["none", "deepep"]
 DeepEPMode = Literal["normal", "low_latency", "auto"]
+# sglang's --moe-runner-backend values that apply to DeepSeek-class FP8/BF16 checkpoints.
+MoERunnerBackend = Literal[
+    "auto", "deep_gemm", "triton", "triton_kernel", "cutlass", "flashinfer_cutlass", "flashinfer_cutedsl",
+    "flashinfer_trtllm",
+]  # fmt: skip
+# sglang's --attention-backend values for MLA models on NVIDIA GPUs.
+AttentionBackend = Literal["fa3", "flashmla", "flashinfer", "triton", "cutlass_mla", "trtllm_mla", "fa4"]
 
 
 class _RoleSpec(_Strict):
@@ -115,6 +154,18 @@ class _RoleSpec(_Strict):
     ep: Positive = Field(1, description="sglang --ep (expert parallel size).")
     moe_a2a_backend: MoEA2ABackend = "none"
     deepep_mode: DeepEPMode = "auto"
+    moe_runner_backend: MoERunnerBackend = Field(
+        "auto",
+        description="sglang --moe-runner-backend; decode.sbo: full needs deep_gemm on Hopper (sglang's SboFlags).",
+    )
+    attention_backend: AttentionBackend | None = Field(
+        None, description="sglang --attention-backend; None: sglang's default for the GPU (fa3 on Hopper for MLA)."
+    )
+    dp_lm_head: bool = Field(
+        False,
+        description="sglang --enable-dp-lm-head: a replicated LM head under DP attention. Off is sglang's default "
+        "(a vocab-sharded head; sglang PR #32313).",
+    )
     tbo: TBOSpec = Field(default_factory=TBOSpec)
     mem_fraction_static: Fraction | None = None
     max_running_requests: Positive | None = None
@@ -318,6 +369,79 @@ def load_checked_topology(name: str | Path) -> tuple[Topology, RuleReport]:
     return t, rules
 
 
+# --- model size and start-up time -------------------------------------------------------------
+
+# What a GPU pod does before its /health answers, for the startup budget a pod needs (the chart's
+# defaults are the same numbers): download the checkpoint (hub only), read it into GPU memory, then
+# sglang's warm-up (DeepGEMM JIT compiles its kernels there, 10-20 minutes on a cold cache).
+DEFAULT_DOWNLOAD_BYTES_PER_S = 500_000_000
+DEFAULT_LOAD_BYTES_PER_S = 2_000_000_000
+DEFAULT_WARMUP_S = 1200
+
+
+def _attention_params(cfg: dict[str, Any], hidden: int) -> int:
+    heads = int(cfg.get("num_attention_heads") or 0)
+    if cfg.get("kv_lora_rank"):  # MLA (DeepSeek-V2/V3): low-rank Q and compressed KV projections
+        nope, rope = int(cfg.get("qk_nope_head_dim", 0)), int(cfg.get("qk_rope_head_dim", 0))
+        v_dim, kv_rank = int(cfg.get("v_head_dim", 0)), int(cfg["kv_lora_rank"])
+        q_rank = cfg.get("q_lora_rank")
+        q = hidden * int(q_rank) + int(q_rank) * heads * (nope + rope) if q_rank else hidden * heads * (nope + rope)
+        return q + hidden * (kv_rank + rope) + kv_rank * heads * (nope + v_dim) + heads * v_dim * hidden
+    head_dim = int(cfg.get("head_dim") or hidden // max(heads, 1))
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    return 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+
+
+def estimate_weight_bytes(cfg: dict[str, Any]) -> int:
+    """Checkpoint size estimated from a config.json: parameters x bytes per parameter.
+
+    Covers dense and MoE decoders with MHA/GQA or MLA attention, plus DeepSeek's next-token
+    prediction layers. FP8 checkpoints store linear weights in one byte; embeddings stay 16-bit.
+    """
+    hidden = int(cfg.get("hidden_size") or 0)
+    vocab = int(cfg.get("vocab_size") or 0)
+    if not hidden or not vocab:
+        raise TopologyError("model.config_json: needs hidden_size and vocab_size to estimate the checkpoint size.")
+    layers = int(cfg.get("num_hidden_layers") or 0) + int(cfg.get("num_nextn_predict_layers") or 0)
+    experts = int(cfg.get("n_routed_experts") or cfg.get("num_experts") or 0)
+    dense_layers = min(int(cfg.get("first_k_dense_replace", 0 if experts else layers)), layers)
+    dense_mlp = 3 * hidden * int(cfg.get("intermediate_size") or 0)
+    moe_inter = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0)
+    moe_mlp = (experts + int(cfg.get("n_shared_experts") or 0)) * 3 * hidden * moe_inter + hidden * experts
+    linear = layers * _attention_params(cfg, hidden) + dense_layers * dense_mlp + (layers - dense_layers) * moe_mlp
+    embeddings = vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
+    quant = cfg.get("quantization_config") or {}
+    linear_bytes = 1 if str(quant.get("quant_method", "")).startswith("fp8") else 2
+    return linear * linear_bytes + embeddings * 2
+
+
+def required_startup_s(
+    weight_bytes: int,
+    model_source: str,
+    download_bytes_per_s: float = DEFAULT_DOWNLOAD_BYTES_PER_S,
+    load_bytes_per_s: float = DEFAULT_LOAD_BYTES_PER_S,
+    warmup_s: int = DEFAULT_WARMUP_S,
+) -> int:
+    """Seconds from container start to a healthy sglang server on a cold node."""
+    download = weight_bytes / download_bytes_per_s if model_source == "hub" else 0.0
+    return math.ceil(download + weight_bytes / load_bytes_per_s + warmup_s)
+
+
+@dataclass(frozen=True)
+class PodSettings:
+    """How the pods of a cluster deployment are set up (the chart's values, or what a pod sees).
+
+    The cross-role rules check these against the topology when they are known: `sglang-pd launch`
+    reads them from the environment the chart sets; offline checks pass them explicitly.
+    """
+
+    rdma_mode: Literal["hostNetwork", "devicePlugin", "none"] = "hostNetwork"
+    privileged: bool = True
+    model_source: Literal["hub", "pvc", "hostPath"] = "pvc"
+    startup_budget_s: int | None = None
+    download_bytes_per_s: float = DEFAULT_DOWNLOAD_BYTES_PER_S
+
+
 # --- cross-role rules -------------------------------------------------------------------------
 
 
@@ -356,6 +480,9 @@ RENDERED_FLAGS: dict[str, str] = {
     "--disaggregation-ib-device": "transfer.ib_devices",
     "--moe-a2a-backend": "<role>.moe_a2a_backend",
     "--deepep-mode": "<role>.deepep_mode",
+    "--moe-runner-backend": "<role>.moe_runner_backend",
+    "--attention-backend": "<role>.attention_backend",
+    "--enable-dp-lm-head": "<role>.dp_lm_head",
     "--enable-two-batch-overlap": "<role>.tbo.enabled",
     "--enable-single-batch-overlap": "decode.sbo",
     "--cuda-graph-max-bs-decode": "decode.cuda_graph_max_bs",
@@ -426,8 +553,8 @@ def _shape_rules(t: Topology, cfg: dict[str, Any], errors: list[str]) -> None:
             )
 
 
-def check_rules(t: Topology) -> RuleReport:
-    """The cross-role rules of a deployable topology (DESIGN.md "One source of truth")."""
+def check_rules(t: Topology, pod: PodSettings | None = None) -> RuleReport:
+    """The cross-role rules of a deployable topology; with `pod`, also those of its cluster pods."""
     errors: list[str] = []
     warnings: list[str] = []
     p, d = t.prefill, t.decode
@@ -447,6 +574,8 @@ def check_rules(t: Topology) -> RuleReport:
                 "decode.sbo: single-batch overlap needs DP attention on decode (decode.attn_dp_size > 1); "
                 f"set decode.attn_dp_size (e.g. {d.tp}) or sbo: off."
             )
+    if d.sbo is SBOMode.FULL:
+        _sbo_runner_rule(t, errors)
     if d.tbo.enabled:
         warnings.append(
             "decode.tbo.enabled: two-batch overlap on decode cost 8-22% throughput in seed 000's "
@@ -475,6 +604,8 @@ def check_rules(t: Topology) -> RuleReport:
             f"decode.cuda_graph_max_bs: {d.cuda_graph_max_bs} is above the per-rank batch {per_rank}; "
             "graphs for larger batches are captured but never used."
         )
+    if not t.is_local and per_rank is not None:
+        _graph_cover_rule(d, per_rank, errors, warnings)
 
     if t.model.page_size != 64 and not t.is_local:
         warnings.append(f"model.page_size: {t.model.page_size}; FlashMLA (DeepSeek MLA on Hopper) uses 64-token pages.")
@@ -523,4 +654,68 @@ def check_rules(t: Topology) -> RuleReport:
     cfg = t.load_model_config()
     if cfg is not None:
         _shape_rules(t, cfg, errors)
+    if pod is not None and not t.is_local:
+        _pod_rules(t, pod, cfg, errors)
     return RuleReport(errors=errors, warnings=warnings)
+
+
+def _sbo_runner_rule(t: Topology, errors: list[str]) -> None:
+    # sglang overlaps the down GEMM with combine only for these runners
+    # (sglang/srt/batch_overlap/single_batch_overlap.py, SboFlags.enable_combine_down_gemm_two_stream_overlap):
+    # DeepGEMM before Blackwell, FlashInfer's CuteDSL on Blackwell. `auto` never qualifies, even where
+    # it runs DeepGEMM kernels.
+    cap = t.hardware.capability()
+    blackwell = cap is not None and cap[0] >= 10
+    wanted = "flashinfer_cutedsl" if blackwell else "deep_gemm"
+    runner = t.decode.moe_runner_backend
+    if runner == wanted:
+        return
+    errors.append(
+        f"decode.moe_runner_backend: sbo: full overlaps the down GEMM with combine only when sglang runs with "
+        f"--moe-runner-backend {wanted} on {t.hardware.gpu}, but it is {runner} (sglang's SboFlags); without it "
+        f"only the shared-expert half runs. Set decode.moe_runner_backend: {wanted}, or decode.sbo: shared-only."
+    )
+
+
+def _graph_cover_rule(d: DecodeSpec, per_rank: int, errors: list[str], warnings: list[str]) -> None:
+    # With DP attention a decode step runs a CUDA graph only when every rank's batch fits one, so a
+    # rank above cuda_graph_max_bs sends the whole group to eager mode.
+    if d.cuda_graph_max_bs is None:
+        warnings.append(
+            f"decode.cuda_graph_max_bs: unset, so sglang sizes graphs from GPU memory; the per-rank decode batch is "
+            f"{per_rank} (max_running_requests / attn_dp_size). Set decode.cuda_graph_max_bs: {per_rank}."
+        )
+    elif d.cuda_graph_max_bs < per_rank:
+        errors.append(
+            f"decode.cuda_graph_max_bs: {d.cuda_graph_max_bs} is below the per-rank decode batch "
+            f"max_running_requests / attn_dp_size = {d.max_running_requests}/{d.attn_dp_size} = {per_rank}; "
+            "above it every rank of the group runs without CUDA graphs. "
+            f"Set decode.cuda_graph_max_bs: {per_rank} (and dispatch_token_budget >= it) or lower "
+            "decode.max_running_requests."
+        )
+
+
+def _pod_rules(t: Topology, pod: PodSettings, cfg: dict[str, Any] | None, errors: list[str]) -> None:
+    if t.transfer.protocol == "rdma" and pod.rdma_mode == "hostNetwork" and not pod.privileged:
+        # A hostPath /dev/infiniband is visible but cannot be opened without device-cgroup access.
+        errors.append(
+            "rdma.mode: hostNetwork mounts the host's /dev/infiniband, whose verbs devices a container opens only "
+            "when privileged, yet securityContext.privileged is false; Mooncake and DeepEP would fail to open "
+            "the NICs. Set securityContext.privileged=true, or rdma.mode=devicePlugin with an RDMA device plugin."
+        )
+    if pod.model_source == "hub" and pod.startup_budget_s is not None:
+        if cfg is None:
+            errors.append(
+                "model.config_json: weights come from the hub, and the startup budget can be checked only against "
+                "the model's size; set model.config_json."
+            )
+            return
+        size = estimate_weight_bytes(cfg)
+        need = required_startup_s(size, "hub", pod.download_bytes_per_s)
+        if pod.startup_budget_s < need:
+            errors.append(
+                f"startupProbe: a {pod.startup_budget_s} s startup budget cannot download ~{size / 1e9:.0f} GB of "
+                f"weights at {pod.download_bytes_per_s / 1e6:.0f} MB/s, load them and warm up (~{need} s); the "
+                f"probe would restart the pod forever. Raise the startup budget to >= {need} s, or serve the "
+                "weights from a volume (model.source=pvc or hostPath)."
+            )
