@@ -25,36 +25,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     plan = build_plan(t, rules)
     status = EXIT_OK
     if args.check:
-        from dataclasses import replace
+        from sglang_pd.deploy.plan import check_plan
 
-        from sglang_pd.deploy.doctor import sbo_topology_warnings
-        from sglang_pd.deploy.sglang_check import SglangUnavailable, check_with_sglang
-
-        # SBO asked for on a GPU type this build cannot serve it on (warnings, not errors).
-        sbo_warnings = sbo_topology_warnings(t)
-        if sbo_warnings:
-            plan = replace(plan, rules=replace(rules, warnings=[*rules.warnings, *sbo_warnings]))
-
-        try:
-            checks = check_with_sglang(t)
-        except SglangUnavailable as exc:
-            print(f"note: {exc}", file=sys.stderr)
-            status = EXIT_CHECK_UNAVAILABLE
-        else:
-            rows = [
-                {
-                    "role": c.command.role,
-                    "instance": c.command.instance,
-                    "node_rank": c.command.node_rank,
-                    "ok": c.ok,
-                    "error": c.error,
-                    "resolved": c.resolved,
-                }
-                for c in checks
-            ]
-            plan = replace(plan, sglang_checks=rows)
-            if not all(c.ok for c in checks):
-                status = EXIT_INVALID
+        plan, status, note = check_plan(plan)
+        if note:
+            print(f"note: {note}", file=sys.stderr)
     print(format_plan(plan, args.format))
     return status
 

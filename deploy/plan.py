@@ -1,9 +1,15 @@
-"""`sglang-pd plan`: a topology's nodes, GPUs, per-node commands and warnings, as a table, JSON, YAML or shell."""
+"""`sglang-pd plan`: a topology's nodes, GPUs, per-node commands and warnings, as a table, JSON, YAML or shell.
+
+With `--check`, `check_plan` adds sglang's own verdict on every command and the effective view:
+what sglang will run (SBO halves, TBO, DP attention, DeepEP mode, MoE runner, CUDA graphs,
+attention backends, LM head), each feature the topology asks for but sglang would not run
+being an error that names the missing flag.
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import yaml
@@ -11,9 +17,10 @@ import yaml
 from sglang_pd.deploy.sglang_args import NodeCommand, Role, render_plan
 from sglang_pd.deploy.topology import RuleReport, SBOMode, Topology
 
-__all__ = ["Plan", "build_plan", "format_plan"]
+__all__ = ["EXIT_CHECK_UNAVAILABLE", "EXIT_INVALID", "EXIT_OK", "Plan", "build_plan", "check_plan", "format_plan"]
 
 FORMATS = ("table", "json", "yaml", "shell")
+EXIT_OK, EXIT_INVALID, EXIT_CHECK_UNAVAILABLE = 0, 1, 3
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,28 @@ class Plan:
 
 def build_plan(t: Topology, rules: RuleReport) -> Plan:
     return Plan(topology=t, rules=rules, commands=render_plan(t))
+
+
+def check_plan(p: Plan) -> tuple[Plan, int, str | None]:
+    """`plan --check`: sglang's resolver and effective view on every command.
+
+    Returns the plan with the verdicts, an exit status (EXIT_INVALID when sglang rejects a command
+    or would not run a feature the topology asks for), and a note when the check cannot run here.
+    """
+    from sglang_pd.deploy.doctor import sbo_topology_warnings
+    from sglang_pd.deploy.sglang_check import SglangUnavailable, check_with_sglang
+
+    t = p.topology
+    # SBO asked for on a GPU type this build cannot serve it on (warnings, not errors).
+    sbo_warnings = sbo_topology_warnings(t)
+    if sbo_warnings:
+        p = replace(p, rules=replace(p.rules, warnings=[*p.rules.warnings, *sbo_warnings]))
+    try:
+        checks = check_with_sglang(t)
+    except SglangUnavailable as exc:
+        return p, EXIT_CHECK_UNAVAILABLE, str(exc)
+    p = replace(p, sglang_checks=[c.as_dict() for c in checks])
+    return p, (EXIT_OK if all(c.passed for c in checks) else EXIT_INVALID), None
 
 
 def _command_dict(c: NodeCommand) -> dict[str, Any]:
@@ -110,11 +139,38 @@ def _table(p: Plan) -> str:
     if p.rules.warnings:
         lines += ["", "warnings:"] + [f"  - {w}" for w in p.rules.warnings]
     if p.sglang_checks is not None:
-        lines += ["", "sglang's own checks:"]
+        lines += ["", "sglang's own checks and what it will run (the effective view):"]
         for chk in p.sglang_checks:
-            verdict = "ok" if chk["ok"] else f"REJECTED: {chk['error']}"
-            lines.append(f"  {chk['role']} {chk['instance']} node {chk['node_rank']}: {verdict}")
+            where = f"{chk['role']} {chk['instance']} node {chk['node_rank']}"
+            if chk["error"]:
+                lines.append(f"  {where}: REJECTED: {chk['error']}")
+                continue
+            lines.append(f"  {where}: {'ok' if chk['ok'] else 'NOT AS ASKED'}; {_effective_line(chk['effective'])}")
+            lines += [f"    - {problem}" for problem in chk["problems"]]
     return "\n".join(lines)
+
+
+def _effective_line(effective: dict[str, Any]) -> str:
+    facts = effective.get("facts", {})
+
+    def show(name: str) -> str:
+        f = facts.get(name, {})
+        return "?" if "value" not in f else str(f["value"])
+
+    graphs = facts.get("cuda_graph_decode", {}).get("value") or {}
+    parts = [
+        f"sglang {effective.get('sglang_version')} on {effective.get('capability')}",
+        f"attn-DP {show('attn_dp_size')}",
+        f"a2a {show('moe_a2a_backend')}/{show('deepep_mode')}",
+        f"runner {show('moe_runner_backend')}",
+        f"TBO {show('tbo')}",
+        f"SBO {show('sbo_enabled')} (shared {show('sbo_shared_overlap')}, "
+        f"down-GEMM/combine {show('sbo_combine_down_gemm_overlap')})",
+        f"attention {show('prefill_attention_backend')}/{show('decode_attention_backend')}",
+        f"LM head {show('lm_head')}",
+        f"decode graphs {graphs.get('backend', '?')} <= {graphs.get('max_bs', '?')}",
+    ]
+    return ", ".join(parts)
 
 
 def _shell(p: Plan) -> str:
