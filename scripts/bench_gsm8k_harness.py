@@ -25,7 +25,7 @@ from typing import Any
 
 from sglang_pd.deploy.cli import main as sglang_pd_main
 from sglang_pd.deploy.evals import load_dataset
-from sglang_pd.deploy.evals.testing import Gsm8kTestServer, scripted_answers
+from tests.support.gsm8k_server import Gsm8kTestServer, scripted_answers
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"

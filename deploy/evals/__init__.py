@@ -3,17 +3,30 @@
 from .client import ClientConfig, Completion, EndpointClient, RequestFailed, RetryPolicy
 from .data import GSM8K_SHA256, GSM8K_URL, Dataset, Problem, ensure_dataset, load_dataset
 from .errors import DataUnavailable, EndpointError, EndpointUnreachable, EvalError, UsageError
-from .gate import Baseline, GateResult, RuleResult, check_baseline, check_floor, load_baseline
+from .gate import (
+    SCHEMA,
+    Baseline,
+    GateResult,
+    RuleResult,
+    check_compatible,
+    check_floor,
+    check_paired,
+    load_baseline,
+    questions_fingerprint,
+)
 from .gsm8k import Gsm8kOptions, evaluate
 from .prompt import STOP, Item, build_items, few_shot_prefix
+from .publish import InCluster, PublishError, publish_baseline
 from .report import Metrics, Report, compute_metrics, format_table
 from .runner import QuestionRecord, RunResult, run_items
-from .scoring import INVALID, extract_answer, is_correct
+from .scoring import last_explicit, last_number, same_number, strict_match
+from .stats import newcombe_interval, paired_interval, paired_power, tango_interval
+from .textfile import render_metrics, write_textfile
 
 __all__ = [
     "GSM8K_SHA256",
     "GSM8K_URL",
-    "INVALID",
+    "SCHEMA",
     "STOP",
     "Baseline",
     "ClientConfig",
@@ -26,9 +39,11 @@ __all__ = [
     "EvalError",
     "GateResult",
     "Gsm8kOptions",
+    "InCluster",
     "Item",
     "Metrics",
     "Problem",
+    "PublishError",
     "QuestionRecord",
     "Report",
     "RequestFailed",
@@ -37,16 +52,27 @@ __all__ = [
     "RunResult",
     "UsageError",
     "build_items",
-    "check_baseline",
+    "check_compatible",
     "check_floor",
+    "check_paired",
     "compute_metrics",
     "ensure_dataset",
     "evaluate",
-    "extract_answer",
     "few_shot_prefix",
     "format_table",
-    "is_correct",
+    "last_explicit",
+    "last_number",
     "load_baseline",
     "load_dataset",
+    "newcombe_interval",
+    "paired_interval",
+    "paired_power",
+    "publish_baseline",
+    "questions_fingerprint",
+    "render_metrics",
     "run_items",
+    "same_number",
+    "strict_match",
+    "tango_interval",
+    "write_textfile",
 ]

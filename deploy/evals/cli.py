@@ -3,30 +3,49 @@
 Exit codes (stable; the Helm test and the post-upgrade Job rely on them):
   0  the run finished and every gate rule passed (or no rule was given)
   1  a gate rule failed: the rule and its numbers are on stderr and in the report
-  2  bad usage: a bad flag value or an unreadable --baseline report
+  2  bad usage: a bad flag value, or a --baseline report that cannot be used (the reason is printed:
+     it did not pass, has errors, another schema, data file, API, shot count, max_tokens, or
+     does not hold this run's questions)
   3  no data: offline without --data, an unreadable file, or a checksum mismatch
-  4  the endpoint is unreachable, too many questions failed after retries, --timeout passed,
-     or SIGTERM stopped the run
+  4  the run cannot be judged on accuracy: the endpoint is unreachable, too many questions failed
+     after retries (--max-error-rate), too many first attempts failed (--max-retry-rate), too many
+     malformed responses (--max-invalid-rate) or truncated answers (--max-truncation-rate),
+     --timeout passed, SIGTERM stopped the run, or this tool hit an unexpected error
 
-The report (`--output`) is written whenever the run started, whatever the exit code. For a Job with
-activeDeadlineSeconds, pass --timeout somewhat below it: the run then ends with a report and exit 4
-rather than being killed (SIGTERM also ends the run with a report, within the grace period).
+With --baseline, the rule is paired non-inferiority: the questions of both runs are matched by id
+and the run passes only when the one-sided --confidence upper bound of its accuracy drop (a Tango
+score interval on the questions it lost and gained) is below --max-drop.
+
+The report (`--output`) is written whenever the run started, whatever the exit code, and on an
+unexpected error. For a Job with activeDeadlineSeconds, pass --timeout somewhat below it: the run
+then ends with a report and exit 4 rather than being killed (SIGTERM also ends the run with a
+report, within the grace period).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 from pathlib import Path
 
 from .client import ClientConfig, RetryPolicy
-from .errors import DataUnavailable, EndpointError, EvalError, UsageError
-from .gate import DEFAULT_CONFIDENCE, DEFAULT_MAX_DROP
-from .gsm8k import DEFAULT_MAX_ERROR_RATE, DEFAULT_NUM_QUESTIONS, Gsm8kOptions, evaluate
+from .errors import DataUnavailable, EvalError, UsageError
+from .gate import DEFAULT_CONFIDENCE, DEFAULT_INTERVAL, DEFAULT_MAX_DROP
+from .gsm8k import (
+    DEFAULT_MAX_ERROR_RATE,
+    DEFAULT_MAX_INVALID_RATE,
+    DEFAULT_MAX_RETRY_RATE,
+    DEFAULT_MAX_TRUNCATION_RATE,
+    Gsm8kOptions,
+    evaluate,
+)
 from .prompt import DEFAULT_NUM_SHOTS
-from .report import format_table
+from .publish import PublishError, in_cluster, publish_baseline
+from .report import Report, format_table, minimal_report, write_json
+from .textfile import parse_labels, render_metrics, write_textfile
 
 __all__ = ["EXIT_DATA", "EXIT_ENDPOINT", "EXIT_GATE_FAILED", "EXIT_OK", "EXIT_USAGE", "add_arguments", "run"]
 
@@ -82,15 +101,15 @@ def _add_gsm8k(p: argparse.ArgumentParser) -> None:
     data.add_argument(
         "--num-questions",
         type=_num_questions,
-        default=DEFAULT_NUM_QUESTIONS,
+        default=None,
         metavar="N|all",
-        help=f"the first N questions after the shots (default: {DEFAULT_NUM_QUESTIONS})",
+        help="the first N questions after the shots (default: all, 1314 of test.jsonl)",
     )
     data.add_argument("--sample", action="store_true", help="a seeded random sample of N instead of the first N")
     data.add_argument("--seed", type=int, default=0, help="seed of --sample (default: 0)")
     data.add_argument("--max-tokens", type=int, default=512, help="default: 512")
 
-    runp = p.add_argument_group("run")
+    runp = p.add_argument_group("run (exit 4 past any limit)")
     runp.add_argument("--parallel", type=int, default=128, help="concurrent requests (default: 128)")
     runp.add_argument("--retries", type=int, default=3, help="retries of a transient failure (default: 3)")
     runp.add_argument("--retry-backoff", type=float, default=1.0, metavar="SECONDS", help="first backoff (default 1)")
@@ -106,29 +125,63 @@ def _add_gsm8k(p: argparse.ArgumentParser) -> None:
     runp.add_argument(
         "--timeout", type=_positive, default=None, metavar="SECONDS", help="limit on the whole run (exit 4 past it)"
     )
-    runp.add_argument(
-        "--max-error-rate",
-        type=_fraction,
-        default=DEFAULT_MAX_ERROR_RATE,
-        help=f"fraction of failed questions that makes the run an error, exit 4 (default: {DEFAULT_MAX_ERROR_RATE})",
-    )
+    for flag, default, what in (
+        ("--max-error-rate", DEFAULT_MAX_ERROR_RATE, "questions that failed after retries"),
+        ("--max-retry-rate", DEFAULT_MAX_RETRY_RATE, "questions whose first attempt failed (then retried)"),
+        ("--max-invalid-rate", DEFAULT_MAX_INVALID_RATE, "questions that got a malformed response"),
+        ("--max-truncation-rate", DEFAULT_MAX_TRUNCATION_RATE, "answers cut at --max-tokens"),
+    ):
+        runp.add_argument(flag, type=_fraction, default=default, help=f"most {what}, a fraction (default: {default})")
     runp.add_argument("--output", type=Path, default=None, help="write the JSON report here")
     runp.add_argument("--quiet", action="store_true", help="no progress bar")
 
     gate = p.add_argument_group("gate (exit 1 when a rule fails)")
     gate.add_argument("--min-accuracy", type=_fraction, default=None, help="fail below this accuracy")
-    gate.add_argument("--baseline", type=Path, default=None, help="an earlier report to compare with")
+    gate.add_argument("--baseline", type=Path, default=None, help="an earlier passing report to compare with, paired")
+    gate.add_argument(
+        "--baseline-optional",
+        action="store_true",
+        help="skip the paired rule, with a warning, when the --baseline file does not exist (a first release)",
+    )
     gate.add_argument(
         "--max-drop",
         type=_fraction,
         default=DEFAULT_MAX_DROP,
-        help=f"fail when the drop from --baseline exceeds this, with confidence (default: {DEFAULT_MAX_DROP})",
+        help=f"fail unless the drop from --baseline is shown to be below this (default: {DEFAULT_MAX_DROP})",
     )
     gate.add_argument(
         "--confidence",
         type=float,
         default=DEFAULT_CONFIDENCE,
-        help=f"one-sided confidence of the baseline test (default: {DEFAULT_CONFIDENCE})",
+        help=f"one-sided confidence of the bound on the drop (default: {DEFAULT_CONFIDENCE})",
+    )
+    gate.add_argument(
+        "--interval",
+        choices=("tango", "newcombe"),
+        default=DEFAULT_INTERVAL,
+        help=f"paired interval: Tango's score interval or Newcombe's method 10 (default: {DEFAULT_INTERVAL})",
+    )
+
+    out = p.add_argument_group("publishing")
+    out.add_argument(
+        "--publish-baseline",
+        metavar="CONFIGMAP",
+        default=None,
+        help="inside a pod: on a clean pass, store the report (without outputs) in this ConfigMap, key report.json",
+    )
+    out.add_argument(
+        "--metrics-textfile",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="write the verdict and numbers as Prometheus metrics for node-exporter's textfile collector (*.prom)",
+    )
+    out.add_argument(
+        "--metrics-label",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a label on every metric of --metrics-textfile (repeatable)",
     )
 
 
@@ -137,7 +190,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="eval_name", required=True, metavar="EVAL")
     p = sub.add_parser(
         "gsm8k",
-        help="few-shot gsm8k in SGLang's convention, with a floor and a baseline gate",
+        help="few-shot gsm8k in SGLang's convention, with a floor and a paired baseline gate",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -160,6 +213,8 @@ def build_options(args: argparse.Namespace) -> Gsm8kOptions:
         raise UsageError(f"--retry-backoff must be 0 or more, not {args.retry_backoff}.")
     if not 0.0 < args.confidence < 1.0:
         raise UsageError(f"--confidence must be in (0, 1), not {args.confidence}.")
+    if args.baseline_optional and args.baseline is None:
+        raise UsageError("--baseline-optional needs --baseline PATH.")
     client = ClientConfig(
         base_url=args.base_url,
         api=args.api,
@@ -181,33 +236,20 @@ def build_options(args: argparse.Namespace) -> Gsm8kOptions:
         timeout_s=args.timeout,
         wait_ready_s=args.wait_ready,
         max_error_rate=args.max_error_rate,
+        max_retry_rate=args.max_retry_rate,
+        max_invalid_rate=args.max_invalid_rate,
+        max_truncation_rate=args.max_truncation_rate,
         min_accuracy=args.min_accuracy,
         baseline=args.baseline,
+        baseline_optional=args.baseline_optional,
         max_drop=args.max_drop,
         confidence=args.confidence,
+        interval=args.interval,
         progress=not args.quiet,
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    try:
-        options = build_options(args)
-        report = asyncio.run(evaluate(options))
-    except UsageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except DataUnavailable as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_DATA
-    except EndpointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_ENDPOINT
-    except EvalError as exc:  # a new subclass without its own code: fail loudly, as an endpoint problem
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_ENDPOINT
-    if args.output is not None:
-        report.write(args.output)
-    print(format_table(report))
+def _exit_code(report: Report) -> int:
     if report.status == "error":
         print(f"error: {report.error}", file=sys.stderr)
         return EXIT_ENDPOINT
@@ -216,3 +258,62 @@ def run(args: argparse.Namespace) -> int:
             print(f"gate failed ({rule.rule}): {rule.message}", file=sys.stderr)
         return EXIT_GATE_FAILED
     return EXIT_OK
+
+
+def _publish(configmap: str, report: Report) -> None:
+    """Store a clean pass as the next baseline; a failure to store it is a warning, not a failed rollout."""
+    if report.status != "pass" or report.metrics.errors:
+        print(f"note: the report was not stored in ConfigMap {configmap} (only a clean pass is)", file=sys.stderr)
+        return
+    try:
+        text = json.dumps(report.to_dict(outputs=False), allow_nan=False, separators=(",", ":"))
+        publish_baseline(configmap, text, in_cluster())
+    except PublishError as exc:
+        print(f"warning: the passing report was not stored as the next baseline: {exc}", file=sys.stderr)
+    else:
+        print(f"stored this report in ConfigMap {configmap} (key report.json) as the next baseline", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    report: Report | None = None
+    try:
+        labels = parse_labels(args.metrics_label)
+        options = build_options(args)
+        report = asyncio.run(evaluate(options))
+        if args.output is not None:
+            report.write(args.output)
+        print(format_table(report))
+        for warning in report.warnings:
+            print(f"warning: {warning}", file=sys.stderr)
+        code = _exit_code(report)
+        if args.publish_baseline:
+            _publish(args.publish_baseline, report)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        code = EXIT_USAGE
+    except DataUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        code = EXIT_DATA
+    except EvalError as exc:  # EndpointError, and any new subclass without its own code
+        print(f"error: {exc}", file=sys.stderr)
+        code = EXIT_ENDPOINT
+    except Exception as exc:  # a bug of this tool: still exit 4 with a report, never a bare traceback
+        message = f"internal error: {type(exc).__name__}: {exc}"
+        print(f"error: {message}", file=sys.stderr)
+        code = EXIT_ENDPOINT
+        if args.output is not None:
+            try:
+                if report is not None:
+                    report.write(args.output)
+                else:
+                    write_json(args.output, json.dumps(minimal_report(message), indent=1))
+            except OSError as write_exc:
+                print(f"error: the report could not be written to {args.output}: {write_exc}", file=sys.stderr)
+    if args.metrics_textfile is not None:
+        try:
+            labels = parse_labels(args.metrics_label)
+            metrics = render_metrics(report.to_dict(outputs=False) if report else None, code, labels)
+            write_textfile(args.metrics_textfile, metrics)
+        except Exception as exc:  # the verdict stands whatever happens to its metrics
+            print(f"warning: the metrics were not written to {args.metrics_textfile}: {exc}", file=sys.stderr)
+    return code

@@ -1,7 +1,14 @@
 """An async client for one OpenAI-compatible endpoint: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
 
-Transient failures (connection errors, timeouts, 408/429/5xx) are retried with exponential backoff
-and counted; anything else fails the question at once. Neither is ever dropped silently.
+One aiohttp session with one connection pool sized to `--parallel` (as the router's upstream
+client): the harness must not be what limits a fast endpoint. Three kinds of trouble are kept
+apart and counted, never dropped:
+
+- transient failures (connection errors, timeouts, 408/429/5xx) are retried with exponential
+  backoff; a question whose *first* attempt failed counts towards `--max-retry-rate`;
+- a malformed 200 (not JSON, no choices, a non-string text, a body that does not decode) is asked
+  again once and counts towards `--max-invalid-rate`;
+- anything else (a 400, a 404) fails the question at once.
 """
 
 from __future__ import annotations
@@ -12,7 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import httpx
+import aiohttp
+import orjson
 
 from .errors import EndpointUnreachable
 from .prompt import STOP
@@ -28,6 +36,7 @@ __all__ = [
 ]
 
 Api = Literal["completions", "chat"]
+FailureKind = Literal["transient", "http", "invalid_response"]
 
 TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
@@ -72,14 +81,29 @@ class Completion:
     finish_reason: str | None
     latency_s: float
     retries: int
+    # The first attempt failed transiently (retried and then answered).
+    first_attempt_failed: bool = False
+    # Malformed 200 responses seen before this good one (0 or 1).
+    invalid_responses: int = 0
 
 
 class RequestFailed(Exception):
-    """One question's request failed for good (after `retries` retries)."""
+    """One question's request failed for good: `kind` says how (see the module docstring)."""
 
-    def __init__(self, message: str, retries: int) -> None:
+    def __init__(
+        self,
+        message: str,
+        retries: int,
+        *,
+        kind: FailureKind = "transient",
+        first_attempt_failed: bool = False,
+        invalid_responses: int = 0,
+    ) -> None:
         super().__init__(message)
         self.retries = retries
+        self.kind = kind
+        self.first_attempt_failed = first_attempt_failed
+        self.invalid_responses = invalid_responses
 
 
 class _Transient(Exception):
@@ -88,26 +112,36 @@ class _Transient(Exception):
         self.retry_after = retry_after
 
 
-def _retry_after(response: httpx.Response) -> float | None:
+class _Malformed(Exception):
+    """A 200 whose body is not the OpenAI response it should be."""
+
+
+def _retry_after(headers: Any) -> float | None:
     try:
-        return max(0.0, float(response.headers["retry-after"]))
-    except (KeyError, ValueError):
+        return max(0.0, float(headers["retry-after"]))
+    except (KeyError, ValueError, TypeError):
         return None
 
 
-def _model_ids(response: httpx.Response) -> list[str]:
+def _describe(status: int, url: str, body: bytes) -> str:
+    text = body.decode("utf-8", "replace").strip().replace("\n", " ")
+    return f"HTTP {status} from {url}: {text[:300]}"
+
+
+def _is_decoding_error(exc: aiohttp.ClientPayloadError) -> bool:
+    # aiohttp reports a body that does not decompress (bad gzip/deflate) as a payload error whose
+    # text names the encoding; a connection cut mid-body is a payload error too, but transient.
+    text = f"{exc} {exc.__cause__!r}".lower()
+    return any(word in text for word in ("encoding", "decompress", "gzip", "deflate", "brotli"))
+
+
+def _model_ids(url: str, body: bytes) -> list[str]:
     try:
-        return [str(m["id"]) for m in response.json()["data"]]
+        return [str(m["id"]) for m in orjson.loads(body)["data"]]
     except (ValueError, KeyError, TypeError) as exc:
         raise EndpointUnreachable(
-            f"{response.request.url} did not answer an OpenAI model list ({response.text[:200]!r}); "
-            "check --base-url (it should end in /v1)."
+            f"{url} did not answer an OpenAI model list ({body[:200]!r}); check --base-url (it should end in /v1)."
         ) from exc
-
-
-def _describe(response: httpx.Response) -> str:
-    body = response.text.strip().replace("\n", " ")
-    return f"HTTP {response.status_code} from {response.request.url}: {body[:300]}"
 
 
 class EndpointClient:
@@ -119,12 +153,11 @@ class EndpointClient:
         self.model: str | None = config.model
         # Every retry of a question's request, including those of requests cancelled mid-way.
         self.retries = 0
-        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-        self._http = httpx.AsyncClient(
-            headers=headers,
-            timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s),
-            limits=httpx.Limits(max_connections=config.parallel, max_keepalive_connections=config.parallel),
-        )
+        self._headers = {"Content-Type": "application/json"}
+        if config.api_key:
+            self._headers["Authorization"] = f"Bearer {config.api_key}"
+        self._timeout = aiohttp.ClientTimeout(total=config.request_timeout_s, sock_connect=config.connect_timeout_s)
+        self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> EndpointClient:
         return self
@@ -132,8 +165,30 @@ class EndpointClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        # Created on first use: an aiohttp session belongs to the running event loop.
+        if self._session is None:
+            connector = aiohttp.TCPConnector(
+                limit=self.config.parallel, limit_per_host=self.config.parallel, ttl_dns_cache=300
+            )
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                headers=self._headers,
+                timeout=self._timeout,
+                cookie_jar=aiohttp.DummyCookieJar(),
+                trust_env=True,  # honour HTTP(S)_PROXY / NO_PROXY, as curl and the OpenAI SDK do
+            )
+        return self._session
+
     async def aclose(self) -> None:
-        await self._http.aclose()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _get(self, url: str) -> tuple[int, bytes, Any]:
+        async with self.session.get(url) as response:
+            return response.status, await response.read(), response.headers
 
     async def resolve_model(self, wait_s: float = 0.0) -> str:
         """Check that the endpoint answers `GET /models`; return --model, else the first model it serves.
@@ -150,22 +205,24 @@ class EndpointClient:
             cause: Exception | None = None
             retry_after: float | None = None
             try:
-                response = await self._http.get(url)
-            except httpx.TransportError as exc:
+                status, body, headers = await self._get(url)
+            except (aiohttp.ClientError, TimeoutError) as exc:
                 problem, cause = f"Cannot reach {url} ({type(exc).__name__}: {exc}). {hint}", exc
             else:
-                if response.status_code in (401, 403):
-                    raise EndpointUnreachable(f"{_describe(response)}. Pass the key with --api-key or OPENAI_API_KEY.")
-                if response.status_code in TRANSIENT_STATUS:
-                    problem, retry_after = f"{_describe(response)}. {hint}", _retry_after(response)
-                elif response.status_code != 200:
-                    raise EndpointUnreachable(f"{_describe(response)}. {hint}.")
+                if status in (401, 403):
+                    raise EndpointUnreachable(
+                        f"{_describe(status, url, body)}. Pass the key with --api-key or OPENAI_API_KEY."
+                    )
+                if status in TRANSIENT_STATUS:
+                    problem, retry_after = f"{_describe(status, url, body)}. {hint}", _retry_after(headers)
+                elif status != 200:
+                    raise EndpointUnreachable(f"{_describe(status, url, body)}. {hint}.")
                 else:
-                    models = _model_ids(response)
+                    models = _model_ids(url, body)
                     if models:
                         self.model = self.model or models[0]
                         return self.model
-                    problem = f"{url} lists no model yet (a router with no healthy worker?): {response.text[:200]!r}"
+                    problem = f"{url} lists no model yet (a router with no healthy worker?): {body[:200]!r}"
             remaining = deadline - time.monotonic()
             if attempt >= retry.max_retries and remaining <= 0:
                 if self.model is not None and cause is None and retry_after is None:
@@ -175,61 +232,104 @@ class EndpointClient:
             await asyncio.sleep(min(delay, 5.0, remaining) if remaining > 0 else delay)
             attempt += 1
 
-    def _body(self, prompt: str) -> tuple[str, dict[str, Any]]:
+    def _body(self, prompt: str) -> tuple[str, bytes]:
         common: dict[str, Any] = {
             "model": self.model,
             "max_tokens": self.config.max_tokens,
             "temperature": self.config.temperature,
         }
         if self.config.api == "chat":
-            return "/chat/completions", {**common, "messages": [{"role": "user", "content": prompt}]}
-        return "/completions", {**common, "prompt": prompt, "stop": list(STOP)}
+            body = {**common, "messages": [{"role": "user", "content": prompt}]}
+            return f"{self.base_url}/chat/completions", orjson.dumps(body)
+        return f"{self.base_url}/completions", orjson.dumps({**common, "prompt": prompt, "stop": list(STOP)})
 
-    def _parse(self, response: httpx.Response, latency_s: float, retries: int) -> Completion:
+    def _parse(self, body: bytes) -> tuple[str, int | None, str | None]:
+        """(text, completion tokens, finish reason) of a 200's body; _Malformed when it is not one."""
         try:
-            data = response.json()
+            data = orjson.loads(body)
             choice = data["choices"][0]
             text = choice["message"]["content"] if self.config.api == "chat" else choice["text"]
-            usage = data.get("usage") or {}
-            tokens = usage.get("completion_tokens")
-            return Completion(
-                text=text or "",
-                completion_tokens=int(tokens) if tokens is not None else None,
-                finish_reason=choice.get("finish_reason"),
-                latency_s=latency_s,
-                retries=retries,
-            )
-        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
-            raise RequestFailed(
-                f"Not an OpenAI {self.config.api} response from {response.request.url}: {response.text[:200]!r}",
-                retries,
-            ) from exc
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise _Malformed(f"not an OpenAI {self.config.api} response: {body[:200]!r}") from exc
+        if text is None and self.config.api == "chat":
+            text = ""  # a chat message without content is an empty answer, not a broken response
+        if not isinstance(text, str):
+            raise _Malformed(f"the answer text is a {type(text).__name__}, not a string: {body[:200]!r}")
+        usage = data.get("usage") if isinstance(data, dict) else None
+        tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        finish = choice.get("finish_reason") if isinstance(choice, dict) else None
+        return (
+            text,
+            tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0 else None,
+            finish if isinstance(finish, str) else None,
+        )
 
-    async def _attempt(self, path: str, body: dict[str, Any]) -> tuple[httpx.Response, float]:
+    async def _attempt(self, url: str, payload: bytes) -> tuple[str, int | None, str | None, float]:
         start = time.perf_counter()
         try:
-            response = await self._http.post(self.base_url + path, json=body)
-        except httpx.TransportError as exc:
+            async with self.session.post(url, data=payload) as response:
+                try:
+                    body = await response.read()
+                except aiohttp.ClientPayloadError as exc:
+                    if response.status == 200 and _is_decoding_error(exc):
+                        raise _Malformed(f"the body does not decode ({exc})") from exc
+                    raise
+                status, headers = response.status, response.headers
+        except (aiohttp.ClientError, TimeoutError) as exc:
             raise _Transient(f"{type(exc).__name__}: {exc}".rstrip(": ")) from exc
-        if response.status_code in TRANSIENT_STATUS:
-            raise _Transient(_describe(response), _retry_after(response))
-        return response, time.perf_counter() - start
+        if status in TRANSIENT_STATUS:
+            raise _Transient(_describe(status, url, body), _retry_after(headers))
+        if status != 200:
+            raise RequestFailed(_describe(status, url, body), 0, kind="http")
+        text, tokens, finish = self._parse(body)
+        return text, tokens, finish, time.perf_counter() - start
 
     async def complete(self, prompt: str) -> Completion:
         if self.model is None:
             raise RuntimeError("Cannot send a request before resolve_model() has chosen the model.")
-        path, body = self._body(prompt)
+        url, payload = self._body(prompt)
         retry = self.config.retry
-        for attempt in range(retry.max_retries + 1):
+        retries = malformed = 0
+        first_failed = False
+        attempt = 0
+        while True:
             try:
-                response, latency_s = await self._attempt(path, body)
+                text, tokens, finish, latency_s = await self._attempt(url, payload)
             except _Transient as exc:
-                if attempt == retry.max_retries:
-                    raise RequestFailed(f"{exc} (gave up after {attempt} retries)", attempt) from exc
+                first_failed = first_failed or attempt == 0
+                if retries >= retry.max_retries:
+                    raise RequestFailed(
+                        f"{exc} (gave up after {retries} retries)",
+                        retries,
+                        first_attempt_failed=first_failed,
+                        invalid_responses=malformed,
+                    ) from exc
                 self.retries += 1
-                await asyncio.sleep(retry.delay(attempt, exc.retry_after))
-                continue
-            if response.status_code != 200:
-                raise RequestFailed(_describe(response), attempt)
-            return self._parse(response, latency_s, attempt)
-        raise AssertionError("unreachable")
+                await asyncio.sleep(retry.delay(retries, exc.retry_after))
+                retries += 1
+            except _Malformed as exc:
+                malformed += 1
+                if malformed > 1:
+                    raise RequestFailed(
+                        f"Malformed response from {url} twice: {exc}",
+                        retries,
+                        kind="invalid_response",
+                        first_attempt_failed=first_failed,
+                        invalid_responses=malformed,
+                    ) from exc
+                self.retries += 1
+                retries += 1
+            except RequestFailed as exc:
+                exc.retries, exc.first_attempt_failed, exc.invalid_responses = retries, first_failed, malformed
+                raise
+            else:
+                return Completion(
+                    text=text,
+                    completion_tokens=tokens,
+                    finish_reason=finish,
+                    latency_s=latency_s,
+                    retries=retries,
+                    first_attempt_failed=first_failed,
+                    invalid_responses=malformed,
+                )
+            attempt += 1

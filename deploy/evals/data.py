@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 
 from .errors import DataUnavailable
-from .scoring import INVALID, extract_answer
+from .scoring import last_number
 
 __all__ = [
     "GSM8K_SHA256",
@@ -38,12 +38,13 @@ DOWNLOAD_TIMEOUT_S = 60.0
 
 @dataclass(frozen=True, slots=True)
 class Problem:
-    """One gsm8k line: `index` is its 0-based line number in the file (the question's id)."""
+    """One gsm8k line: `index` is its 0-based line number in the file (the question's id); `label` is
+    the number after `####`, commas removed, kept as written (compared as a decimal)."""
 
     index: int
     question: str
     answer: str
-    label: int | float
+    label: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,12 +66,12 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _label(answer: str, where: str) -> int | float:
+def _label(answer: str, where: str) -> str:
     _, sep, tail = answer.rpartition("####")
     if not sep:
         raise DataUnavailable(f"{where}: the answer has no '#### <number>' line; is this a gsm8k jsonl file?")
-    value = extract_answer(tail)
-    if value == INVALID:
+    value = last_number(tail)
+    if value is None:
         raise DataUnavailable(f"{where}: no number after '####' in the answer ({tail.strip()!r}).")
     return value
 

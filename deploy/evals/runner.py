@@ -13,28 +13,38 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .client import EndpointClient, RequestFailed
+from .client import Completion, EndpointClient, RequestFailed
 from .prompt import Item
-from .scoring import INVALID, extract_answer, is_correct
+from .scoring import last_explicit, last_number, same_number, strict_match, strict_normalize
 
-__all__ = ["QuestionRecord", "RunResult", "run_items"]
+__all__ = ["QuestionRecord", "RunResult", "run_items", "score"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class QuestionRecord:
-    """One question's outcome. `extracted` is None when the output holds no number or the request failed."""
+    """One question's outcome under the three scores (see `scoring`). `extracted` is the gate's answer,
+    None when the output holds no number or the request failed; `error_kind` is the client's failure kind
+    ("transient", "http", "invalid_response") or "internal" for a bug of this tool."""
 
     id: int
-    label: int | float
+    label: str
     output: str | None
-    extracted: int | float | None
+    extracted: str | None
     correct: bool
     invalid: bool
-    error: str | None
-    retries: int
-    latency_s: float | None
-    completion_tokens: int | None
-    finish_reason: str | None
+    strict: str | None = None
+    strict_correct: bool = False
+    explicit: str | None = None
+    explicit_correct: bool = False
+    error: str | None = None
+    error_kind: str | None = None
+    retries: int = 0
+    first_attempt_failed: bool = False
+    invalid_responses: int = 0
+    truncated: bool = False
+    latency_s: float | None = None
+    completion_tokens: int | None = None
+    finish_reason: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,32 +67,61 @@ class _TooManyErrors(Exception):
     """Raised by a worker to stop the run: the gate can no longer pass."""
 
 
-def _failed(item: Item, error: str, retries: int = 0) -> QuestionRecord:
+def _failed(item: Item, error: str, kind: str, **counts: Any) -> QuestionRecord:
     return QuestionRecord(
-        item.problem.index, item.problem.label, None, None, False, False, error, retries, None, None, None
+        id=item.problem.index,
+        label=item.problem.label,
+        output=None,
+        extracted=None,
+        correct=False,
+        invalid=False,
+        error=error,
+        error_kind=kind,
+        **counts,
+    )
+
+
+def score(item: Item, completion: Completion) -> QuestionRecord:
+    """The record of one answered question, under the gate's score and the two others."""
+    text, label = completion.text, item.problem.label
+    extracted = last_number(text)
+    strict, explicit = strict_match(text), last_explicit(text)
+    return QuestionRecord(
+        id=item.problem.index,
+        label=label,
+        output=text,
+        extracted=extracted,
+        correct=same_number(extracted, label),
+        invalid=extracted is None,
+        strict=strict,
+        strict_correct=strict is not None and strict == strict_normalize(label),
+        explicit=explicit,
+        explicit_correct=same_number(explicit, label),
+        retries=completion.retries,
+        first_attempt_failed=completion.first_attempt_failed,
+        invalid_responses=completion.invalid_responses,
+        truncated=completion.finish_reason == "length",
+        latency_s=completion.latency_s,
+        completion_tokens=completion.completion_tokens,
+        finish_reason=completion.finish_reason,
     )
 
 
 async def _ask(client: EndpointClient, item: Item) -> QuestionRecord:
     try:
-        c = await client.complete(item.prompt)
+        completion = await client.complete(item.prompt)
+        return score(item, completion)
     except RequestFailed as exc:
-        return _failed(item, str(exc), exc.retries)
-    value = extract_answer(c.text)
-    invalid = value == INVALID
-    return QuestionRecord(
-        id=item.problem.index,
-        label=item.problem.label,
-        output=c.text,
-        extracted=None if invalid else value,
-        correct=is_correct(value, item.problem.label),
-        invalid=invalid,
-        error=None,
-        retries=c.retries,
-        latency_s=c.latency_s,
-        completion_tokens=c.completion_tokens,
-        finish_reason=c.finish_reason,
-    )
+        return _failed(
+            item,
+            str(exc),
+            exc.kind,
+            retries=exc.retries,
+            first_attempt_failed=exc.first_attempt_failed,
+            invalid_responses=exc.invalid_responses,
+        )
+    except Exception as exc:  # a bug here must cost one question, never the run and its report
+        return _failed(item, f"internal error: {type(exc).__name__}: {exc}", "internal")
 
 
 async def run_items(
@@ -151,7 +190,7 @@ async def run_items(
         "interrupted": "not answered: the run was interrupted (SIGTERM)",
         "errors": f"not finished: the run stopped after more than {max_errors} failed questions",
     }.get(stopped or "", "not finished")
-    records = tuple(done.get(i) or _failed(item, reason) for i, item in enumerate(items))
+    records = tuple(done.get(i) or _failed(item, reason, "unanswered") for i, item in enumerate(items))
     return RunResult(
         records=records,
         started_at=started_at,

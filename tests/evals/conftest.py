@@ -14,7 +14,7 @@ import pytest
 
 from sglang_pd.deploy.cli import main
 from sglang_pd.deploy.evals import Dataset, load_dataset
-from sglang_pd.deploy.evals.testing import Gsm8kTestServer, ServerScript
+from tests.support.gsm8k_server import Gsm8kTestServer, ServerScript
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GSM8K_DIR = REPO_ROOT.parent / "shared" / "data" / "gsm8k"

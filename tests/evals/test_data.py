@@ -115,7 +115,7 @@ def test_custom_file_is_not_canonical(tmp_path: Path) -> None:
     path = tmp_path / "mini.jsonl"
     path.write_text('{"question": "q", "answer": "1 + 1 = 2\\n#### 2"}\n')
     data = load_dataset(path)
-    assert not data.canonical and data.problems[0].label == 2
+    assert not data.canonical and data.problems[0].label == "2"
 
 
 def test_unwritable_cache_falls_back_to_the_temp_dir(

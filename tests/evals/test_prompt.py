@@ -49,4 +49,4 @@ def test_real_data_default_is_1314_questions(dataset: Dataset) -> None:
     items = build_items(dataset.problems)
     assert len(build_items(dataset.problems, num_questions=None)) == 1314
     assert items[0].problem.index == 5 and items[0].prompt.count("Question: ") == 6
-    assert dataset.problems[0].label == 18  # "Janet’s ducks"
+    assert dataset.problems[0].label == "18"  # "Janet’s ducks"

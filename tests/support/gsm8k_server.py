@@ -2,7 +2,9 @@
 
 It serves `/v1/models`, `/v1/completions` and `/v1/chat/completions` over real HTTP (aiohttp in a
 background thread), finds the last `Question: ...\\nAnswer:` of the prompt and answers from a script:
-the right number, a wrong one, no number at all, transient 503s before answering, or 500 forever.
+the right number, a wrong one, no number at all, transient 503s or closed connections before
+answering, 500 forever, malformed 200s (not JSON, a number as the text, a body that is not the gzip
+it claims to be), or an answer cut at max_tokens.
 
     answers = scripted_answers(problems, correct=lambda p: p.index % 2 == 0)
     with Gsm8kTestServer(answers) as server:
@@ -21,15 +23,20 @@ from typing import Any
 
 from aiohttp import web
 
-from .data import Problem
+from sglang_pd.deploy.evals.data import Problem
 
 __all__ = ["Gsm8kTestServer", "ServerScript", "scripted_answers"]
 
 _QUESTION, _ANSWER = "Question: ", "\nAnswer:"
 
 
-def _format(label: int | float) -> str:
-    return f"{label:,}" if isinstance(label, int) else str(label)
+def _format(label: str) -> str:
+    """The label as a person writes it: thousands separated by commas when it is an integer."""
+    return f"{int(label):,}" if label.lstrip("-").isdigit() else label
+
+
+def _plus_one(label: str) -> str:
+    return str(int(label) + 1) if label.lstrip("-").isdigit() else label + "1"
 
 
 def scripted_answers(
@@ -46,17 +53,25 @@ def scripted_answers(
         elif correct(p):
             out[p.question] = f" Adding it up step by step gives the total.\n#### {_format(p.label)}"
         else:
-            out[p.question] = f" Adding it up step by step gives the total.\n#### {_format(p.label + 1)}"
+            out[p.question] = f" Adding it up step by step gives the total.\n#### {_format(_plus_one(p.label))}"
     return out
 
 
 @dataclass(slots=True)
 class ServerScript:
-    """What the server answers. `flaky[q]`: how many first attempts of q get a 503; `broken`: always 500."""
+    """What the server answers. `flaky[q]`: how many first attempts of q get a 503; `dropped[q]`: how many
+    have their connection closed with no answer; `broken`: always 500; `malformed[q]`: how many get a 200
+    that is not JSON; `number_text`: a 200 whose text is a number, not a string; `bad_gzip`: a 200
+    claiming gzip that is not; `truncated`: answered with finish_reason "length"."""
 
     answers: Mapping[str, str]
     flaky: Mapping[str, int] = field(default_factory=dict)
+    dropped: Mapping[str, int] = field(default_factory=dict)
     broken: frozenset[str] = frozenset()
+    malformed: Mapping[str, int] = field(default_factory=dict)
+    number_text: frozenset[str] = frozenset()
+    bad_gzip: frozenset[str] = frozenset()
+    truncated: frozenset[str] = frozenset()
     default: str = " I do not know."
     model: str = "gsm8k-test"
     # When set, every request must carry `Authorization: Bearer <api_key>` (else 401).
@@ -114,13 +129,29 @@ class Gsm8kTestServer:
             return web.json_response({"object": "list", "data": []})
         return web.json_response({"object": "list", "data": [{"id": self.script.model, "object": "model"}]})
 
-    def _answer(self, question: str) -> web.Response | str:
+    def _answer(self, request: web.Request, question: str) -> web.Response | str:
         self.attempts[question] += 1
-        if question in self.script.broken:
+        attempt, script = self.attempts[question], self.script
+        if question in script.broken:
             return web.json_response({"error": {"message": "internal error (scripted)"}}, status=500)
-        if self.attempts[question] <= self.script.flaky.get(question, 0):
+        dropped = script.dropped.get(question, 0)
+        if attempt <= dropped:
+            assert request.transport is not None
+            request.transport.close()  # the client sees the connection closed before any answer
+            return web.Response(status=500)
+        attempt -= dropped
+        if attempt <= script.flaky.get(question, 0):
             return web.json_response({"error": {"message": "overloaded (scripted)"}}, status=503)
-        return self.script.answers.get(question, self.script.default)
+        attempt -= script.flaky.get(question, 0)
+        if attempt <= script.malformed.get(question, 0):
+            return web.Response(status=200, text="<html>upstream proxy error</html>", content_type="text/html")
+        if question in script.bad_gzip:
+            headers = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+            return web.Response(status=200, body=b"this is not gzip at all", headers=headers)
+        return script.answers.get(question, script.default)
+
+    def _finish(self, question: str) -> str:
+        return "length" if question in self.script.truncated else "stop"
 
     @staticmethod
     def _usage(text: str) -> dict[str, int]:
@@ -129,10 +160,12 @@ class Gsm8kTestServer:
     async def _completions(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.bodies.append(body)
-        answer = self._answer(_question_of(str(body.get("prompt", ""))))
+        question = _question_of(str(body.get("prompt", "")))
+        answer = self._answer(request, question)
         if isinstance(answer, web.Response):
             return answer
-        choice = {"index": 0, "text": answer, "finish_reason": "stop", "logprobs": None}
+        text: Any = 42 if question in self.script.number_text else answer
+        choice = {"index": 0, "text": text, "finish_reason": self._finish(question), "logprobs": None}
         return web.json_response(
             {
                 "id": "cmpl-test",
@@ -147,10 +180,13 @@ class Gsm8kTestServer:
         body = await request.json()
         self.bodies.append(body)
         messages = body.get("messages") or [{}]
-        answer = self._answer(_question_of(str(messages[-1].get("content", ""))))
+        question = _question_of(str(messages[-1].get("content", "")))
+        answer = self._answer(request, question)
         if isinstance(answer, web.Response):
             return answer
-        choice = {"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": "stop"}
+        content: Any = 42 if question in self.script.number_text else answer
+        message = {"role": "assistant", "content": content}
+        choice = {"index": 0, "message": message, "finish_reason": self._finish(question)}
         return web.json_response(
             {
                 "id": "chat-test",
