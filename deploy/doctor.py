@@ -2,8 +2,9 @@
 
 Versions of sglang, DeepEP, DeepGEMM, torch, Triton and sglang-pd; the GPU and its compute
 capability; whether our sm_90 kernel is usable; which signal layout the installed DeepEP takes;
-whether the sglang plugin is installed and its hook targets exist; and, for each SBO mode,
-whether it can run here. `--expect MODE` makes it a pre-flight check (exit 1 when MODE cannot run).
+whether the sglang plugin is installed and its hook targets exist; whether the NVIDIA driver is
+set up for DeepEP across nodes; and, for each SBO mode, whether it can run here.
+`--expect MODE` makes it a pre-flight check (exit 1 when MODE cannot run).
 `sbo_topology_warnings()` is the topology-side half, used by `sglang-pd plan --check`.
 """
 
@@ -14,12 +15,14 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import sys
+from pathlib import Path
 from typing import Any
 
 from sglang_pd.deploy.topology import SBOMode, Topology
 
-__all__ = ["add_arguments", "collect", "format_table", "run", "sbo_topology_warnings"]
+__all__ = ["add_arguments", "collect", "deepep_driver", "format_table", "run", "sbo_topology_warnings"]
 
 EXIT_OK, EXIT_UNAVAILABLE = 0, 1
 
@@ -43,6 +46,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not import sglang to check the plugin's hook targets (faster)",
     )
+
+
+NVIDIA_PARAMS = Path("/proc/driver/nvidia/params")
+GDRDRV_DEVICE = Path("/dev/gdrdrv")
+DRIVER_FIX = (
+    "on every GPU node: echo 'options nvidia NVreg_EnableStreamMemOPs=1 "
+    'NVreg_RegistryDwords="PeerMappingOverride=1;"\' > /etc/modprobe.d/nvidia-deepep.conf, '
+    "then update-initramfs -u and reboot (or reload the nvidia modules); or install GDRCopy (gdrdrv)"
+)
+
+
+def deepep_driver(params: Path = NVIDIA_PARAMS, gdrdrv: Path = GDRDRV_DEVICE) -> dict[str, Any]:
+    """Whether the NVIDIA driver lets DeepEP (NVSHMEM over InfiniBand GPUDirect Async) work across nodes.
+
+    DeepEP's inter-node kernels need the driver options NVreg_EnableStreamMemOPs=1 and
+    PeerMappingOverride=1 (DeepEP's README, "Network configurations"), or GDRCopy's gdrdrv.
+    """
+    try:
+        text = params.read_text()
+    except OSError:
+        return {"ok": None, "driver": False, "detail": f"no NVIDIA driver here ({params} is absent)"}
+    stream = re.search(r"^EnableStreamMemOPs:\s*(\d+)", text, re.MULTILINE)
+    stream_mem_ops = stream is not None and stream.group(1) == "1"
+    peer_mapping = re.search(r"PeerMappingOverride\s*=\s*1", text) is not None
+    gdrcopy = gdrdrv.exists()
+    ok = (stream_mem_ops and peer_mapping) or gdrcopy
+    found = (
+        f"EnableStreamMemOPs={'1' if stream_mem_ops else 'not 1'}, "
+        f"PeerMappingOverride={'1' if peer_mapping else 'unset'}, GDRCopy {'loaded' if gdrcopy else 'absent'}"
+    )
+    return {
+        "ok": ok,
+        "driver": True,
+        "stream_mem_ops": stream_mem_ops,
+        "peer_mapping_override": peer_mapping,
+        "gdrcopy": gdrcopy,
+        "detail": found if ok else f"{found}; DeepEP across nodes will fail: {DRIVER_FIX}",
+    }
 
 
 def _gpu() -> dict[str, Any]:
@@ -136,6 +177,7 @@ def collect(check_targets: bool = True) -> dict[str, Any]:
             "reason": decision.reason,
         },
         "plugin": plugin,
+        "deepep_driver": deepep_driver(),
         "hook_targets": None if targets is None else {k: v or "ok" for k, v in targets.items()},
         "sbo": _sbo_modes(gpu["capability"], plugin, targets),
     }
@@ -155,6 +197,9 @@ def format_table(doc: dict[str, Any]) -> str:
     rows.append(("DeepEP combine signals", d["layout"] or f"unknown: {d['reason']}"))
     p = doc["plugin"]
     rows.append(("sglang plugin", "loaded by sglang" if p["loaded_by_sglang"] else "not loaded"))
+    drv = doc["deepep_driver"]
+    verdict = {True: "ok", False: "NOT SET", None: "n/a"}[drv["ok"]]
+    rows.append(("DeepEP driver options", f"{verdict}: {drv['detail']}"))
     if doc["hook_targets"] is not None:
         for name, state in doc["hook_targets"].items():
             rows.append((f"  hook {name}", state))

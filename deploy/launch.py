@@ -1,9 +1,10 @@
 """`sglang-pd launch`: the entrypoint of every pod.
 
 It renders the role's command from the topology (the one renderer, `sglang_args`), takes the
-node rank and the leader's address from LeaderWorkerSet's environment, checks what the pod
-needs (GPUs, /dev/shm, locked memory for Mooncake, IB devices) and then execs sglang, or the
-router. `--dry-run` prints the exact argv and env instead.
+node rank and the leader's address from LeaderWorkerSet's environment, checks the topology
+against how the chart set the pod up (`PodSettings`, passed as SGLANG_PD_POD_* variables), checks
+what the pod needs (GPUs, /dev/shm, locked memory for Mooncake, IB devices it can open) and then
+execs sglang, or the router. `--dry-run` prints the exact argv and env instead.
 """
 
 from __future__ import annotations
@@ -19,9 +20,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sglang_pd.deploy.sglang_args import NodeCommand, render_node
-from sglang_pd.deploy.topology import Topology, load_checked_topology
+from sglang_pd.deploy.topology import PodSettings, Topology, check_rules, load_checked_topology
 
-__all__ = ["LaunchError", "PodCheck", "add_arguments", "pod_checks", "resolve_command", "run"]
+__all__ = [
+    "LaunchError",
+    "PodCheck",
+    "add_arguments",
+    "has_capability",
+    "pod_checks",
+    "pod_settings_from_env",
+    "resolve_command",
+    "run",
+]
 
 # LeaderWorkerSet's per-pod environment (https://lws.sigs.k8s.io/docs/reference/labels-annotations-and-environment-variables/).
 LWS_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"
@@ -33,6 +43,18 @@ MIN_SHM_BYTES = 16 << 30
 # Mooncake pins every registered KV region; a container's default 64 KiB limit fails registration.
 MIN_MEMLOCK_BYTES = 1 << 30
 INFINIBAND_SYSFS = Path("/sys/class/infiniband")
+INFINIBAND_DEV = Path("/dev/infiniband")
+PROC_STATUS = Path("/proc/self/status")
+# linux/capability.h: with CAP_IPC_LOCK the kernel lets a process lock (and an RDMA NIC pin) memory
+# past RLIMIT_MEMLOCK, which Kubernetes has no field to raise.
+CAP_IPC_LOCK = 14
+
+# How the chart set this pod up, for the topology's pod rules (`check_rules(t, pod)`).
+POD_ENV_RDMA_MODE = "SGLANG_PD_POD_RDMA_MODE"
+POD_ENV_PRIVILEGED = "SGLANG_PD_POD_PRIVILEGED"
+POD_ENV_MODEL_SOURCE = "SGLANG_PD_POD_MODEL_SOURCE"
+POD_ENV_STARTUP_BUDGET_S = "SGLANG_PD_POD_STARTUP_BUDGET_S"
+POD_ENV_DOWNLOAD_BYTES_PER_S = "SGLANG_PD_POD_DOWNLOAD_BYTES_PER_S"
 
 
 class LaunchError(RuntimeError):
@@ -41,9 +63,93 @@ class LaunchError(RuntimeError):
 
 @dataclass(frozen=True)
 class PodCheck:
+    """One thing the pod needs; a failed check that is not `required` is a warning."""
+
     name: str
     ok: bool
     detail: str
+    required: bool = True
+
+
+def pod_settings_from_env(env: Mapping[str, str]) -> PodSettings | None:
+    """The chart's pod settings from SGLANG_PD_POD_* variables; None outside the chart's pods."""
+    if POD_ENV_MODEL_SOURCE not in env:
+        return None
+    defaults = PodSettings()
+    rdma_mode, source = env.get(POD_ENV_RDMA_MODE, defaults.rdma_mode), env[POD_ENV_MODEL_SOURCE]
+    if rdma_mode not in ("hostNetwork", "devicePlugin", "none") or source not in ("hub", "pvc", "hostPath"):
+        raise LaunchError(
+            f"{POD_ENV_RDMA_MODE}={rdma_mode!r} or {POD_ENV_MODEL_SOURCE}={source!r} is not a value the chart "
+            "renders (hostNetwork|devicePlugin|none, hub|pvc|hostPath); render the pod with the chart."
+        )
+    try:
+        budget = env.get(POD_ENV_STARTUP_BUDGET_S)
+        return PodSettings(
+            rdma_mode=rdma_mode,
+            privileged=env.get(POD_ENV_PRIVILEGED, "true").lower() == "true",
+            model_source=source,
+            startup_budget_s=int(budget) if budget else None,
+            download_bytes_per_s=float(env.get(POD_ENV_DOWNLOAD_BYTES_PER_S, defaults.download_bytes_per_s)),
+        )
+    except ValueError as exc:
+        raise LaunchError(f"the chart's SGLANG_PD_POD_* variables are malformed: {exc}") from exc
+
+
+def has_capability(bit: int, status: Path = PROC_STATUS) -> bool:
+    """Whether this process holds capability `bit` in its effective set (CapEff in /proc/self/status)."""
+    try:
+        text = status.read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> bit & 1)
+    return False
+
+
+def _memlock_check() -> PodCheck:
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    shown = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
+    if soft == resource.RLIM_INFINITY or soft >= MIN_MEMLOCK_BYTES:
+        return PodCheck("memlock", True, f"locked-memory limit {shown}")
+    if has_capability(CAP_IPC_LOCK):
+        return PodCheck(
+            "memlock", True, f"locked-memory limit {shown}, but CAP_IPC_LOCK lets Mooncake pin KV memory past it"
+        )
+    return PodCheck(
+        "memlock",
+        False,
+        f"locked-memory limit {shown} and no CAP_IPC_LOCK: Mooncake may fail to register KV memory; add the "
+        "IPC_LOCK capability (the chart does) or raise the container runtime's memlock limit",
+        required=False,
+    )
+
+
+def _rdma_access_check() -> PodCheck:
+    # A hostPath /dev/infiniband is listed but its verbs devices open only with device-cgroup access
+    # (a privileged pod, or an RDMA device plugin that grants them).
+    devices = sorted(INFINIBAND_DEV.glob("uverbs*")) if INFINIBAND_DEV.is_dir() else []
+    if not devices:
+        return PodCheck(
+            "rdma-access",
+            False,
+            f"no verbs devices under {INFINIBAND_DEV}; mount /dev/infiniband (rdma.mode hostNetwork) or request "
+            "the RDMA device plugin's resource (rdma.mode devicePlugin)",
+        )
+    refused = []
+    for dev in devices:
+        try:
+            os.close(os.open(dev, os.O_RDWR))
+        except OSError as exc:
+            refused.append(f"{dev.name} ({exc.strerror})")
+    if refused:
+        return PodCheck(
+            "rdma-access",
+            False,
+            f"cannot open {', '.join(refused)}: the pod lacks device access; run it privileged "
+            "(securityContext.privileged) or use an RDMA device plugin (rdma.mode devicePlugin)",
+        )
+    return PodCheck("rdma-access", True, f"opened {len(devices)} verbs device(s)")
 
 
 def _node_rank(env: Mapping[str, str], nodes: int, role: str) -> tuple[int, str]:
@@ -114,17 +220,7 @@ def pod_checks(t: Topology, role: str) -> list[PodCheck]:
         )
     )
     if t.transfer.backend.startswith("mooncake"):
-        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-        ok = soft == resource.RLIM_INFINITY or soft >= MIN_MEMLOCK_BYTES
-        shown = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
-        checks.append(
-            PodCheck(
-                "memlock",
-                ok,
-                f"locked-memory limit {shown}"
-                + ("" if ok else "; Mooncake pins KV memory: add the IPC_LOCK capability and memlock=unlimited"),
-            )
-        )
+        checks.append(_memlock_check())
     if t.transfer.protocol == "rdma":
         present = sorted(p.name for p in INFINIBAND_SYSFS.iterdir()) if INFINIBAND_SYSFS.is_dir() else []
         wanted = sorted(set(t.transfer.ib_devices.values()))
@@ -136,6 +232,8 @@ def pod_checks(t: Topology, role: str) -> list[PodCheck]:
         elif missing:
             detail += f"; missing {', '.join(missing)} named in transfer.ib_devices"
         checks.append(PodCheck("rdma", ok, detail))
+        if present:
+            checks.append(_rdma_access_check())
     return checks
 
 
@@ -165,20 +263,32 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         node_rank, argv, role_env = cmd.node_rank, cmd.argv, cmd.env
+    try:
+        pod = pod_settings_from_env(os.environ)
+    except LaunchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if pod is not None and args.role != "router":
+        broken = check_rules(t, pod).errors
+        if broken:
+            listed = "\n".join(f"  - {e}" for e in broken)
+            print(f"error: the pod's settings do not fit the topology:\n{listed}", file=sys.stderr)
+            return 1
     checks = pod_checks(t, args.role)
-    failed = [c for c in checks if not c.ok]
+    failed = [c for c in checks if not c.ok and c.required]
     if args.dry_run:
         doc = {
             "role": args.role,
             "node_rank": node_rank,
             "argv": argv,
             "env": role_env,
-            "checks": [{"name": c.name, "ok": c.ok, "detail": c.detail} for c in checks],
+            "checks": [{"name": c.name, "ok": c.ok, "required": c.required, "detail": c.detail} for c in checks],
         }
         print(json.dumps(doc, indent=2))
         return 0
     for c in checks:
-        print(f"pod check {c.name}: {'ok' if c.ok else 'FAILED'}: {c.detail}", file=sys.stderr)
+        verdict = "ok" if c.ok else ("FAILED" if c.required else "WARNING")
+        print(f"pod check {c.name}: {verdict}: {c.detail}", file=sys.stderr)
     if failed and not args.skip_checks:
         print(f"error: {len(failed)} pod check(s) failed; fix them or pass --skip-checks.", file=sys.stderr)
         return 1

@@ -534,7 +534,7 @@ def _effective(args: Any, view: Any, role: str, cap: tuple[int, int] | None) -> 
 
 def _role_known(role: str) -> bool:
     try:
-        from sglang.srt.runtime_context import ROLE_NAMESPACE_SETS  # type: ignore[attr-defined]
+        from sglang.srt.runtime_context import ROLE_NAMESPACE_SETS
     except ImportError:
         return False
     return role in ROLE_NAMESPACE_SETS

@@ -164,10 +164,22 @@ def _probe(args: argparse.Namespace, config: KVConfig, peer_url: str) -> dict[st
     return report
 
 
+def _deepep_driver_check() -> dict[str, Any]:
+    """DeepEP across nodes (the decode group's all-to-all) needs NVIDIA driver options or GDRCopy.
+
+    Reported beside the KV checks because it is the same node's RDMA set-up; it is advice and does
+    not change the exit code (KV transfer itself does not need it).
+    """
+    from sglang_pd.deploy.doctor import deepep_driver
+
+    found = deepep_driver()
+    return {"check": "deepep-driver", "ok": found["ok"] is not False, "advisory": True, "detail": found["detail"]}
+
+
 def _format_table(report: dict[str, Any]) -> str:
-    out = [f"{'check':<10} {'ok':<4} detail"]
+    out = [f"{'check':<13} {'ok':<4} detail"]
     for c in report["checks"]:
-        out.append(f"{c['check']:<10} {'yes' if c['ok'] else 'NO':<4} {c['detail']}")
+        out.append(f"{c['check']:<13} {'yes' if c['ok'] else 'NO':<4} {c['detail']}")
     if report.get("bandwidth"):
         out.append("")
         out.append(f"{'shape':<11} {'pages':>6} {'layers':>6} {'MiB':>8} {'items':>6} {'p50 ms':>8} {'GB/s':>6}")
@@ -212,5 +224,6 @@ def run(args: argparse.Namespace) -> int:
             report = _probe(args, config, peer_url)
         except (KVError, OSError, ValueError, RuntimeError) as exc:
             report = {"checks": [], "ok": False, "error": f"{type(exc).__name__}: {exc}", "diagnosis": diagnose(exc)}
+    report["checks"].append(_deepep_driver_check())
     print(json.dumps(report, indent=2) if args.format == "json" else _format_table(report))
     return 0 if report["ok"] else 1
