@@ -4,9 +4,9 @@ Masked grouped GEMM with completion signals: the MoE down projection for single-
 
 Why this exists
 ---------------
-Single-batch overlap (SBO, DeepGEMM PR #183, REFERENCE.md §4) lets DeepEP's combine-send start
-sending a group of tokens as soon as the down projection has finished *those* tokens, instead of
-after the whole GEMM. It needs a down GEMM that says, while it runs, which rows are done. The
+Single-batch overlap (SBO; DeepGEMM PR #183, sgl-project/DeepGEMM PR #14) lets DeepEP's
+combine-send start sending a group of tokens as soon as the down projection has finished *those*
+tokens, instead of after the whole GEMM. It needs a down GEMM that says, while it runs, which rows are done. The
 sgl-deep-gemm wheels that sglang ships have no such kernel for sm_90 (H100, H200, H20), so sglang
 refuses ``--enable-single-batch-overlap`` there. This file is that kernel, in Triton, and the entry
 points; ``signal_gemm_ws.py`` is the same GEMM warp-specialized in Gluon, which they pick for FP8
@@ -44,7 +44,7 @@ so that the weights fill wgmma's 64-row side and a tile needs only 16 or 32 toke
 
 Signals (the point of the exercise)
 -----------------------------------
-Two layouts, because sglang and DeepEP each have one (REFERENCE.md §4):
+Two layouts, because sglang and DeepEP each have one (kernels/README.md, "The signal contract"):
 
 a. ``SIGNAL_SGLANG`` – sglang's sm_90 contract: ``int32 signal[E * ceil(M_max / block_m)]``. When a
    ``block_m × block_n`` tile is stored, its row-block's counter gets +1. A row-block is complete
@@ -103,8 +103,9 @@ SIGNAL_SGLANG = 1
 #: DeepEP ``src_signals``: one uint32 counter per expert, +1 per program once done with it.
 SIGNAL_DEEPEP = 2
 
-#: SMs sglang leaves to the DeepEP communication kernel on Hopper (REFERENCE.md §4); the default
-#: ``num_sms`` is the device's count minus these when signals are on.
+#: SMs sglang leaves to the DeepEP communication kernel on Hopper (`communicate_num_sms` in sglang's
+#: `srt/batch_overlap/single_batch_overlap.py`, unless SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS is
+#: set); the default ``num_sms`` is the device's count minus these when signals are on.
 SMS_KEPT_FOR_COMMUNICATION = 3
 
 

@@ -1,7 +1,7 @@
 """Compile the signal GEMM for sm_90a without a GPU and read its registers and spills from ptxas.
 
 A tile whose live state needs more than 255 registers per thread spills to local memory, and a
-spilling tile runs 2–10× slower (kernels/README.md). Whether it spills is decided at compile time,
+spilling tile runs about twice as long (kernels/README.md). Whether it spills is decided at compile time,
 so it can be checked here, on a CPU-only machine, before any GPU time is spent: Triton compiles
 the kernel for an sm_90a target, and the ptxas that ships with Triton reports the resources.
 On the H200 the figures matched the loaded kernel's ``n_regs`` for every tile checked. The SASS

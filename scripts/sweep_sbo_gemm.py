@@ -5,7 +5,7 @@ activation scales MN-major, as sglang hands them to the down GEMM) it times ever
 ``candidates(m)`` (on an sm_90 GPU the Gluon kernel's too) without signals, checks its output
 against an fp32 reference, and prints the fastest beside DeepGEMM's time on the same inputs, with
 each kernel's registers and spills: a tile that needs more than 255 registers per thread spills
-and runs 2–10× slower (kernels/README.md).
+and runs about twice as long (kernels/README.md).
 At the end it lists every kernel that spills; ``python -m sglang_pd.kernels.sm90_resources``
 checks a configuration for spills without a GPU.
 

@@ -47,11 +47,13 @@ SBO_MODE_ENV = "SGLANG_PD_SBO_MODE"
 #: Its values; the same words as `sglang_pd.deploy.topology.SBOMode`.
 SBO_MODES = ("off", "full", "shared-only")
 
-#: Our sm_90 signal down-GEMM (issue 7) and its DeepGEMM-compatible entry point.
+#: Our sm_90 signal down-GEMM (kernels/README.md) and its DeepGEMM-compatible entry point.
 KERNEL_MODULE = "sglang_pd.kernels.signal_gemm"
 KERNEL_ENTRY = "fp8_m_grouped_gemm_nt_masked"
 
-#: `low_latency_combine` keywords of the two DeepEP signal contracts (REFERENCE.md §4).
+#: `low_latency_combine` keywords of the two DeepEP signal contracts: sglang's sm_90 row-block counters
+#: (sgl-project/DeepGEMM PR #14, DeepGEMM PR #183) and the per-expert counters sglang uses on Blackwell
+#: (sglang's `srt/batch_overlap/single_batch_overlap.py`); kernels/README.md compares them.
 COMBINE_KWARGS_SGLANG = ("comp_signal", "block_m", "threshold")  # sm_90 row-block counters
 COMBINE_KWARGS_DEEPEP = ("overlap", "src_signals", "src_signal_expect_value")  # per-expert counters
 

@@ -1,6 +1,6 @@
 """Registers on sm_90a, checked on the CPU: no tile ``pick_config`` chooses may spill.
 
-A spilling tile runs 2–10× slower on the H200 (kernels/README.md), and whether it spills is fixed
+A spilling tile runs about twice as long on the H200 (kernels/README.md), and whether it spills is fixed
 at compile time, so CI compiles each chosen configuration for sm_90a and reads ptxas's report.
 """
 
