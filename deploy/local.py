@@ -32,6 +32,8 @@ __all__ = ["ChildSpec", "Stack", "add_arguments", "local_children", "run"]
 EXIT_OK, EXIT_INVALID, EXIT_FAILED = 0, 1, 4
 DEFAULT_TOPOLOGY = "local-cpu"
 TINY_MODEL = "tiny-deepseek-v3"
+# Models the reference engine builds, or finds in an installed package, by name (refengine/sources.py).
+REFERENCE_MODELS = ("smollm2-135m-instruct", TINY_MODEL)
 
 
 @dataclass
@@ -50,13 +52,13 @@ def _cli(*args: str) -> list[str]:
 
 def _model_arg(t: Topology) -> list[str]:
     path = t.model.path
-    if path == TINY_MODEL:
-        return []
+    if path in REFERENCE_MODELS:
+        return ["--model", path]
     local = Path(path) if Path(path).is_absolute() else (t.source_dir or Path.cwd()) / path
     if not (local / "config.json").exists():
         raise TopologyError(
             f"model.path: {path} is not a local model directory (no config.json); the reference engine runs "
-            f"`{TINY_MODEL}` or a local Hugging Face model directory."
+            f"{' or '.join(REFERENCE_MODELS)}, or a local Hugging Face model directory."
         )
     return ["--model", str(local)]
 
@@ -214,9 +216,20 @@ class Stack:
                 proc.wait(timeout=5)
 
 
+SMOKE_QUESTION = "What is the capital of France?"
+
+
 def smoke_check(base: str, model: str, timeout_s: float = 60.0) -> str:
-    """One chat completion, then the same streamed, through the router: what `up` promises works."""
-    body = {"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16}
+    """One greedy chat completion, then the same streamed, through the router: what `up` promises works.
+
+    Returns the timing line and the exchange itself (question and answer), so a reader sees the model talk.
+    """
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": SMOKE_QUESTION}],
+        "max_tokens": 32,
+        "temperature": 0,
+    }
 
     def post(payload: dict[str, object]) -> urllib.request.Request:
         return urllib.request.Request(
@@ -242,9 +255,11 @@ def smoke_check(base: str, model: str, timeout_s: float = 60.0) -> str:
     if not done:
         raise RuntimeError("the streamed answer ended without `data: [DONE]`")
     stream_ms = (time.monotonic() - t) * 1e3
+    reply = str(answer["choices"][0]["message"]["content"]).strip()
     return (
         f"smoke: chat completion ok in {plain_ms:.0f} ms ({tokens} tokens); "
-        f"streamed ok in {stream_ms:.0f} ms ({chunks} chunks)"
+        f"streamed ok in {stream_ms:.0f} ms ({chunks} chunks)\n"
+        f"Q: {SMOKE_QUESTION}\nA: {reply}"
     )
 
 

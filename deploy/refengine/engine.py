@@ -25,9 +25,10 @@ import httpx
 
 from sglang_pd.deploy.kv import KVConfig, KVError, KVTransferEngine, PagedLayout, get_engine
 
-from .kvpool import KVPool, PoolExhausted
+from .kvpool import KVPool, PoolExhausted, default_num_pages
 from .model import LoadedModel, sample_token
 from .pd import Claim, ClaimRejected, RoomTable
+from .sources import DEFAULT_MODEL
 from .tokenizer import IncrementalDetokenizer
 
 __all__ = ["Bootstrap", "EngineConfig", "RefEngine", "RequestFailed", "SamplingParams", "StepOutput"]
@@ -48,9 +49,9 @@ class RequestFailed(Exception):
 @dataclass(kw_only=True)
 class EngineConfig:
     role: Role = "both"
-    served_name: str = "tiny-deepseek-v3"
+    served_name: str = DEFAULT_MODEL
     page_size: int = 16
-    kv_pages: int = 2048
+    kv_pages: int | None = None  # None: kvpool.default_num_pages for the model
     max_running_requests: int = 64
     bootstrap_port: int | None = None
     bootstrap_timeout_s: float = 30.0
@@ -113,9 +114,8 @@ class RefEngine:
         self.model = model
         self.tokenizer = model.tokenizer
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
-        self.pool = KVPool(
-            layers=model.num_layers, row_floats=model.row_floats, page_size=config.page_size, num_pages=config.kv_pages
-        )
+        pages = config.kv_pages or default_num_pages(model.kv_shape, config.page_size)
+        self.pool = KVPool(shape=model.kv_shape, page_size=config.page_size, num_pages=pages)
         self.kv: KVTransferEngine | None = None
         if config.role != "both":
             self.kv = get_engine(config.kv)
@@ -439,7 +439,8 @@ class RefEngine:
             "page_size": c.page_size,
             "max_running_requests": c.max_running_requests,
             "context_length": self.model.context_length,
-            "kv_pages": c.kv_pages,
+            "kv_pages": self.pool.num_pages,
+            "kv_cache_shape": self.model.kv_shape.describe(),
             "kv_session_id": self.kv.session_id if self.kv else None,
             "weights_digest": self.model.weights_digest,
             "engine": "sglang-pd reference engine",

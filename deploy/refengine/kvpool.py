@@ -8,22 +8,35 @@ from collections.abc import Sequence
 
 import torch
 
-from sglang_pd.deploy.kv import PagedLayout
+from sglang_pd.deploy.kv.pages import KVCacheShape, PagedLayout
 
-__all__ = ["KVPool", "PoolExhausted"]
+__all__ = ["DEFAULT_POOL_BYTES", "KVPool", "PoolExhausted", "default_num_pages"]
+
+# A pool's default size: float32 rows of a 30-layer model cost 60 times a 2-layer one's, so the
+# default is a memory budget (and at most 2048 pages), not a fixed page count.
+DEFAULT_POOL_BYTES = 512 * 2**20
+MAX_DEFAULT_PAGES = 2048
 
 
 class PoolExhausted(RuntimeError):
     """No free pages are left for a request."""
 
 
-class KVPool:
-    """[layers, pages, page_size, row_floats] float32; pages handed out lowest-first so runs merge."""
+def default_num_pages(shape: KVCacheShape, page_size: int) -> int:
+    """As many pages as DEFAULT_POOL_BYTES holds (every buffer of a page counted), at most 2048."""
+    page_bytes = shape.num_buffers * shape.page_bytes(page_size, element_bytes=4)
+    return max(1, min(MAX_DEFAULT_PAGES, DEFAULT_POOL_BYTES // page_bytes))
 
-    def __init__(self, *, layers: int, row_floats: int, page_size: int, num_pages: int) -> None:
+
+class KVPool:
+    """[buffers, pages, page_size, row] float32, shaped by the model's KVCacheShape; pages handed out
+    lowest-first so runs merge."""
+
+    def __init__(self, *, shape: KVCacheShape, page_size: int, num_pages: int) -> None:
+        self.shape = shape
         self.page_size = page_size
         self.num_pages = num_pages
-        self.buffer = torch.zeros((layers, num_pages, page_size, row_floats), dtype=torch.float32)
+        self.buffer = torch.zeros((shape.num_buffers, num_pages, page_size, shape.row_elements), dtype=torch.float32)
         self._free = list(range(num_pages))
         self._lock = threading.Lock()
 
@@ -67,7 +80,7 @@ class KVPool:
             self._free.extend(pages)
 
     def write(self, pages: Sequence[int], rows: torch.Tensor) -> None:
-        """Store KV rows [layers, seq, row] into `pages`."""
+        """Store KV rows [buffers, seq, row] into `pages`."""
         seq = rows.shape[1]
         for i, p in enumerate(pages):
             chunk = rows[:, i * self.page_size : (i + 1) * self.page_size]
@@ -75,7 +88,7 @@ class KVPool:
         assert seq <= len(pages) * self.page_size
 
     def read(self, pages: Sequence[int], seq: int) -> torch.Tensor:
-        """The KV rows [layers, seq, row] held in `pages`."""
+        """The KV rows [buffers, seq, row] held in `pages`."""
         idx = torch.tensor(list(pages), dtype=torch.long)
         rows = self.buffer.index_select(1, idx).reshape(self.buffer.shape[0], -1, self.buffer.shape[3])
         return rows[:, :seq].clone()

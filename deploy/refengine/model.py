@@ -1,8 +1,14 @@
-"""The model a reference engine runs: a tiny DeepSeek-V3 (MLA + MoE) from a seed, or a local HF dir.
+"""The model a reference engine runs, and its KV rows in the paged pool's layout.
 
-KV rows: transformers keeps one cache layer per decoder layer (for DeepSeek-V3 the compressed MLA
-latent: keys = kv_lora_rank, values = rope dims, one head); a token's row in a layer is its keys
-then its values, flattened — the per-token layout sglang transfers for MLA.
+Models come from `sources.py` (SmolLM2-135M-Instruct from its packaged GGUF by default, the tiny
+DeepSeek-V3 from a seed, or a local file or directory). The KV cache shape is read from the model's
+config (`KVCacheShape.from_config`: MLA latent rows for DeepSeek-V3, K and V heads for Llama-style
+attention) and checked once against what transformers actually caches, so a config the engine reads
+wrongly fails at load, not as wrong tokens after a transfer.
+
+KV rows: `prefill` returns [buffers, seq, row] in the pool's buffer order. For MLA a token's row in
+layer i is its cached latent then its RoPE key (transformers keeps them as the layer's keys and
+values); for MHA/GQA buffer i is layer i's K heads and buffer layers + i its V heads.
 """
 
 from __future__ import annotations
@@ -11,18 +17,18 @@ import json
 import threading
 import zlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from sglang_pd.deploy.kv.pages import KVCacheShape
+
+from .sources import ModelSource, converted_gguf_dir, resolve_model
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
-__all__ = ["DEFAULT_SEED", "TINY_CONFIG", "LoadedModel", "load_model", "sample_token"]
+__all__ = ["DEFAULT_SEED", "LoadedModel", "load_model", "sample_token"]
 
 DEFAULT_SEED = 0
-TINY_CONFIG = Path(__file__).resolve().parent.parent / "presets" / "tiny-deepseek-v3-config.json"
-TINY_NAME = "tiny-deepseek-v3"
 
 
 @dataclass
@@ -30,45 +36,49 @@ class LoadedModel:
     name: str
     model: Any
     tokenizer: Tokenizer
-    num_layers: int
-    key_dims: tuple[int, int]  # (heads, dim) of a cache layer's keys
-    value_dims: tuple[int, int]
+    kv_shape: KVCacheShape
     context_length: int
     weights_digest: str  # crc32 of every parameter: prefill and decode must run the same weights
 
     @property
-    def row_floats(self) -> int:
-        return self.key_dims[0] * self.key_dims[1] + self.value_dims[0] * self.value_dims[1]
+    def num_layers(self) -> int:
+        return self.kv_shape.num_layers
 
     # -- model steps (run on the engine's single model thread) --------------------------------
 
     @torch.inference_mode()
     def prefill(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Last-position logits and the KV rows [layers, len(ids), row_floats] of a prompt."""
+        """Last-position logits and the KV rows [buffers, len(ids), row] of a prompt."""
         out = self.model(input_ids=torch.tensor([ids]), use_cache=True)
-        cache = out.past_key_values
-        n = len(ids)
-        rows = torch.stack(
-            [
-                torch.cat(
-                    [layer.keys[0].transpose(0, 1).reshape(n, -1), layer.values[0].transpose(0, 1).reshape(n, -1)], -1
-                )
-                for layer in cache.layers
-            ]
-        )
-        return out.logits[0, -1].float(), rows
+        return out.logits[0, -1].float(), self.rows_from_cache(out.past_key_values, len(ids))
+
+    def rows_from_cache(self, cache: Any, seq: int) -> torch.Tensor:
+        def flat(t: torch.Tensor) -> torch.Tensor:  # [1, heads, seq, dim] -> [seq, heads * dim]
+            return t[0].transpose(0, 1).reshape(seq, -1)
+
+        layers = cache.layers
+        if self.kv_shape.attention == "mla":
+            return torch.stack([torch.cat([flat(layer.keys), flat(layer.values)], -1) for layer in layers])
+        return torch.stack([flat(layer.keys) for layer in layers] + [flat(layer.values) for layer in layers])
 
     def cache_from_rows(self, rows: torch.Tensor) -> Any:
-        """A transformers cache holding the KV rows [layers, seq, row_floats]."""
+        """A transformers cache holding the KV rows [buffers, seq, row]."""
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
-        (kh, kd), (vh, vd) = self.key_dims, self.value_dims
+        s = self.kv_shape
         seq = rows.shape[1]
-        for i in range(self.num_layers):
-            k = rows[i, :, : kh * kd].reshape(seq, kh, kd).transpose(0, 1).unsqueeze(0).contiguous()
-            v = rows[i, :, kh * kd :].reshape(seq, vh, vd).transpose(0, 1).unsqueeze(0).contiguous()
-            cache.update(k, v, i)
+
+        def heads(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:  # [seq, n * dim] -> [1, n, seq, dim]
+            return t.reshape(seq, n, dim).transpose(0, 1).unsqueeze(0).contiguous()
+
+        split = s.key_heads * s.key_dim
+        for i in range(s.num_layers):
+            if s.attention == "mla":
+                k, v = rows[i, :, :split], rows[i, :, split:]
+            else:
+                k, v = rows[i], rows[s.num_layers + i]
+            cache.update(heads(k, s.key_heads, s.key_dim), heads(v, s.value_heads, s.value_dim), i)
         return cache
 
     @torch.inference_mode()
@@ -103,49 +113,60 @@ def _digest(model: Any) -> str:
     crc = 0
     for name, p in sorted(model.state_dict().items()):
         crc = zlib.crc32(name.encode(), crc)
-        crc = zlib.crc32(p.detach().contiguous().cpu().numpy().tobytes(), crc)
+        crc = zlib.crc32(memoryview(p.detach().contiguous().cpu().numpy()).cast("B"), crc)
     return f"{crc:08x}"
+
+
+def _check_kv_shape(model: Any, shape: KVCacheShape) -> None:
+    """Fail at load when transformers caches something else than the config-derived shape says."""
+    with torch.inference_mode():
+        cache = model(input_ids=torch.tensor([[2, 3]]), use_cache=True).past_key_values
+    k, v = cache.layers[0].keys, cache.layers[0].values
+    seen = (len(cache.layers), int(k.shape[1]), int(k.shape[3]), int(v.shape[1]), int(v.shape[3]))
+    want = (shape.num_layers, shape.key_heads, shape.key_dim, shape.value_heads, shape.value_dim)
+    if seen != want:
+        raise RuntimeError(
+            f"The model config gives the KV cache shape {shape.describe()} (layers, key heads x dim, value heads x "
+            f"dim = {want}), but transformers caches {seen}; this model's attention is not one the reference "
+            "engine can page."
+        )
 
 
 _INIT_LOCK = threading.Lock()
 
 
-def load_model(model_dir: str | None = None, *, seed: int = DEFAULT_SEED, threads: int | None = None) -> LoadedModel:
-    """The tiny DeepSeek-V3 (model_dir None, `tiny-deepseek-v3` or the preset config) or a local HF model."""
-    from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+def _random_deepseek_v3(source: ModelSource, seed: int) -> Any:
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    raw = json.loads(source.path.read_text())
+    raw = {k: v for k, v in raw.items() if k not in ("architectures", "torch_dtype", "auto_map")}
+    with _INIT_LOCK:
+        torch.manual_seed(seed)
+        return DeepseekV3ForCausalLM(DeepseekV3Config(**raw)).float().eval()
+
+
+def load_model(model: str | None = None, *, seed: int = DEFAULT_SEED, threads: int | None = None) -> LoadedModel:
+    """Load `model` (a `--model` value, see sources.py; None: the default SmolLM2) on CPU in float32."""
+    from transformers import AutoModelForCausalLM
 
     if threads:
         torch.set_num_threads(threads)
+    source = resolve_model(model)
     tokenizer: Tokenizer
-    if model_dir in (None, TINY_NAME) or (model_dir and Path(model_dir).suffix == ".json"):
-        cfg_path = Path(model_dir) if model_dir and model_dir.endswith(".json") else TINY_CONFIG
-        raw = json.loads(cfg_path.read_text())
-        raw = {k: v for k, v in raw.items() if k not in ("architectures", "torch_dtype", "auto_map")}
-        config = DeepseekV3Config(**raw)
-        with _INIT_LOCK:
-            torch.manual_seed(seed)
-            model = DeepseekV3ForCausalLM(config).float().eval()
+    if source.kind == "random-deepseek-v3":
+        net = _random_deepseek_v3(source, seed)
         tokenizer = ByteTokenizer()
-        name = TINY_NAME
     else:
-        path = Path(str(model_dir))
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(f"Model directory {path} has no config.json; pass a local HF model directory.")
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
-        config = model.config
+        path = converted_gguf_dir(source.path) if source.kind == "gguf" else source.path
+        net = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
         tokenizer = HFTokenizer(str(path))
-        name = path.name
-    # One forward pass tells the cache layout (heads, dims) of every layer.
-    with torch.inference_mode():
-        cache = model(input_ids=torch.tensor([[2, 3]]), use_cache=True).past_key_values
-    k, v = cache.layers[0].keys, cache.layers[0].values
+    shape = KVCacheShape.from_config(net.config)
+    _check_kv_shape(net, shape)
     return LoadedModel(
-        name=name,
-        model=model,
+        name=source.name,
+        model=net,
         tokenizer=tokenizer,
-        num_layers=len(cache.layers),
-        key_dims=(int(k.shape[1]), int(k.shape[3])),
-        value_dims=(int(v.shape[1]), int(v.shape[3])),
-        context_length=int(getattr(config, "max_position_embeddings", 4096)),
-        weights_digest=_digest(model),
+        kv_shape=shape,
+        context_length=int(getattr(net.config, "max_position_embeddings", 4096)),
+        weights_digest=_digest(net),
     )

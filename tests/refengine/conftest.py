@@ -17,6 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+# The engines of these tests run the tiny DeepSeek-V3-shaped model unless a test asks for another: it
+# loads in seconds and its KV pages hold MLA latent rows, the layout the GPU presets transfer.
+TINY_MODEL = "tiny-deepseek-v3"
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -84,10 +88,12 @@ class Launcher:
         self.tmp = tmp
         self.procs: list[Proc] = []
 
-    def engine(self, role: str, env: dict[str, str] | None = None, name: str | None = None) -> Proc:
+    def engine(
+        self, role: str, env: dict[str, str] | None = None, name: str | None = None, model: str = TINY_MODEL
+    ) -> Proc:
         port = free_port()
         argv = [sys.executable, "-m", "sglang_pd.deploy.cli", "engine", "--role", role, "--port", str(port)]
-        argv += ["--threads", "1", "--log-level", "info"]
+        argv += ["--model", model, "--threads", "1", "--log-level", "info"]
         bp = None
         if role == "prefill":
             bp = free_port()
@@ -162,17 +168,20 @@ def reference_model():  # type: ignore[no-untyped-def]
     """The same tiny model in this process: the single-process run the PD output must equal."""
     from sglang_pd.deploy.refengine.model import load_model
 
-    return load_model(None, seed=0)
+    return load_model(TINY_MODEL, seed=0)
 
 
-def greedy_reference(model, ids: list[int], n: int) -> list[int]:  # type: ignore[no-untyped-def]
+def greedy_reference(model, ids: list[int], n: int, *, stop_at_eos: bool = False) -> list[int]:  # type: ignore[no-untyped-def]
     """Greedy decoding in one process with transformers' own cache: no pages, no transfer."""
     import torch
 
+    eos = model.tokenizer.eos_token_id if stop_at_eos else None
     with torch.inference_mode():
         out = model.model(input_ids=torch.tensor([ids]), use_cache=True)
         cache, tokens = out.past_key_values, [int(out.logits[0, -1].argmax())]
         for i in range(n - 1):
+            if tokens[-1] == eos:
+                break
             logits = model.model(
                 input_ids=torch.tensor([[tokens[-1]]]),
                 past_key_values=cache,
