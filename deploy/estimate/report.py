@@ -1,0 +1,46 @@
+"""An estimate as JSON for machines or a table for people."""
+
+from __future__ import annotations
+
+import json
+
+from sglang_pd.deploy.estimate.estimate import Estimate
+
+__all__ = ["format_estimate"]
+
+
+def _table(e: Estimate) -> str:
+    p, d = e.prefill, e.decode
+    rows = [
+        ("phase", "tok/s per GPU", "latency", "bound"),
+        ("prefill", f"{p.tokens_per_s_per_gpu:,.0f}", f"TTFT {p.latency_ms:,.0f} ms", p.bound),
+        ("decode", f"{d.tokens_per_s_per_gpu:,.0f}", f"ITL {d.latency_ms:.1f} ms", d.bound),
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines = [
+        f"estimate for {e.topology} on {e.gpu}: input {e.input_len}, output {e.output_len} tokens, "
+        f"decode batch {e.decode_batch} per rank",
+        "",
+        *("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows),
+        "",
+        f"decode overlaps: SBO saves {e.sbo_saving:.1%} of the ITL, TBO would save {e.tbo_saving:.1%}",
+        f"P:D ratio: {e.pd_ratio:.2f} prefill instances per decode group balance these lengths",
+        f"KV capacity (decode): {e.kv.tokens_per_gpu:,} tokens per GPU; the batch needs "
+        f"{e.kv.tokens_needed_per_gpu:,} (at most {e.kv.max_batch_per_rank} requests per rank): "
+        + ("fits" if e.kv.fits else "DOES NOT FIT"),
+    ]
+    for phase, est in (("prefill", p), ("decode", d)):
+        parts = ", ".join(f"{k} {v:,.1f}" for k, v in est.breakdown_ms.items())
+        lines.append(f"{phase} pass, ms by resource on the critical path: {parts}")
+    if e.warnings:
+        lines += ["", "warnings:", *(f"  - {w}" for w in e.warnings)]
+    lines += ["", "assumptions:", *(f"  - {a}" for a in e.assumptions)]
+    return "\n".join(lines)
+
+
+def format_estimate(e: Estimate, fmt: str) -> str:
+    if fmt == "json":
+        return json.dumps(e.as_dict(), indent=2)
+    if fmt == "table":
+        return _table(e)
+    raise ValueError(f"unknown estimate format {fmt!r}; choose table or json")
