@@ -22,6 +22,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from sglang_pd.deploy.plan import build_plan, format_plan
 
     t, rules = load_checked_topology(args.topology)
+    if args.estimate:
+        from sglang_pd.deploy.plan import estimate_report
+
+        if args.format not in ("table", "json"):
+            print(f"error: --estimate prints a table or JSON, not {args.format}.", file=sys.stderr)
+            return EXIT_USAGE
+        print(estimate_report(t, args.format, args.input_len, args.output_len, args.decode_batch))
+        return EXIT_OK
     plan = build_plan(t, rules)
     status = EXIT_OK
     if args.check:
@@ -46,6 +54,16 @@ DELEGATED = {
 }
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
 def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     """The parser; only the chosen delegated `verb` has its module imported (keeps `plan` fast)."""
     parser = argparse.ArgumentParser(
@@ -61,6 +79,16 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         "--check",
         action="store_true",
         help="also run sglang's own argument resolver on every command (needs the `validate` extra)",
+    )
+    p.add_argument(
+        "--estimate",
+        action="store_true",
+        help="predict prefill tok/s and TTFT, decode ITL and tok/s, the P:D ratio and the KV fit (docs/estimate.md)",
+    )
+    p.add_argument("--input-len", type=_positive, default=4096, metavar="N", help="prompt tokens (default 4096)")
+    p.add_argument("--output-len", type=_positive, default=1536, metavar="M", help="generated tokens (default 1536)")
+    p.add_argument(
+        "--decode-batch", type=_positive, metavar="B", help="requests per decode rank (default: the topology's)"
     )
     p.set_defaults(func=_cmd_plan)
 

@@ -69,6 +69,13 @@ def check_plan(p: Plan) -> tuple[Plan, int, str | None]:
     return p, (EXIT_OK if all(c.passed for c in checks) else EXIT_INVALID), None
 
 
+def estimate_report(t: Topology, fmt: str, input_len: int, output_len: int, decode_batch: int | None) -> str:
+    """`plan --estimate`: the topology's predicted performance as a table or JSON (docs/estimate.md)."""
+    from sglang_pd.deploy.estimate import estimate_topology, format_estimate
+
+    return format_estimate(estimate_topology(t, input_len, output_len, decode_batch), fmt)
+
+
 def _command_dict(c: NodeCommand) -> dict[str, Any]:
     return {"instance": c.instance, "node_rank": c.node_rank, "argv": c.argv, "env": c.env}
 
