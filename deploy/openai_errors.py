@@ -1,7 +1,8 @@
 """OpenAI-shaped error bodies: `{"error": {"message", "type", "param", "code"}}`.
 
-Every error the router answers with goes through `error_body()`, so clients written for the
-OpenAI API can read all of them the same way, streamed (`sse_error()`) or not.
+Every error the router and the reference engine answer with goes through `error_body()`, so
+clients written for the OpenAI API read all of them the same way, streamed (`sse_error()`) or not.
+`ApiError` is the exception that carries one such answer up to the HTTP layer.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
-__all__ = ["ApiError", "error_body", "error_response", "sse_error"]
+__all__ = ["ApiError", "error_body", "error_dict", "error_response", "sse_error"]
 
 # HTTP status -> OpenAI error type, as the OpenAI API spells them.
 _TYPES: dict[int, str] = {
@@ -35,7 +36,7 @@ _TYPES: dict[int, str] = {
 
 
 class ApiError(Exception):
-    """An error the router answers the client with; carries the OpenAI error fields."""
+    """An error answered to the client as is; carries the HTTP status and the OpenAI error fields."""
 
     def __init__(
         self,
@@ -60,11 +61,16 @@ class ApiError(Exception):
         return error_response(self.status, self.message, param=self.param, code=self.code, headers=self.headers)
 
 
+def error_type(status: int) -> str:
+    """OpenAI's error type for an HTTP status."""
+    return _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
 def error_dict(status: int, message: str, *, param: str | None = None, code: str | None = None) -> Any:
     return {
         "error": {
             "message": message,
-            "type": _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
+            "type": error_type(status),
             "param": param,
             "code": code,
         }

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark the PD router against going direct to the workers and against smg (a benchmark, not a test).
 
-Protocol-faithful test workers (sglang_pd.deploy.router.testing) run on loopback; a bounded,
+Protocol-faithful test workers (tests/support/router_worker_server.py) run on loopback; a bounded,
 closed-loop load generator (aiohttp) sends OpenAI chat requests, streaming and not, at each
 concurrency, through each target in turn:
 
@@ -16,10 +16,11 @@ All targets run at once (idle when not measured); they take turns cell by cell i
 order, each cell is measured --rounds times and the median round is reported, so that a noisy,
 shared machine biases no target.
 
-Prints a table and writes JSON. Targets (issue 3): router-added p50 at concurrency 1 <= 1 ms;
-router throughput at concurrency 16 >= 0.6 x smg's; zero errors.
+Prints a table and writes JSON. Targets: router-added p50 at concurrency 1 <= 1 ms; router
+throughput at concurrency 16 >= 0.6 x smg's; zero errors. Run it from the repository root (the
+test workers are imported from `tests.support`):
 
-    .venv/bin/python scripts/bench_router.py --out out/bench_router.json
+    .venv/bin/python -m scripts.bench_router --out out/bench_router.json
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -44,7 +44,8 @@ from typing import Any
 
 import aiohttp
 
-from sglang_pd.deploy.router.testing import WorkerProcess, start_workers
+from sglang_pd.deploy.procs import Child, spawn
+from tests.support.router_worker_server import WorkerProcess, start_workers
 
 CHAT = "/v1/chat/completions"
 TARGETS = ("direct", "router", "smg")
@@ -212,78 +213,35 @@ async def run_cell(send: Sender, cell: Cell, duration: float, warmup: float, pid
     cell.cpu_ms_per_req = cpu * 1000 / cell.requests if cell.requests and pids else 0.0
 
 
-def _wait_http(url: str, path: str, timeout: float, proc: subprocess.Popen[bytes]) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
-        with contextlib.suppress(Exception), urllib.request.urlopen(url + path, timeout=1) as resp:
-            if resp.status == 200:
-                return
-        time.sleep(0.1)
-    raise RuntimeError(f"{url}{path} not ready within {timeout} s")
-
-
 @contextlib.contextmanager
-def _process(cmd: list[str], url: str, ready_path: str, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+def _process(name: str, cmd: list[str], ready_url: str, log: Path) -> Iterator[Child]:
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        child = spawn(name, cmd, stdout=out, stderr=subprocess.STDOUT, text=False)
     try:
-        _wait_http(url, ready_path, 60, proc)
-        yield proc
+        child.wait_http(ready_url, 60)
+        yield child
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        child.stop()
+
+
+def _pd_flags(prefills: list[WorkerProcess], decodes: list[WorkerProcess]) -> list[str]:
+    """The worker flags smg and our router share."""
+    flags = ["--host", "127.0.0.1", "--policy", "round_robin"]
+    for p in prefills:
+        flags += ["--prefill", p.url, str(p.bootstrap_port)]
+    for d in decodes:
+        flags += ["--decode", d.url]
+    return flags
 
 
 def _router_cmd(port: int, prefills: list[WorkerProcess], decodes: list[WorkerProcess]) -> list[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "sglang_pd.deploy.router.cli",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--policy",
-        "round_robin",
-        "--log-level",
-        "warning",
-    ]
-    for p in prefills:
-        cmd += ["--prefill", p.url, str(p.bootstrap_port)]
-    for d in decodes:
-        cmd += ["--decode", d.url]
-    return cmd
+    cli = [sys.executable, "-m", "sglang_pd.deploy.router.cli", "--port", str(port), "--log-level", "warning"]
+    return cli + _pd_flags(prefills, decodes)
 
 
 def _smg_cmd(smg: str, port: int, prefills: list[WorkerProcess], decodes: list[WorkerProcess]) -> list[str]:
-    cmd = [
-        smg,
-        "launch",
-        "--pd-disaggregation",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--policy",
-        "round_robin",
-        "--log-level",
-        "warn",
-        "--disable-retries",
-    ]
-    for p in prefills:
-        cmd += ["--prefill", p.url, str(p.bootstrap_port)]
-    for d in decodes:
-        cmd += ["--decode", d.url]
-    return cmd
+    cli = [smg, "launch", "--pd-disaggregation", "--port", str(port), "--log-level", "warn", "--disable-retries"]
+    return cli + _pd_flags(prefills, decodes)
 
 
 def _find_smg() -> str | None:
@@ -358,8 +316,8 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     assert smg is not None
                     cmd = _smg_cmd(smg, port, prefills, decodes)
-                proc = stack.enter_context(_process(cmd, url, "/readiness", logs / f"bench_{target}.log"))
-                pids[target] = [proc.pid]
+                child = stack.enter_context(_process(target, cmd, url + "/readiness", logs / f"bench_{target}.log"))
+                pids[target] = [child.pid]
                 senders[target] = via_url(url, args.tokens)
             time.sleep(1.0)
             # The machine is shared and noisy: targets take turns cell by cell (in a rotating

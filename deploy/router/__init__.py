@@ -5,6 +5,7 @@ from __future__ import annotations
 from .app import RouterApp, create_app
 from .config import KubernetesDiscoveryConfig, RouterConfig
 from .exceptions import (
+    ClientGone,
     NoHealthyWorker,
     RouterError,
     UpstreamError,
@@ -13,17 +14,22 @@ from .exceptions import (
     UpstreamUnreachable,
     WorkerRegistrationError,
 )
+from .transport import HttpWorkerClient, Timeouts, WorkerClient
 
 __all__ = [
+    "ClientGone",
+    "HttpWorkerClient",
     "KubernetesDiscoveryConfig",
     "NoHealthyWorker",
     "RouterApp",
     "RouterConfig",
     "RouterError",
+    "Timeouts",
     "UpstreamError",
     "UpstreamStatusError",
     "UpstreamTimeout",
     "UpstreamUnreachable",
+    "WorkerClient",
     "WorkerRegistrationError",
     "create_app",
 ]

@@ -1,5 +1,6 @@
 """The router's ASGI application: pure ASGI middleware (auth → body limit → admission) in front
-of a dispatcher that sends inference POSTs straight to the proxy and everything else to FastAPI."""
+of a dispatcher that sends the inference endpoints straight to the proxy and everything else
+(health, metrics, models, the /workers admin API) to FastAPI."""
 
 from __future__ import annotations
 
@@ -17,19 +18,21 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
-from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..openai_errors import ApiError, error_response
 from .config import RouterConfig
 from .discovery import KubernetesDiscovery
-from .errors import ApiError, error_response
-from .exceptions import WorkerRegistrationError
+from .exceptions import ClientGone, WorkerRegistrationError
 from .health import HealthChecker
+from .legs import Legs
 from .log import logger, request_id_var
 from .metrics import CONTENT_TYPE_LATEST, RouterMetrics
 from .middleware import AdmissionMiddleware, AuthMiddleware, BodyLimitMiddleware
+from .pairs import PairPicker
 from .policies import make_policy
-from .proxy import ClientGone, PDProxy, RelayResponse
+from .proxy import PDProxy
+from .transport import HttpWorkerClient, WorkerClient
 from .validation import ENDPOINTS, parse_body, validate
 from .workers import WorkerRegistry
 
@@ -45,7 +48,16 @@ def _json(data: Any, status: int = 200) -> Response:
 class RouterApp:
     """The ASGI callable uvicorn serves, with handles on the parts tests and the server need."""
 
-    def __init__(self, config: RouterConfig, *, worker_api_key: str = "", discovery_list_pods: Any = None) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        *,
+        worker_api_key: str = "",
+        discovery_list_pods: Any = None,
+        client: WorkerClient | None = None,
+    ) -> None:
+        """`client` replaces the HTTP transport to workers (tests pass an in-process one);
+        `discovery_list_pods` replaces the Kubernetes API call of discovery."""
         self.config = config
         self.metrics = RouterMetrics()
         self.registry = WorkerRegistry(
@@ -56,22 +68,18 @@ class RouterApp:
             self.registry.add(url, "prefill", bootstrap_port=bootstrap_port)
         for url in config.decode_workers:
             self.registry.add(url, "decode")
-        self.proxy = PDProxy(
-            config,
-            self.registry,
-            self.metrics,
-            make_policy(config.prefill_policy),
-            make_policy(config.decode_policy),
-            worker_api_key=worker_api_key,
-        )
+        if client is None:
+            client = HttpWorkerClient(timeouts=config.timeouts, api_key=worker_api_key)
+        self.pairs = PairPicker(self.registry, make_policy(config.prefill_policy), make_policy(config.decode_policy))
+        self.legs = Legs(client, self.metrics)
+        self.proxy = PDProxy(config, self.pairs, self.legs)
         self.health = HealthChecker(
             self.registry,
             self.metrics,
+            client,
             interval_s=config.health_interval_s,
-            timeout_s=config.health_timeout_s,
             failure_threshold=config.health_failure_threshold,
             success_threshold=config.health_success_threshold,
-            headers={"authorization": f"Bearer {worker_api_key}"} if worker_api_key else None,
         )
         self.discovery = (
             KubernetesDiscovery(self.registry, config.kubernetes, list_pods=discovery_list_pods)
@@ -83,7 +91,8 @@ class RouterApp:
         self._latency = {e: self.metrics.latency.labels(e) for e in ENDPOINTS}
         self._requests: dict[tuple[str, int], Any] = {}
         self.fastapi = self._build_fastapi()
-        self._hot_paths = {e: e for e in ENDPOINTS}
+        # The one routing table of the inference endpoints.
+        self._inference = {e: e for e in ENDPOINTS}
         self.admission = AdmissionMiddleware(
             self._dispatch,
             paths=frozenset(ENDPOINTS),
@@ -99,18 +108,28 @@ class RouterApp:
         await self.asgi(scope, receive, send)
 
     async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # The inference POSTs skip FastAPI's routing and its five middleware layers: they were
-        # a fifth of the router's CPU per request (py-spy, scripts/bench_router.py at c=16).
-        endpoint = self._hot_paths.get(scope["path"]) if scope["type"] == "http" else None
-        if endpoint is None or scope["method"] != "POST":
+        # The inference endpoints skip FastAPI's routing and its five middleware layers: they
+        # were a fifth of the router's CPU per request (py-spy, scripts/bench_router.py at c=16).
+        endpoint = self._inference.get(scope["path"]) if scope["type"] == "http" else None
+        if endpoint is None:
             await self.fastapi(scope, receive, send)
             return
+        if scope["method"] != "POST":
+            await _NOT_ALLOWED(scope, receive, send)
+            return
+        started = time.perf_counter()
         request = Request(scope, receive)
+        header_rid = request.headers.get("x-request-id")
+        rid = header_rid if header_rid and _RID.match(header_rid) else uuid.uuid4().hex
         try:
-            response = await self.serve(endpoint, request)
+            response = await self.serve(endpoint, request, rid)
         except Exception as exc:
             response = await _internal_error(request, exc)
-        await response(scope, receive, send)
+        self._ttfb[endpoint].observe(time.perf_counter() - started)
+        try:
+            await response(scope, receive, send)  # a relayed stream returns once it has ended
+        finally:
+            self._observe(endpoint, response.status_code, started, rid)
 
     @property
     def draining(self) -> bool:
@@ -139,7 +158,7 @@ class RouterApp:
             if self.discovery is not None:
                 await asyncio.to_thread(self.discovery.stop)
             await self.health.aclose()
-            await self.proxy.aclose()
+            await self.legs.aclose()
 
     # -- routes ---------------------------------------------------------------------------------
 
@@ -151,10 +170,6 @@ class RouterApp:
             redoc_url=None,
             openapi_url=None,
         )
-        for endpoint in ENDPOINTS:
-            # Plain Starlette routes: the proxy reads the body itself, so FastAPI's per-request
-            # dependency solving (~0.1 ms) would buy nothing on the hot path.
-            app.router.routes.append(Route(endpoint, self._inference_route(endpoint), methods=["POST"]))
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/health", self.health_route, methods=["GET"])
         app.add_api_route("/readiness", self.readiness, methods=["GET"])
@@ -168,39 +183,21 @@ class RouterApp:
         app.add_exception_handler(Exception, _internal_error)
         return app
 
-    def _inference_route(self, endpoint: str) -> Any:
-        async def route(request: Request) -> Response:
-            return await self.serve(endpoint, request)
-
-        route.__name__ = endpoint.strip("/").replace("/", "_").replace(".", "_")
-        return route
-
-    async def serve(self, endpoint: str, request: Request) -> Response:
-        started = time.perf_counter()
-        header_rid = request.headers.get("x-request-id")
-        rid = header_rid if header_rid and _RID.match(header_rid) else uuid.uuid4().hex
+    async def serve(self, endpoint: str, request: Request, rid: str) -> Response:
+        """Validate the body and hand it to the proxy; errors become OpenAI-shaped answers."""
         token = request_id_var.set(rid)
         try:
-            try:
-                payload = parse_body(await request.body())
-                validate(endpoint, payload, self.registry.models())
-                if payload.get("stream"):
-                    response = await self.proxy.stream(endpoint, payload, rid, request.receive)
-                else:
-                    response = await self.proxy.unary(endpoint, payload, rid, request.receive)
-            except ApiError as exc:
-                response = exc.response()
-                response.headers["x-request-id"] = rid
-            except ClientGone:
-                response = Response(status_code=499, headers={"x-request-id": rid})
-            status = response.status_code
-            elapsed = time.perf_counter() - started
-            self._ttfb[endpoint].observe(elapsed)
-            if isinstance(response, RelayResponse):
-                response.on_done = lambda: self._observe(endpoint, status, started, rid)
-            else:
-                self._observe(endpoint, status, started, rid)
+            payload = parse_body(await request.body())
+            validate(endpoint, payload, self.registry.models())
+            if payload.get("stream"):
+                return await self.proxy.stream(endpoint, payload, rid, request.receive)
+            return await self.proxy.unary(endpoint, payload, rid, request.receive)
+        except ApiError as exc:
+            response = exc.response()
+            response.headers["x-request-id"] = rid
             return response
+        except ClientGone:
+            return Response(status_code=499, headers={"x-request-id": rid})
         finally:
             request_id_var.reset(token)
 
@@ -296,17 +293,17 @@ class RouterApp:
         if role not in (None, "prefill", "decode"):
             raise ApiError(400, "'role' must be 'prefill' or 'decode'.", param="role", code="invalid_value")
         try:
-            removed = self.registry.remove(url, role)  # type: ignore[arg-type]
+            removed = self.registry.remove(url, role)
         except WorkerRegistrationError as exc:
             raise ApiError(400, str(exc), param="url", code="invalid_value") from exc
         if not removed:
             raise ApiError(404, f"No worker {url} is registered. See GET /workers.", param="url", code="not_found")
-        for worker in removed:
-            policy = self.proxy.prefill_policy if worker.role == "prefill" else self.proxy.decode_policy
-            forget = getattr(policy, "forget", None)
-            if forget is not None:
-                forget(worker.url)
         return _json({"removed": [w.to_json() for w in removed]})
+
+
+_NOT_ALLOWED = error_response(
+    405, "This method is not allowed on this endpoint; send POST.", code="http_error", headers={"allow": "POST"}
+)
 
 
 async def _api_error(_: Request, exc: ApiError) -> Response:

@@ -1,9 +1,11 @@
 """`sglang-pd router`: flags, the topology file and the environment → RouterConfig → serve.
 
 Precedence: a flag given on the command line wins over the topology's `router:` section, which
-wins over RouterConfig's defaults. Secrets may come from the environment instead of flags
-(`SGLANG_PD_ROUTER_API_KEYS` comma-separated, `SGLANG_PD_ROUTER_ADMIN_KEY`,
-`SGLANG_PD_ROUTER_WORKER_API_KEY`) so they stay out of process listings.
+wins over RouterConfig's defaults (the same as RouterSpec's). Secrets may come from the
+environment instead of flags (`SGLANG_PD_ROUTER_API_KEYS` comma-separated,
+`SGLANG_PD_ROUTER_ADMIN_KEY`, `SGLANG_PD_ROUTER_WORKER_API_KEY`) so they stay out of process
+listings. Kubernetes discovery finds the leader pods the chart labels, in every release of the
+namespace unless `--k8s-release` names one.
 """
 
 from __future__ import annotations
@@ -13,11 +15,20 @@ import os
 import sys
 from typing import Any
 
-from .config import POLICIES, KubernetesDiscoveryConfig, RouterConfig
+from sglang_pd.deploy.contract import (
+    DEFAULT_BOOTSTRAP_PORT,
+    ENV_ROUTER_ADMIN_KEY,
+    ENV_ROUTER_API_KEYS,
+    ENV_ROUTER_WORKER_API_KEY,
+    POLICIES,
+    PREFILL_ONLY_POLICIES,
+    worker_selector,
+)
+from sglang_pd.deploy.topology import RouterSpec, load_topology
+
+from .config import KubernetesDiscoveryConfig, RouterConfig
 
 __all__ = ["add_arguments", "build_config", "run"]
-
-ENV_PREFIX = "SGLANG_PD_ROUTER_"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,11 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar=("URL", "BOOTSTRAP_PORT"),
-        help="a prefill worker and its bootstrap port (default 8998; 'none' for the default); repeatable",
+        help=f"a prefill worker and its bootstrap port (default {DEFAULT_BOOTSTRAP_PORT}; 'none' for the default); "
+        "repeatable",
     )
     workers.add_argument("--decode", action="append", default=[], metavar="URL", help="a decode worker; repeatable")
     workers.add_argument("--kubernetes", action="store_true", help="discover workers from pods by label selector")
     workers.add_argument("--k8s-namespace", default=None, help="namespace to watch (default: default)")
+    workers.add_argument("--k8s-release", default=None, help="only the pods of this Helm release (default: every one)")
     workers.add_argument("--k8s-prefill-selector", default=None, help="label selector of prefill pods")
     workers.add_argument("--k8s-decode-selector", default=None, help="label selector of decode pods")
     workers.add_argument("--k8s-port", type=int, default=None, help="workers' HTTP port when pods do not annotate it")
@@ -43,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--port", type=int, default=None, help="port to listen on (default 8000)")
     serve.add_argument("--policy", choices=POLICIES, default=None, help="policy for both roles")
     serve.add_argument("--prefill-policy", choices=POLICIES, default=None)
-    serve.add_argument("--decode-policy", choices=[p for p in POLICIES if p != "cache_aware"], default=None)
+    serve.add_argument("--decode-policy", choices=[p for p in POLICIES if p not in PREFILL_ONLY_POLICIES], default=None)
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=None)
     serve.add_argument("--drain-timeout", type=float, default=None, help="seconds in-flight requests get on SIGTERM")
 
@@ -70,10 +83,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-key",
         action="append",
         default=None,
-        help=f"client API key; repeatable (or {ENV_PREFIX}API_KEYS=k1,k2)",
+        help=f"client API key; repeatable (or {ENV_ROUTER_API_KEYS}=k1,k2)",
     )
-    security.add_argument("--admin-key", default=None, help=f"key for /workers (or {ENV_PREFIX}ADMIN_KEY)")
-    security.add_argument("--worker-api-key", default=None, help=f"key sent to workers (or {ENV_PREFIX}WORKER_API_KEY)")
+    security.add_argument("--admin-key", default=None, help=f"key for /workers (or {ENV_ROUTER_ADMIN_KEY})")
+    security.add_argument(
+        "--worker-api-key", default=None, help=f"key sent to workers (or {ENV_ROUTER_WORKER_API_KEY})"
+    )
 
 
 _FLAG_TO_FIELD = {
@@ -119,24 +134,10 @@ def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None
     fields: dict[str, Any] = {}
     prefill: list[tuple[str, int | None]] = []
     decode: list[str] = []
-    topology_name = ""
+    spec = RouterSpec()
     if args.topology:
-        from sglang_pd.deploy.topology import load_topology
-
         topology = load_topology(args.topology)
-        topology_name = topology.name
         spec = topology.router
-        for name in (
-            "host",
-            "port",
-            "prefill_policy",
-            "decode_policy",
-            "max_concurrent_requests",
-            "max_queued_requests",
-            "queue_timeout_s",
-            "request_timeout_s",
-        ):
-            fields[name] = getattr(spec, name)
         static_prefill, static_decode = topology.static_workers()
         prefill.extend(static_prefill)
         decode.extend(static_decode)
@@ -151,16 +152,16 @@ def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None
         prefill = [_parse_prefill(v) for v in args.prefill]
         decode = list(args.decode)
     api_keys = list(args.api_key or [])
-    api_keys += [k for k in env.get(ENV_PREFIX + "API_KEYS", "").split(",") if k.strip()]
+    api_keys += [k for k in env.get(ENV_ROUTER_API_KEYS, "").split(",") if k.strip()]
     fields["api_keys"] = tuple(k.strip() for k in api_keys)
-    fields["admin_key"] = args.admin_key or env.get(ENV_PREFIX + "ADMIN_KEY", "")
-    worker_api_key = args.worker_api_key or env.get(ENV_PREFIX + "WORKER_API_KEY", "")
+    fields["admin_key"] = args.admin_key or env.get(ENV_ROUTER_ADMIN_KEY, "")
+    worker_api_key = args.worker_api_key or env.get(ENV_ROUTER_WORKER_API_KEY, "")
     use_k8s = args.kubernetes or (args.topology and not prefill and not decode)
     if use_k8s:
         k8s: dict[str, Any] = {}
-        if topology_name:
-            k8s["prefill_selector"] = f"sglang-pd/topology={topology_name},sglang-pd/role=prefill"
-            k8s["decode_selector"] = f"sglang-pd/topology={topology_name},sglang-pd/role=decode"
+        if release := getattr(args, "k8s_release", None):
+            k8s["prefill_selector"] = worker_selector("prefill", release)
+            k8s["decode_selector"] = worker_selector("decode", release)
         for flag, name in (
             ("k8s_namespace", "namespace"),
             ("k8s_prefill_selector", "prefill_selector"),
@@ -173,7 +174,7 @@ def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None
         fields["kubernetes"] = KubernetesDiscoveryConfig(**k8s)
     fields["prefill_workers"] = tuple(prefill)
     fields["decode_workers"] = tuple(decode)
-    return RouterConfig(**fields), worker_api_key
+    return RouterConfig.from_spec(spec, **fields), worker_api_key
 
 
 def run(args: argparse.Namespace) -> int:

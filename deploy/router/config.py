@@ -1,51 +1,71 @@
-"""The router's configuration: one keyword-only value class with documented defaults."""
+"""The router's configuration: one keyword-only value class with documented defaults.
+
+The settings a topology's `router:` section holds take their defaults from `RouterSpec`, so the
+router has one default set whether it starts from a topology or from flags.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = [
-    "DEFAULT_BOOTSTRAP_PORT",
-    "POLICIES",
-    "PREFILL_ONLY_POLICIES",
-    "KubernetesDiscoveryConfig",
-    "RouterConfig",
-]
+from sglang_pd.deploy.contract import (
+    ANNOTATION_BOOTSTRAP_PORT,
+    ANNOTATION_PORT,
+    DEFAULT_PREFILL_PORT,
+    policy_problem,
+    worker_selector,
+)
+from sglang_pd.deploy.topology import RouterSpec
 
-DEFAULT_BOOTSTRAP_PORT = 8998
-POLICIES = ("round_robin", "random", "power_of_two", "least_load", "cache_aware")
-PREFILL_ONLY_POLICIES = ("cache_aware",)
+from .transport import Timeouts
+
+__all__ = ["KubernetesDiscoveryConfig", "RouterConfig"]
+
+_SPEC = RouterSpec()
+# RouterConfig fields a topology's RouterSpec sets (same names).
+SPEC_FIELDS = (
+    "host",
+    "port",
+    "prefill_policy",
+    "decode_policy",
+    "max_concurrent_requests",
+    "max_queued_requests",
+    "queue_timeout_s",
+    "request_timeout_s",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
 class KubernetesDiscoveryConfig:
-    """Find workers by pod label selectors (`key=value,...`) in one namespace."""
+    """Find workers by pod label selectors (`key=value,...`) in one namespace; the defaults select
+    the leader pods of every sglang-pd release, labelled as the chart labels them."""
 
     namespace: str = "default"
-    prefill_selector: str = "sglang-pd/role=prefill"
-    decode_selector: str = "sglang-pd/role=decode"
-    port: int = 30000
-    port_annotation: str = "sglang-pd/port"
-    bootstrap_port_annotation: str = "sglang-pd/bootstrap-port"
+    prefill_selector: str = worker_selector("prefill")
+    decode_selector: str = worker_selector("decode")
+    port: int = DEFAULT_PREFILL_PORT
+    port_annotation: str = ANNOTATION_PORT
+    bootstrap_port_annotation: str = ANNOTATION_BOOTSTRAP_PORT
 
 
 @dataclass(frozen=True, kw_only=True)
 class RouterConfig:
-    host: str = "0.0.0.0"
-    port: int = 8000
-    prefill_policy: str = "cache_aware"
-    decode_policy: str = "power_of_two"
+    host: str = _SPEC.host
+    port: int = _SPEC.port
+    prefill_policy: str = _SPEC.prefill_policy
+    decode_policy: str = _SPEC.decode_policy
     # Admission: 0 disables the limit. Requests beyond max_concurrent wait in a queue of
     # max_queued for at most queue_timeout_s, then get 429.
-    max_concurrent_requests: int = 0
-    max_queued_requests: int = 256
-    queue_timeout_s: float = 30.0
+    max_concurrent_requests: int = _SPEC.max_concurrent_requests
+    max_queued_requests: int = _SPEC.max_queued_requests
+    queue_timeout_s: float = _SPEC.queue_timeout_s
     max_body_bytes: int = 32 * 1024 * 1024
     # Timeouts towards workers. request_timeout_s bounds a whole non-streaming request and the
     # time to a stream's first byte; stream_idle_timeout_s bounds the gap between two chunks.
     connect_timeout_s: float = 3.0
-    request_timeout_s: float = 600.0
+    request_timeout_s: float = _SPEC.request_timeout_s
     stream_idle_timeout_s: float = 120.0
     max_retries: int = 2
     retry_backoff_s: float = 0.05
@@ -67,15 +87,26 @@ class RouterConfig:
     prefill_workers: tuple[tuple[str, int | None], ...] = field(default=())
     decode_workers: tuple[str, ...] = field(default=())
 
+    @classmethod
+    def from_spec(cls, spec: RouterSpec, **fields: Any) -> RouterConfig:
+        """A topology's router settings, then `fields` over them."""
+        return cls(**{**{name: getattr(spec, name) for name in SPEC_FIELDS}, **fields})
+
+    @property
+    def timeouts(self) -> Timeouts:
+        """The timeouts of requests to workers."""
+        return Timeouts(
+            connect=self.connect_timeout_s,
+            request=self.request_timeout_s,
+            stream_idle=self.stream_idle_timeout_s,
+            health=self.health_timeout_s,
+        )
+
     def __post_init__(self) -> None:
         for role, name in (("prefill", self.prefill_policy), ("decode", self.decode_policy)):
-            if name not in POLICIES:
-                raise ValueError(f"Config '{role}_policy' has value {name!r}. Use one of: {', '.join(POLICIES)}.")
-        if self.decode_policy in PREFILL_ONLY_POLICIES:
-            raise ValueError(
-                f"Config 'decode_policy' has value {self.decode_policy!r}, which is for prefill only. "
-                "Use round_robin, random, power_of_two or least_load for decode."
-            )
+            problem = policy_problem(role, name)
+            if problem is not None:
+                raise ValueError(f"Config '{role}_policy' has value {name!r}: {problem}")
         for name in ("max_concurrent_requests", "max_queued_requests", "max_retries"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Config '{name}' has value {getattr(self, name)}. It must be >= 0.")

@@ -1,7 +1,8 @@
 """Kubernetes discovery: watch pods by label selector (one selector per role) and keep the registry
 in step. A pod counts when it is Running, Ready and has an IP; its HTTP port comes from the
 `port_annotation` (or the configured default), a prefill pod's bootstrap port from the
-`bootstrap_port_annotation` (or 8998).
+`bootstrap_port_annotation` (or 8998). The default selectors pick the leader pods labelled as the
+chart labels them (`contract.worker_selector`).
 
 The watch uses the `kubernetes` client (synchronous) in a thread per role; events are applied on
 the event loop. `apply_event()` is pure registry bookkeeping, so recorded watch events test it.
@@ -15,7 +16,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .config import DEFAULT_BOOTSTRAP_PORT, KubernetesDiscoveryConfig
+from sglang_pd.deploy.contract import DEFAULT_BOOTSTRAP_PORT
+
+from .config import KubernetesDiscoveryConfig
 from .exceptions import WorkerRegistrationError
 from .log import logger
 from .types import Role

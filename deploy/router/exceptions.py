@@ -1,6 +1,7 @@
 """The router's exceptions.
 
     RouterError
+    ├── ClientGone              the client disconnected before its answer was ready
     ├── NoHealthyWorker         no prefill or decode worker can take a request now
     ├── WorkerRegistrationError a worker URL or role given to /workers or the CLI is invalid
     └── UpstreamError           a worker leg failed (carries the worker)
@@ -8,22 +9,20 @@
         ├── UpstreamTimeout     the worker did not answer within the timeout
         └── UpstreamStatusError the worker answered with a 5xx status
 
-`map_client_exceptions()` turns the HTTP client's transport errors (aiohttp) into the most specific
-UpstreamError, chained with `from exc`; anything else is re-raised unchanged.
+Transports (`transport.py`) raise the most specific UpstreamError, chained with `from exc` to the
+HTTP client's own error. Errors answered to the client as they are (bad input, 503, 504) are
+`openai_errors.ApiError`, which carries the OpenAI error fields.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING
-
-import aiohttp
 
 if TYPE_CHECKING:
     from .workers import Worker
 
 __all__ = [
+    "ClientGone",
     "NoHealthyWorker",
     "RouterError",
     "UpstreamError",
@@ -31,12 +30,15 @@ __all__ = [
     "UpstreamTimeout",
     "UpstreamUnreachable",
     "WorkerRegistrationError",
-    "map_client_exceptions",
 ]
 
 
 class RouterError(Exception):
     """Base class of every error the router raises on purpose."""
+
+
+class ClientGone(RouterError):
+    """The client disconnected before its answer was ready."""
 
 
 class NoHealthyWorker(RouterError):
@@ -77,24 +79,3 @@ class UpstreamStatusError(UpstreamError):
         super().__init__(message, worker)
         self.status = status
         self.body = body
-
-
-# Most specific first: aiohttp's ServerTimeoutError and ConnectionTimeoutError are both
-# ClientErrors and TimeoutErrors; a `total` timeout is a bare TimeoutError.
-_CLIENT_MAP: tuple[tuple[type[BaseException], type[UpstreamError]], ...] = (
-    (TimeoutError, UpstreamTimeout),
-    (aiohttp.ClientError, UpstreamUnreachable),
-)
-
-
-@contextmanager
-def map_client_exceptions(worker: Worker, what: str) -> Iterator[None]:
-    """Translate transport errors raised inside the block into UpstreamError subclasses."""
-    try:
-        yield
-    except (TimeoutError, aiohttp.ClientError) as exc:
-        for source, target in _CLIENT_MAP:
-            if isinstance(exc, source):
-                detail = str(exc) or type(exc).__name__
-                raise target(f"{what} to {worker.role} worker {worker.url} failed: {detail}", worker) from exc
-        raise

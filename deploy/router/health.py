@@ -8,12 +8,12 @@ import asyncio
 import contextlib
 from typing import Any
 
-import aiohttp
 import orjson
 
+from .exceptions import UpstreamError
 from .log import logger
 from .metrics import RouterMetrics
-from .upstream import UpstreamPool
+from .transport import WorkerClient
 from .workers import Worker, WorkerRegistry
 
 __all__ = ["HealthChecker"]
@@ -24,21 +24,18 @@ class HealthChecker:
         self,
         registry: WorkerRegistry,
         metrics: RouterMetrics,
+        client: WorkerClient,
         *,
         interval_s: float,
-        timeout_s: float,
         failure_threshold: int,
         success_threshold: int,
-        headers: dict[str, str] | None = None,
     ) -> None:
         self.registry = registry
         self.metrics = metrics
+        self.client = client  # shared with the proxy: closed by its owner, not here
         self.interval_s = interval_s
         self.failure_threshold = max(1, failure_threshold)
         self.success_threshold = max(1, success_threshold)
-        self.pool = UpstreamPool(keepalive_s=max(30.0, interval_s * 3))
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(timeout_s, 2.0))
-        self.headers = headers or {}
         self._task: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[None]] = set()
         registry.subscribe(self._on_change)
@@ -53,7 +50,6 @@ class HealthChecker:
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
-        await self.pool.aclose()
 
     def _on_change(self, event: str, worker: Worker) -> None:
         if event == "added":
@@ -105,13 +101,9 @@ class HealthChecker:
 
     async def _probe(self, worker: Worker) -> tuple[bool, str]:
         try:
-            async with self.pool.session.get(
-                worker.url + "/health", timeout=self.timeout, headers=self.headers
-            ) as resp:
-                await resp.read()
-                status = resp.status
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            return False, f"GET /health failed: {str(exc) or type(exc).__name__}"
+            status, _ = await self.client.get(worker, "/health")
+        except UpstreamError as exc:
+            return False, str(exc)
         if status != 200:
             return False, f"GET /health answered {status}"
         return True, ""
@@ -128,9 +120,9 @@ class HealthChecker:
 
     async def _get_json(self, worker: Worker, path: str) -> Any:
         try:
-            async with self.pool.session.get(worker.url + path, timeout=self.timeout, headers=self.headers) as resp:
-                if resp.status == 200:
-                    return orjson.loads(await resp.read())
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            status, body = await self.client.get(worker, path)
+            if status == 200:
+                return orjson.loads(body)
+        except (UpstreamError, ValueError) as exc:
             logger.debug("worker info request failed", extra={"worker": worker.url, "path": path, "error": str(exc)})
         return None

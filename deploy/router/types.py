@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from sglang_pd.deploy.contract import Role
 
 __all__ = ["BootstrapRoom", "Role", "WorkerURL"]
 
@@ -11,5 +11,3 @@ WorkerURL = str
 
 BootstrapRoom = int
 """A random integer in 0..2**63-1 naming one KV hand-off between a prefill and a decode worker."""
-
-Role = Literal["prefill", "decode"]

@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from .errors import ApiError
+from ..openai_errors import ApiError
 
 __all__ = ["ENDPOINTS", "batch_size", "parse_body", "routing_text", "validate"]
 

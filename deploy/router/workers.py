@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from .breaker import BreakerState, CircuitBreaker
-from .config import DEFAULT_BOOTSTRAP_PORT
+from sglang_pd.deploy.contract import DEFAULT_BOOTSTRAP_PORT
+
+from .breaker import CircuitBreaker
 from .exceptions import WorkerRegistrationError
 from .types import Role, WorkerURL
 
@@ -177,9 +178,6 @@ class WorkerRegistry:
             for model in worker.models:
                 seen.setdefault(model, None)
         return list(seen)
-
-    def breaker_states(self) -> dict[Worker, BreakerState]:
-        return {w: w.breaker.state for w in self.all()}
 
     def _rebuild(self) -> None:
         self.prefill = [w for (r, _), w in self._workers.items() if r == "prefill"]

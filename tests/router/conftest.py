@@ -1,5 +1,6 @@
-"""Factory fixtures: protocol-faithful test workers (real processes on loopback) and a router
-served by uvicorn in a background thread on a free port."""
+"""Factory fixtures: protocol-faithful test workers, in process (reached through the router's
+in-process transport) or as real processes on loopback, and a router served by uvicorn in a
+background thread on a free port."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import uvicorn
 
 from sglang_pd.deploy.router import RouterApp, RouterConfig, create_app
 from sglang_pd.deploy.router.server import RouterServer, uvicorn_config
-from sglang_pd.deploy.router.testing import WorkerProcess, start_workers
+from tests.support.router_worker_server import start_workers
+from tests.support.router_workers import InProcessCluster
 
 FAST = RouterConfig(
     host="127.0.0.1",
@@ -83,9 +85,14 @@ def wait_ready(url: str, timeout: float = 10.0) -> None:
 
 
 class Cluster:
-    def __init__(self, prefills: list[WorkerProcess], decodes: list[WorkerProcess]) -> None:
+    """Test workers and how a router reaches them: through the in-process transport when
+    `inprocess` is set, over HTTP otherwise. Every worker has `url`, `bootstrap_port`, `state()`
+    and `configure(...)`."""
+
+    def __init__(self, prefills: list[Any], decodes: list[Any], inprocess: InProcessCluster | None = None) -> None:
         self.prefills = prefills
         self.decodes = decodes
+        self.inprocess = inprocess
 
     def config(self, base: RouterConfig = FAST, **changes: Any) -> RouterConfig:
         return replace(
@@ -95,31 +102,55 @@ class Cluster:
             **changes,
         )
 
+    @contextlib.contextmanager
+    def serve(self, config: RouterConfig, *, ready: bool = True, worker_api_key: str = "") -> Iterator[RunningRouter]:
+        """A router in front of these workers; waits until it is ready unless `ready=False`."""
+        client = None
+        if self.inprocess is not None:
+            client = self.inprocess.client(config.timeouts, api_key=worker_api_key)
+        with serve_router(config, worker_api_key=worker_api_key, client=client) as running:
+            if ready:
+                wait_ready(running.url)
+            yield running
+
+    def kill(self, worker: Any) -> None:
+        """The worker dies: SIGKILL for a process, unreachable from now on in process."""
+        if self.inprocess is not None:
+            self.inprocess.kill(worker)
+        else:
+            worker.kill()
+
     def stop(self) -> None:
-        for w in self.prefills + self.decodes:
-            w.stop()
+        if self.inprocess is None:
+            for w in self.prefills + self.decodes:
+                w.stop()
+
+
+def in_process(n_prefill: int, n_decode: int, **options: Any) -> Cluster:
+    workers = InProcessCluster(n_prefill, n_decode, **options)
+    return Cluster(workers.prefills, workers.decodes, workers)
 
 
 @pytest.fixture(scope="module")
 def cluster_1p1d() -> Iterator[Cluster]:
-    prefills, decodes = start_workers(1, 1)
-    cluster = Cluster(prefills, decodes)
-    yield cluster
-    cluster.stop()
+    yield in_process(1, 1)
 
 
 @pytest.fixture(scope="module")
 def router_1p1d(cluster_1p1d: Cluster) -> Iterator[RunningRouter]:
-    with serve_router(cluster_1p1d.config()) as running:
-        wait_ready(running.url)
+    with cluster_1p1d.serve(cluster_1p1d.config()) as running:
         yield running
 
 
 @pytest.fixture
 def cluster_factory() -> Iterator[Callable[..., Cluster]]:
+    """`make(n_prefill, n_decode, processes=False, **worker_options)`: in-process workers, or
+    real processes (for SIGKILL and for routers started from their CLI)."""
     made: list[Cluster] = []
 
-    def make(n_prefill: int, n_decode: int, **options: Any) -> Cluster:
+    def make(n_prefill: int, n_decode: int, *, processes: bool = False, **options: Any) -> Cluster:
+        if not processes:
+            return in_process(n_prefill, n_decode, **options)
         cluster = Cluster(*start_workers(n_prefill, n_decode, **options))
         made.append(cluster)
         return cluster

@@ -11,10 +11,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import httpx
 
-from .conftest import FAST, Cluster, serve_router, wait_ready
+from .conftest import FAST, Cluster, wait_ready
 
 CHAT = "/v1/chat/completions"
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
@@ -23,8 +24,7 @@ BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
 def test_over_capacity_is_429_with_retry_after(cluster_factory: Callable[..., Cluster]) -> None:
     cluster = cluster_factory(1, 1, token_delay=0.05)
     config = cluster.config(max_concurrent_requests=2, max_queued_requests=1, queue_timeout_s=0.3)
-    with serve_router(config) as running:
-        wait_ready(running.url)
+    with cluster.serve(config) as running:
 
         async def burst() -> list[httpx.Response]:
             async with httpx.AsyncClient(timeout=10) as client:
@@ -45,8 +45,7 @@ def test_over_capacity_is_429_with_retry_after(cluster_factory: Callable[..., Cl
 
 def test_queued_request_is_served_when_a_slot_frees(cluster_factory: Callable[..., Cluster]) -> None:
     cluster = cluster_factory(1, 1, token_delay=0.02)
-    with serve_router(cluster.config(max_concurrent_requests=1, max_queued_requests=4, queue_timeout_s=5)) as running:
-        wait_ready(running.url)
+    with cluster.serve(cluster.config(max_concurrent_requests=1, max_queued_requests=4, queue_timeout_s=5)) as running:
 
         async def burst() -> list[int]:
             async with httpx.AsyncClient(timeout=10) as client:
@@ -59,7 +58,7 @@ def test_queued_request_is_served_when_a_slot_frees(cluster_factory: Callable[..
 def test_workers_added_and_removed_at_run_time(cluster_factory: Callable[..., Cluster]) -> None:
     cluster = cluster_factory(1, 1)
     admin = {"Authorization": "Bearer admin-secret"}
-    with serve_router(FAST.__class__(**{**FAST.__dict__, "admin_key": "admin-secret"})) as running:
+    with cluster.serve(replace(FAST, admin_key="admin-secret"), ready=False) as running:
         url = running.url
         assert httpx.get(url + "/readiness").status_code == 503
         p, d = cluster.prefills[0], cluster.decodes[0]
@@ -74,9 +73,24 @@ def test_workers_added_and_removed_at_run_time(cluster_factory: Callable[..., Cl
         assert removed.status_code == 200 and removed.json()["removed"][0]["role"] == "decode"
         assert httpx.post(url + CHAT, json=BODY).status_code == 503
         # An unreachable worker can be registered but is not used until it passes health checks.
-        dead = httpx.post(url + "/workers", json={"url": "http://127.0.0.1:9", "role": "decode"}, headers=admin)
+        dead = httpx.post(url + "/workers", json={"url": "http://decode-9:30001", "role": "decode"}, headers=admin)
         assert dead.status_code == 201 and dead.json()["healthy"] is False
         assert httpx.get(url + "/readiness").status_code == 503
+
+
+def test_removing_a_worker_frees_its_policy_state(cluster_factory: Callable[..., Cluster]) -> None:
+    cluster = cluster_factory(2, 1)
+    admin = {"Authorization": "Bearer admin-secret"}
+    config = cluster.config(prefill_policy="cache_aware", admin_key="admin-secret")
+    with cluster.serve(config) as running:
+        policy = running.app.pairs.policies["prefill"]
+        body = {"messages": [{"role": "user", "content": "a long shared system prompt " * 8}], "max_tokens": 1}
+        assert httpx.post(running.url + CHAT, json=body).status_code == 200
+        (served,) = [w for w in running.app.registry.prefill if policy.remembers(w)]  # type: ignore[attr-defined]
+        removed = httpx.delete(running.url + "/workers", params={"url": served.url}, headers=admin)
+        assert removed.status_code == 200
+        assert not policy.remembers(served), "the departed worker's prefix tree is freed"  # type: ignore[attr-defined]
+        assert httpx.post(running.url + CHAT, json=body).status_code == 200
 
 
 def test_metrics_after_traffic(cluster_1p1d: Cluster, router_1p1d) -> None:  # type: ignore[no-untyped-def]
@@ -105,7 +119,7 @@ def _free_port() -> int:
 
 
 def test_sigterm_drains_in_flight_streams(cluster_factory: Callable[..., Cluster]) -> None:
-    cluster = cluster_factory(1, 1, token_delay=0.05)
+    cluster = cluster_factory(1, 1, processes=True, token_delay=0.05)
     p, d = cluster.prefills[0], cluster.decodes[0]
     port = _free_port()
     cmd = [sys.executable, "-m", "sglang_pd.deploy.router.cli", "--host", "127.0.0.1", "--port", str(port),

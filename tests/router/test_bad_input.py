@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from .conftest import Cluster, RunningRouter, serve_router, wait_ready
+from .conftest import Cluster, RunningRouter
 
 API_KEY = "sk-client-0123456789"
 ADMIN_KEY = "sk-admin-9876543210"
@@ -20,8 +20,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 @pytest.fixture(scope="module")
 def guarded(cluster_1p1d: Cluster) -> Iterator[RunningRouter]:
     config = cluster_1p1d.config(api_keys=(API_KEY, "sk-second"), admin_key=ADMIN_KEY, max_body_bytes=4096)
-    with serve_router(config) as running:
-        wait_ready(running.url)
+    with cluster_1p1d.serve(config) as running:
         yield running
 
 

@@ -61,7 +61,26 @@ def test_flags_override_the_topology_and_cluster_topology_uses_discovery() -> No
     assert config.port == 8100
     assert config.prefill_workers == () and config.kubernetes is not None
     assert config.kubernetes.namespace == "llm"
-    assert config.kubernetes.prefill_selector == "sglang-pd/topology=deepseek-r1-h200-1p1d,sglang-pd/role=prefill"
+    # The leader pods of every release, labelled as the chart labels them (tests/router/test_discovery.py
+    # checks these against the rendered chart).
+    assert config.kubernetes.prefill_selector == (
+        "app.kubernetes.io/part-of=sglang-pd,app.kubernetes.io/component=prefill,"
+        "leaderworkerset.sigs.k8s.io/worker-index=0"
+    )
+    released = build_config(_parse("--kubernetes", "--k8s-release", "demo"), environ={})[0].kubernetes
+    assert released is not None and released.decode_selector == (
+        "app.kubernetes.io/instance=demo,app.kubernetes.io/component=decode,leaderworkerset.sigs.k8s.io/worker-index=0"
+    )
+
+
+def test_one_default_set_from_the_topology_spec() -> None:
+    from sglang_pd.deploy.router import RouterConfig
+    from sglang_pd.deploy.topology import RouterSpec
+
+    spec, config = RouterSpec(), RouterConfig()
+    for name in ("max_concurrent_requests", "max_queued_requests", "queue_timeout_s", "request_timeout_s", "port"):
+        assert getattr(config, name) == getattr(spec, name), name
+    assert build_config(_parse(), environ={})[0] == config
 
 
 def test_exported_members() -> None:

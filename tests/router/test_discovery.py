@@ -6,17 +6,39 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
+import pytest
 from kubernetes import watch
 
+from sglang_pd.deploy.contract import LABEL_LWS_WORKER_INDEX, worker_selector
 from sglang_pd.deploy.router.config import KubernetesDiscoveryConfig
 from sglang_pd.deploy.router.discovery import KubernetesDiscovery, pod_endpoint
+from sglang_pd.deploy.router.pairs import PairPicker
+from sglang_pd.deploy.router.policies import CacheAware, RoundRobin, RoutingRequest
 from sglang_pd.deploy.router.workers import WorkerRegistry
 
-CONFIG = KubernetesDiscoveryConfig(
-    namespace="llm", prefill_selector="sglang-pd/role=prefill", decode_selector="sglang-pd/role=decode", port=30000
-)
+CONFIG = KubernetesDiscoveryConfig(namespace="llm", port=30000)
+CHART = Path(__file__).resolve().parents[2] / "helm" / "sglang-pd"
+
+
+def _chart_labels(role: str) -> dict[str, str]:
+    """The labels a leader pod of `role` carries in a cluster: the chart's pod template labels
+    (release `dsv3`), plus the rank LeaderWorkerSet adds."""
+    return {
+        "app.kubernetes.io/name": "sglang-pd",
+        "app.kubernetes.io/instance": "dsv3",
+        "app.kubernetes.io/component": role,
+        "app.kubernetes.io/part-of": "sglang-pd",
+        "app.kubernetes.io/version": "0.1.0",
+        LABEL_LWS_WORKER_INDEX: "0",
+    }
+
+
+def _matches(selector: str, labels: dict[str, str]) -> bool:
+    """Equality-based label selector matching, as the API server does it."""
+    return all(labels.get(k) == v for k, v in (term.split("=", 1) for term in selector.split(",")))
 
 
 def _pod(
@@ -35,7 +57,7 @@ def _pod(
         "namespace": "llm",
         "uid": f"uid-{name}",
         "resourceVersion": rv,
-        "labels": {"sglang-pd/role": role, "sglang-pd/topology": "dsv3"},
+        "labels": _chart_labels(role),
         "annotations": annotations or {},
         "creationTimestamp": "2026-11-30T10:00:00Z",
     }
@@ -110,6 +132,10 @@ DECODE_EVENTS = [
 ]
 
 
+def _labels_of(line: str) -> dict[str, str]:
+    return dict(json.loads(line)["object"]["metadata"].get("labels") or {})
+
+
 def _decoded(lines: list[str]) -> list[dict[str, Any]]:
     w = watch.Watch()
     return [w.unmarshal_event(line, "V1Pod") for line in lines]
@@ -174,7 +200,9 @@ def test_watch_loop_with_recorded_stream() -> None:
     def list_namespaced_pod(namespace: str, **kwargs: Any) -> _RecordedResponse:
         """:return: V1PodList"""
         calls.append({"namespace": namespace, **kwargs})
-        lines = PREFILL_EVENTS if "prefill" in kwargs["label_selector"] else DECODE_EVENTS
+        # The API server sends only the pods the selector matches.
+        selector = kwargs["label_selector"]
+        lines = [ln for ln in PREFILL_EVENTS + DECODE_EVENTS if _matches(selector, _labels_of(ln))]
         return _RecordedResponse(lines)
 
     async def scenario() -> WorkerRegistry:
@@ -192,5 +220,55 @@ def test_watch_loop_with_recorded_stream() -> None:
     assert [w.url for w in registry.prefill] == ["http://10.1.0.9:31000"]
     assert [w.url for w in registry.decode] == ["http://10.2.0.7:30000"]
     first = {c["label_selector"]: c for c in calls}
-    assert first["sglang-pd/role=prefill"]["watch"] is True
-    assert first["sglang-pd/role=decode"]["namespace"] == "llm"
+    assert first[worker_selector("prefill")]["watch"] is True
+    assert first[worker_selector("decode")]["namespace"] == "llm"
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_default_selectors_find_the_pods_the_chart_labels(role: str) -> None:
+    helm_python = pytest.importorskip("helm_python", reason="helm-python-sdk is not installed (the `dev` extra)")
+    import yaml
+
+    chart = helm_python.Chart.load(str(CHART))
+    try:
+        rendered = chart.render({}, name="dsv3", namespace="llm")  # the default values
+    finally:
+        chart.close()
+    manifests = [text for path, text in rendered.items() if not path.endswith("NOTES.txt")]
+    docs = [d for text in manifests for d in yaml.safe_load_all(text) if isinstance(d, dict)]
+    (lws,) = [d for d in docs if d["kind"] == "LeaderWorkerSet" and d["metadata"]["name"].endswith(role)]
+    template = lws["spec"]["leaderWorkerTemplate"]
+    leader = template.get("leaderTemplate", template["workerTemplate"])["metadata"]["labels"]
+    with_rank = lambda rank: {**leader, LABEL_LWS_WORKER_INDEX: rank}  # noqa: E731  LWS adds the rank
+    for selector in (worker_selector(role), worker_selector(role, "dsv3")):  # type: ignore[arg-type]
+        assert _matches(selector, with_rank("0")), (selector, leader)
+        assert not _matches(selector, with_rank("1")), "only leaders serve HTTP"
+    other = "decode" if role == "prefill" else "prefill"
+    assert not _matches(worker_selector(other), with_rank("0"))  # type: ignore[arg-type]
+    assert not _matches(worker_selector(role, "other-release"), with_rank("0"))  # type: ignore[arg-type]
+    # The chart's router watches with the same selector the CLI builds for its release.
+    (router,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-router")]
+    args = router["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert args[args.index(f"--k8s-{role}-selector") + 1] == worker_selector(role, "dsv3")  # type: ignore[arg-type]
+
+
+def test_a_pod_removed_by_discovery_leaves_no_policy_state() -> None:
+    registry = WorkerRegistry()
+    policy = CacheAware(block_chars=8)
+    pairs = PairPicker(registry, policy, RoundRobin())
+    discovery = KubernetesDiscovery(registry, CONFIG)
+    for event in _decoded(PREFILL_EVENTS[:4]):
+        discovery.apply_event("prefill", event)
+    workers = list(registry.prefill)
+    assert len(workers) == 2
+    for w in workers:
+        w.healthy = True
+    text = "the same long system prompt, shared " * 4
+    chosen = policy.select(workers, RoutingRequest(text=text))
+    assert policy.remembers(chosen)
+    # dsv3-prefill-0 moves to a new IP and dsv3-prefill-1 is deleted: both old addresses leave.
+    for event in _decoded(PREFILL_EVENTS[4:]):
+        discovery.apply_event("prefill", event)
+    assert [w.url for w in registry.prefill] == ["http://10.1.0.9:31000"]
+    assert not any(policy.remembers(w) for w in workers), "departed pods keep no prefix tree"
+    assert pairs.policies["prefill"] is policy  # the picker that subscribed to the registry

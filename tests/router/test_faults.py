@@ -1,6 +1,7 @@
-"""Faults under concurrent load with 2 prefill + 2 decode workers (real processes, SIGKILL):
-every request ends (completed or a clean error) within the timeout, the dead worker is ejected,
-traffic continues on the others; a client disconnect aborts both legs; nothing hangs."""
+"""Faults under concurrent load with 2 prefill + 2 decode workers (real processes for SIGKILL, in
+process otherwise): every request ends (completed or a clean error) within the timeout, the dead
+worker is ejected, traffic continues on the others; a client disconnect aborts both legs; nothing
+hangs."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import httpx
 
 from sglang_pd.deploy.router.breaker import BreakerState
 
-from .conftest import FAST, Cluster, RunningRouter, serve_router, wait_ready
+from .conftest import FAST, Cluster, RunningRouter, serve_router
 
 DEADLINE = 12.0  # every request must end well within this (request timeout is 10 s)
 CHAT = "/v1/chat/completions"
@@ -76,24 +77,19 @@ def _wait_ejected(running: RunningRouter, role: str, url: str, timeout: float = 
     raise AssertionError(f"{role} worker {url} was not ejected: {worker.to_json()}")
 
 
-def _requests_seen(url: str) -> int:
-    return len(httpx.get(url + "/_test/state").json()["requests"])
-
-
-def _traffic_continues(running: RunningRouter, live: list[str]) -> None:
-    before = sum(_requests_seen(u) for u in live)
+def _traffic_continues(running: RunningRouter, live: list[Any]) -> None:
+    before = sum(len(w.state()["requests"]) for w in live)
     with httpx.Client(timeout=10) as client:
         for i in range(16):
             resp = client.post(running.url + CHAT, json=_chat(i % 2 == 0, f"after{i}", tokens=2))
             assert resp.status_code == 200 and b'"error"' not in resp.content, resp.text
-    assert sum(_requests_seen(u) for u in live) - before == 16
+    assert sum(len(w.state()["requests"]) for w in live) - before == 16
 
 
 def test_kill_decode_mid_stream(cluster_factory: Callable[..., Cluster]) -> None:
-    cluster = cluster_factory(2, 2, token_delay=0.015)
+    cluster = cluster_factory(2, 2, processes=True, token_delay=0.015)
     victim, survivor = cluster.decodes
-    with serve_router(cluster.config()) as running:
-        wait_ready(running.url)
+    with cluster.serve(cluster.config()) as running:
         # Kill it once most streams are flowing, so some are cut mid-stream.
         results = asyncio.run(_load_with_fault(running.url, victim.kill, when=lambda: len(STREAMING) >= 8))
         streams, unaries = results[:12], results[12:]
@@ -109,15 +105,14 @@ def test_kill_decode_mid_stream(cluster_factory: Callable[..., Cluster]) -> None
             # Nothing had reached these clients yet, so the router retried them on the survivor.
             assert status == 200 and _complete(body), body[:300]
         _wait_ejected(running, "decode", victim.url)
-        _traffic_continues(running, [survivor.url])
+        _traffic_continues(running, [survivor])
         assert running.app.metrics.retries.labels("decode")._value.get() >= 1
 
 
 def test_kill_prefill_retries_transparently(cluster_factory: Callable[..., Cluster]) -> None:
-    cluster = cluster_factory(2, 2, prefill_delay=0.4, token_delay=0.005)
+    cluster = cluster_factory(2, 2, processes=True, prefill_delay=0.4, token_delay=0.005)
     victim, survivor = cluster.prefills
-    with serve_router(cluster.config()) as running:
-        wait_ready(running.url)
+    with cluster.serve(cluster.config()) as running:
         registry = running.app.registry
         # Kill it while it holds prefill legs whose decodes wait for the KV hand-off.
         busy = lambda: registry.get(victim.url, "prefill").in_flight >= 3  # type: ignore[union-attr]  # noqa: E731
@@ -127,33 +122,25 @@ def test_kill_prefill_retries_transparently(cluster_factory: Callable[..., Clust
             assert _complete(body), body[-300:]
         _wait_ejected(running, "prefill", victim.url)
         # The decode legs of the failed attempts were aborted by request id.
-        aborts = [a for d in cluster.decodes for a in httpx.get(d.url + "/_test/state").json()["aborts"]]
+        aborts = [a for d in cluster.decodes for a in d.state()["aborts"]]
         assert aborts and all(a[0] in "su" for a in aborts)
         assert running.app.registry.get(survivor.url, "prefill").healthy  # type: ignore[union-attr]
-        httpx.post(survivor.url + "/_test/config", json={"prefill_delay": 0})
-        _traffic_continues(running, [survivor.url])
+        survivor.configure(prefill_delay=0)
+        _traffic_continues(running, [survivor])
 
 
-def _aborts(url: str) -> list[str]:
-    return list(httpx.get(url + "/_test/state").json()["aborts"])
-
-
-def _wait_aborts(urls: list[str], rid: str, timeout: float = 5.0) -> None:
+def _wait_aborts(workers: list[Any], rid: str, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if all(rid in _aborts(u) for u in urls):
+        if all(rid in w.state()["aborts"] for w in workers):
             return
         time.sleep(0.05)
-    raise AssertionError(f"abort_request for {rid} missing: {[_aborts(u) for u in urls]}")
+    raise AssertionError(f"abort_request for {rid} missing: {[w.state()['aborts'] for w in workers]}")
 
 
-def _legs_of(cluster: Cluster, rid: str) -> list[str]:
-    """URLs of the prefill and the decode worker that received request `rid`."""
-    return [
-        w.url
-        for w in cluster.prefills + cluster.decodes
-        if any(r["rid"] == rid for r in httpx.get(w.url + "/_test/state").json()["requests"])
-    ]
+def _legs_of(cluster: Cluster, rid: str) -> list[Any]:
+    """The prefill and the decode worker that received request `rid`."""
+    return [w for w in cluster.prefills + cluster.decodes if any(r["rid"] == rid for r in w.state()["requests"])]
 
 
 async def _hang_up(url: str, rid: str, stream: bool) -> None:
@@ -172,8 +159,7 @@ async def _hang_up(url: str, rid: str, stream: bool) -> None:
 
 def test_client_disconnect_aborts_both_legs(cluster_factory: Callable[..., Cluster]) -> None:
     cluster = cluster_factory(2, 2, token_delay=0.02, prefill_delay=0.05)
-    with serve_router(cluster.config()) as running:
-        wait_ready(running.url)
+    with cluster.serve(cluster.config()) as running:
 
         async def scenario() -> list[Any]:
             async with httpx.AsyncClient(timeout=DEADLINE + 5) as client:
@@ -193,8 +179,7 @@ def test_client_disconnect_aborts_both_legs(cluster_factory: Callable[..., Clust
 
 def test_hung_worker_times_out_cleanly(cluster_factory: Callable[..., Cluster]) -> None:
     cluster = cluster_factory(1, 1, prefill_delay=30, handshake_timeout=30)
-    with serve_router(cluster.config(request_timeout_s=1.0, max_retries=0)) as running:
-        wait_ready(running.url)
+    with cluster.serve(cluster.config(request_timeout_s=1.0, max_retries=0)) as running:
         for stream in (False, True):
             started = time.monotonic()
             resp = httpx.post(
@@ -202,15 +187,14 @@ def test_hung_worker_times_out_cleanly(cluster_factory: Callable[..., Cluster]) 
             )
             assert time.monotonic() - started < 3
             assert resp.status_code == 504 and resp.json()["error"]["code"] == "upstream_timeout"
-            _wait_aborts([cluster.prefills[0].url, cluster.decodes[0].url], f"h{stream}")
+            _wait_aborts([cluster.prefills[0], cluster.decodes[0]], f"h{stream}")
 
 
 def test_5xx_trips_the_breaker_and_4xx_does_not(cluster_factory: Callable[..., Cluster]) -> None:
     cluster = cluster_factory(1, 2)
     bad, good = cluster.decodes
-    with serve_router(cluster.config(breaker_failure_threshold=3)) as running:
-        wait_ready(running.url)
-        httpx.post(bad.url + "/_test/config", json={"fail_status": 500, "fail_count": 100})
+    with cluster.serve(cluster.config(breaker_failure_threshold=3)) as running:
+        bad.configure(fail_status=500, fail_count=100)
         with httpx.Client(timeout=10) as client:
             for i in range(8):
                 resp = client.post(running.url + CHAT, json=_chat(i % 2 == 1, f"r{i}", tokens=2))
@@ -220,8 +204,8 @@ def test_5xx_trips_the_breaker_and_4xx_does_not(cluster_factory: Callable[..., C
         assert worker.healthy, "health checks pass: the breaker alone ejected it"
 
         # 4xx from an engine goes back to the client and never trips the breaker.
-        httpx.post(bad.url + "/_test/config", json={"fail_count": 0})
-        httpx.post(good.url + "/_test/config", json={"fail_status": 400, "fail_count": 5})
+        bad.configure(fail_count=0)
+        good.configure(fail_status=400, fail_count=5)
         with httpx.Client(timeout=10) as client:
             for i in range(5):
                 resp = client.post(running.url + CHAT, json=_chat(False, f"q{i}", tokens=2))

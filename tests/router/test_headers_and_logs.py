@@ -11,7 +11,7 @@ import httpx
 
 from sglang_pd.deploy.router.log import JsonFormatter, logger, request_id_var
 
-from .conftest import Cluster, RunningRouter, serve_router, wait_ready
+from .conftest import Cluster, RunningRouter
 
 CHAT = "/v1/chat/completions"
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -32,7 +32,7 @@ def test_client_headers_are_not_forwarded(cluster_1p1d: Cluster, router_1p1d: Ru
         assert "server" not in resp.headers or resp.headers["server"] == "uvicorn"
         assert resp.headers["x-request-id"] == "hdr-check-1"
     for worker in (cluster_1p1d.prefills[0], cluster_1p1d.decodes[0]):
-        seen = [r for r in httpx.get(worker.url + "/_test/state").json()["requests"] if r["rid"] == "hdr-check-1"]
+        seen = [r for r in worker.state()["requests"] if r["rid"] == "hdr-check-1"]
         assert len(seen) == 2
         for r in seen:
             assert r["headers"] == {"x-request-id": "hdr-check-1"}
@@ -40,11 +40,10 @@ def test_client_headers_are_not_forwarded(cluster_1p1d: Cluster, router_1p1d: Ru
 
 def test_worker_api_key_is_sent_to_workers(cluster_factory) -> None:  # type: ignore[no-untyped-def]
     cluster = cluster_factory(1, 1)
-    with serve_router(cluster.config(), worker_api_key="worker-key") as running:
-        wait_ready(running.url)
+    with cluster.serve(cluster.config(), worker_api_key="worker-key") as running:
         resp = httpx.post(running.url + CHAT, json=BODY, headers={"Authorization": "Bearer client"})
         assert resp.status_code == 200
-        (seen,) = httpx.get(cluster.decodes[0].url + "/_test/state").json()["requests"]
+        (seen,) = cluster.decodes[0].state()["requests"]
         assert seen["headers"]["authorization"] == "Bearer worker-key"
 
 

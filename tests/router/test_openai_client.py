@@ -1,9 +1,10 @@
 """The official openai client (sync and async, streaming and not) through the router, in front of
-protocol-faithful PD test workers; plus the PD protocol details the workers check."""
+protocol-faithful PD test workers (in process); plus the PD protocol details the workers check."""
 
 from __future__ import annotations
 
 import asyncio
+from urllib.parse import urlsplit
 
 import httpx
 import openai
@@ -76,11 +77,12 @@ def test_request_id_reaches_both_legs_with_bootstrap_fields(cluster_1p1d: Cluste
         headers={"X-Request-ID": "req-abc-123"},
     )
     assert resp.status_code == 200 and resp.headers["x-request-id"] == "req-abc-123"
-    seen = [httpx.get(w.url + "/_test/state").json()["requests"] for w in (prefill, decode)]
+    seen = [w.state()["requests"] for w in (prefill, decode)]
     (p,) = [r for r in seen[0] if r["rid"] == "req-abc-123"]
     (d,) = [r for r in seen[1] if r["rid"] == "req-abc-123"]
     assert p["room"] == d["room"] and 0 <= p["room"] < 2**63
-    assert p["host"] == d["host"] == "127.0.0.1" and p["port"] == d["port"] == prefill.bootstrap_port
+    assert p["host"] == d["host"] == urlsplit(prefill.url).hostname
+    assert p["port"] == d["port"] == prefill.bootstrap_port
     generated = httpx.post(router_1p1d.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
     assert len(generated.headers["x-request-id"]) == 32
 
@@ -106,19 +108,16 @@ def test_streaming_generate_merges_logprobs_into_first_event(router_1p1d: Runnin
 
 @pytest.mark.parametrize("dp_size", [4])
 def test_dp_aware_rooms_match_routed_rank(cluster_factory, dp_size: int) -> None:  # type: ignore[no-untyped-def]
-    from .conftest import serve_router, wait_ready
-
     cluster = cluster_factory(1, 1, dp_size=dp_size)
-    with serve_router(cluster.config()) as running:
-        wait_ready(running.url)
+    with cluster.serve(cluster.config()) as running:
         assert running.app.registry.prefill[0].dp_size == dp_size
         with httpx.Client() as client:
             for _ in range(12):
                 r = client.post(running.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
                 assert r.status_code == 200, r.text
-        requests = httpx.get(cluster.prefills[0].url + "/_test/state").json()["requests"]
+        requests = cluster.prefills[0].state()["requests"]
         ranks = [r["routed_dp_rank"] for r in requests]
         assert all(r["room"] % dp_size == r["routed_dp_rank"] for r in requests)
         assert set(ranks) == set(range(dp_size)), "idle ranks share the load"
-        decode_reqs = httpx.get(cluster.decodes[0].url + "/_test/state").json()["requests"]
+        decode_reqs = cluster.decodes[0].state()["requests"]
         assert all(r["routed_dp_rank"] is None for r in decode_reqs), "the prefill rank is not sent to decode"

@@ -95,4 +95,14 @@ def test_cache_aware_yields_to_load_imbalance() -> None:
     other = workers[1] if cached is workers[0] else workers[0]
     cached.in_flight = 20
     assert policy.select(workers, RoutingRequest(text=text)) is other
-    policy.forget(cached.url)
+
+
+def test_forget_frees_a_workers_prefix_tree() -> None:
+    workers = _workers(2)
+    policy = CacheAware(block_chars=8)
+    chosen = policy.select(workers, RoutingRequest(text="a long shared prompt prefix " * 4))
+    assert policy.remembers(chosen)
+    policy.forget(chosen)
+    assert not policy.remembers(chosen)
+    for name in ("round_robin", "random", "power_of_two", "least_load"):
+        make_policy(name).forget(chosen)  # stateless policies accept it too

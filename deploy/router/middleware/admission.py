@@ -10,8 +10,9 @@ from collections import deque
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..errors import error_body
+from ...openai_errors import error_body
 from ..metrics import RouterMetrics
+from .respond import send_json
 
 __all__ = ["AdmissionMiddleware"]
 
@@ -111,15 +112,4 @@ class AdmissionMiddleware:
 
 
 async def _reject(send: Send, status: int, body: bytes, retry_after: str) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"retry-after", retry_after.encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
+    await send_json(send, status, body, (b"retry-after", retry_after.encode()))

@@ -6,7 +6,8 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..errors import error_body
+from ...openai_errors import error_body
+from .respond import send_json
 
 __all__ = ["AuthMiddleware"]
 
@@ -69,15 +70,4 @@ def _matches(token: bytes, keys: tuple[bytes, ...]) -> bool:
 
 
 async def _deny(send: Send, status: int, body: bytes) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"www-authenticate", b"Bearer"),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
+    await send_json(send, status, body, (b"www-authenticate", b"Bearer"))

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..errors import error_body
+from ...openai_errors import error_body
+from .respond import send_json
 
 __all__ = ["BodyLimitMiddleware"]
 
@@ -64,15 +65,4 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
     async def _reject(self, send: Send) -> None:
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(self._body)).encode()),
-                    (b"connection", b"close"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": self._body})
+        await send_json(send, 413, self._body, (b"connection", b"close"))

@@ -1,6 +1,9 @@
-"""Routing policies, one file each, behind the `Policy` protocol (`select(workers, request)`)."""
+"""Routing policies, one file each, behind the `Policy` protocol (`select(workers, request)`,
+`forget(worker)`); their names are `contract.POLICIES`."""
 
 from __future__ import annotations
+
+from sglang_pd.deploy.contract import POLICIES
 
 from .base import Policy, RoutingRequest
 from .cache_aware import CacheAware
@@ -20,17 +23,12 @@ __all__ = [
     "make_policy",
 ]
 
-_POLICIES: dict[str, type[Policy]] = {
-    "round_robin": RoundRobin,
-    "random": Random,
-    "power_of_two": PowerOfTwo,
-    "least_load": LeastLoad,
-    "cache_aware": CacheAware,
-}
+_POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (RoundRobin, Random, PowerOfTwo, LeastLoad, CacheAware)}
+assert set(_POLICIES) == set(POLICIES), "every name in contract.POLICIES has exactly one class"
 
 
 def make_policy(name: str) -> Policy:
     try:
         return _POLICIES[name]()
     except KeyError:
-        raise ValueError(f"Unknown policy {name!r}. Use one of: {', '.join(_POLICIES)}.") from None
+        raise ValueError(f"Unknown policy {name!r}. Use one of: {', '.join(POLICIES)}.") from None

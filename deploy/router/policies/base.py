@@ -1,4 +1,5 @@
-"""The policy seam: one method, `select(workers, request) -> worker`."""
+"""The policy seam: `select(workers, request) -> worker`, and `forget(worker)` when a worker
+leaves the registry (the registry's removal, from the admin API or from discovery, calls it)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,8 @@ class Policy(Protocol):
     def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
         """Pick one of `workers` (never empty) for `request`."""
         ...
+
+    def forget(self, worker: Worker) -> None:
+        """Drop what the policy keeps about `worker`, which has left. Stateless policies keep
+        nothing: they inherit this no-op by subclassing Policy."""
+        return None

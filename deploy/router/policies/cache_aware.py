@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .base import RoutingRequest
+from .base import Policy, RoutingRequest
 from .least_load import LeastLoad
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ def prefix_hashes(text: str, block_chars: int) -> list[int]:
     return hashes
 
 
-class CacheAware:
+class CacheAware(Policy):
     name = "cache_aware"
     needs_text = True
 
@@ -72,8 +72,12 @@ class CacheAware:
         self._insert(chosen.url, hashes)
         return chosen
 
-    def forget(self, url: str) -> None:
-        self._trees.pop(url, None)
+    def forget(self, worker: Worker) -> None:
+        self._trees.pop(worker.url, None)
+
+    def remembers(self, worker: Worker) -> bool:
+        """Whether a prefix tree is kept for `worker`."""
+        return worker.url in self._trees
 
     def _match(self, url: str, hashes: list[int]) -> int:
         tree = self._trees.get(url)

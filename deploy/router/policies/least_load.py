@@ -4,7 +4,7 @@ import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .base import RoutingRequest
+from .base import Policy, RoutingRequest
 
 if TYPE_CHECKING:
     from ..workers import Worker
@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 __all__ = ["LeastLoad"]
 
 
-class LeastLoad:
+class LeastLoad(Policy):
     """The worker with the fewest requests in flight; ties rotate so idle workers share load."""
 
     name = "least_load"

@@ -4,7 +4,7 @@ import random as _random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .base import RoutingRequest
+from .base import Policy, RoutingRequest
 
 if TYPE_CHECKING:
     from ..workers import Worker
@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 __all__ = ["PowerOfTwo"]
 
 
-class PowerOfTwo:
+class PowerOfTwo(Policy):
     """Sample two workers at random and take the one with fewer requests in flight."""
 
     name = "power_of_two"

@@ -4,7 +4,7 @@ import random as _random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .base import RoutingRequest
+from .base import Policy, RoutingRequest
 
 if TYPE_CHECKING:
     from ..workers import Worker
@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 __all__ = ["Random"]
 
 
-class Random:
+class Random(Policy):
     name = "random"
     needs_text = False
 

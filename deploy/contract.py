@@ -1,0 +1,104 @@
+"""Names every part of sglang-pd agrees on: roles, default ports, routing policies, the Kubernetes
+labels and annotations the chart sets and the router reads, and shared environment variables.
+
+The Helm chart cannot import Python, so tests render it and check it against these constants.
+Nothing here imports the rest of the package; every part may import it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+__all__ = [
+    "ANNOTATION_BOOTSTRAP_PORT",
+    "ANNOTATION_PORT",
+    "DEFAULT_BOOTSTRAP_PORT",
+    "DEFAULT_DECODE_PORT",
+    "DEFAULT_PREFILL_PORT",
+    "DEFAULT_ROUTER_PORT",
+    "ENV_LWS_GROUP_SIZE",
+    "ENV_LWS_LEADER_ADDRESS",
+    "ENV_LWS_WORKER_INDEX",
+    "ENV_ROUTER_ADMIN_KEY",
+    "ENV_ROUTER_API_KEYS",
+    "ENV_ROUTER_WORKER_API_KEY",
+    "ENV_SBO_MODE",
+    "LABEL_COMPONENT",
+    "LABEL_INSTANCE",
+    "LABEL_LWS_WORKER_INDEX",
+    "LABEL_PART_OF",
+    "PART_OF",
+    "POLICIES",
+    "PREFILL_ONLY_POLICIES",
+    "ROLES",
+    "Role",
+    "RoutingPolicy",
+    "policy_problem",
+    "worker_selector",
+]
+
+Role = Literal["prefill", "decode"]
+"""The two kinds of PD engine. The router is a component, not a role."""
+ROLES: tuple[Role, ...] = get_args(Role)
+
+# -- ports ----------------------------------------------------------------------------------------
+# sglang's defaults for the prefill bootstrap server (--disaggregation-bootstrap-port), and the
+# HTTP ports of one local stack (instances take consecutive ports from these).
+DEFAULT_BOOTSTRAP_PORT = 8998
+DEFAULT_PREFILL_PORT = 30000
+DEFAULT_DECODE_PORT = 30001
+DEFAULT_ROUTER_PORT = 8000
+
+# -- routing policies -----------------------------------------------------------------------------
+RoutingPolicy = Literal["round_robin", "random", "power_of_two", "least_load", "cache_aware"]
+POLICIES: tuple[RoutingPolicy, ...] = get_args(RoutingPolicy)
+# cache_aware keeps per-worker prompt-prefix trees: only a prefill worker holds a prompt's KV
+# cache, so prefix affinity means nothing on decode.
+PREFILL_ONLY_POLICIES: frozenset[str] = frozenset({"cache_aware"})
+
+
+def policy_problem(role: str, name: str) -> str | None:
+    """Why `name` cannot route `role` workers (one sentence with the fix), or None when it can."""
+    if name not in POLICIES:
+        return f"{role} policy {name!r} is unknown. Use one of: {', '.join(POLICIES)}."
+    if role != "prefill" and name in PREFILL_ONLY_POLICIES:
+        others = ", ".join(p for p in POLICIES if p not in PREFILL_ONLY_POLICIES)
+        return (
+            f"{role} policy {name!r} routes by prompt prefix and is for prefill only. Use one of {others} for {role}."
+        )
+    return None
+
+
+# -- Kubernetes -----------------------------------------------------------------------------------
+# Labels the chart puts on every GPU pod (helm/sglang-pd/templates/_helpers.tpl,
+# "sglang-pd.podLabels"): the component is the role.
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_PART_OF = "app.kubernetes.io/part-of"
+PART_OF = "sglang-pd"
+# LeaderWorkerSet labels each pod with its rank in the group; only rank 0 (the leader) serves HTTP.
+# https://lws.sigs.k8s.io/docs/reference/labels-annotations-and-environment-variables/
+LABEL_LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
+# Annotations on leader pods: the engine's HTTP port and a prefill's bootstrap port.
+ANNOTATION_PORT = "sglang-pd/port"
+ANNOTATION_BOOTSTRAP_PORT = "sglang-pd/bootstrap-port"
+
+
+def worker_selector(role: Role, release: str | None = None) -> str:
+    """The label selector of a role's leader pods, as the chart labels them; `release` narrows it
+    to one Helm release (the chart's router passes its own)."""
+    scope = f"{LABEL_INSTANCE}={release}" if release else f"{LABEL_PART_OF}={PART_OF}"
+    return f"{scope},{LABEL_COMPONENT}={role},{LABEL_LWS_WORKER_INDEX}=0"
+
+
+# -- environment ----------------------------------------------------------------------------------
+# Router secrets, read from the environment so they stay out of process listings.
+ENV_ROUTER_API_KEYS = "SGLANG_PD_ROUTER_API_KEYS"
+ENV_ROUTER_ADMIN_KEY = "SGLANG_PD_ROUTER_ADMIN_KEY"
+ENV_ROUTER_WORKER_API_KEY = "SGLANG_PD_ROUTER_WORKER_API_KEY"
+# The decode's single-batch-overlap mode, rendered by the launcher and read by the sglang plugin.
+ENV_SBO_MODE = "SGLANG_PD_SBO_MODE"
+# What LeaderWorkerSet sets in every pod of a group (same reference as the labels above).
+ENV_LWS_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"
+ENV_LWS_WORKER_INDEX = "LWS_WORKER_INDEX"
+ENV_LWS_GROUP_SIZE = "LWS_GROUP_SIZE"

@@ -1,0 +1,89 @@
+"""The PD bootstrap fields, as pure functions: bootstrap rooms, the prefill DP rank a room lands
+on, and the two legs' request bodies (docs/pd-protocol.md).
+
+The router adds `bootstrap_host`, `bootstrap_port` and `bootstrap_room` (lists for a batch
+`/generate`) and a `rid` to the client's body and sends the same body to both legs. With prefill
+DP attention, decode finds the prefill's DP rank as `bootstrap_room % dp_size`, so a router that
+routes to a rank (`routed_dp_rank`, prefill leg only) must pick a room that agrees with it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+__all__ = ["MAX_ROOM", "PDBodies", "choose_rooms", "pd_bodies"]
+
+MAX_ROOM = 2**63 - 1
+
+
+def _least_loaded(in_flight: Sequence[int], start: int) -> int:
+    """The rank with the fewest requests in flight; ties go to the first from `start` on, so idle
+    ranks take turns."""
+    n = len(in_flight)
+    return min(((start + i) % n for i in range(n)), key=in_flight.__getitem__)
+
+
+def _room_on_rank(room: int, rank: int, dp_size: int) -> int:
+    """The room nearest below `room` with `room % dp_size == rank`, kept within 0..MAX_ROOM."""
+    room = room - room % dp_size + rank
+    return room - dp_size if room > MAX_ROOM else room
+
+
+def choose_rooms(
+    count: int, rng: random.Random, *, dp_in_flight: Sequence[int] = (0,), start: int = 0
+) -> tuple[list[int], list[int]]:
+    """`count` random rooms and, for a prefill with DP attention (len(dp_in_flight) > 1), the
+    least-loaded rank each lands on (counting the ranks picked before it). Returns (rooms, ranks);
+    ranks is empty without DP attention."""
+    dp_size = len(dp_in_flight)
+    rooms = [rng.randint(0, MAX_ROOM) for _ in range(count)]
+    if dp_size <= 1:
+        return rooms, []
+    loads = list(dp_in_flight)
+    ranks = []
+    for i in range(count):
+        rank = _least_loaded(loads, start + i)
+        loads[rank] += 1
+        ranks.append(rank)
+        rooms[i] = _room_on_rank(rooms[i], rank, dp_size)
+    return rooms, ranks
+
+
+@dataclass(frozen=True, slots=True)
+class PDBodies:
+    """The two legs' bodies and the request ids the workers will know the request by."""
+
+    prefill: bytes
+    decode: bytes
+    rids: list[str]
+
+
+def pd_bodies(
+    payload: dict[str, Any],
+    *,
+    host: str,
+    port: int,
+    rooms: list[int],
+    ranks: list[int],
+    rid: str,
+    batch: int | None,
+) -> PDBodies:
+    """The client's body plus the bootstrap fields and `rid` (per prompt for a batch of `batch`);
+    the prefill's body also carries `routed_dp_rank` when ranks were chosen."""
+    body = dict(payload)
+    if batch is None:
+        rids = [rid]
+        body.update(bootstrap_host=host, bootstrap_port=port, bootstrap_room=rooms[0], rid=rid)
+    else:
+        rids = [f"{rid}-{i}" for i in range(batch)]
+        body.update(bootstrap_host=[host] * batch, bootstrap_port=[port] * batch, bootstrap_room=rooms, rid=rids)
+    decode = orjson.dumps(body)
+    if not ranks:
+        return PDBodies(decode, decode, rids)
+    body["routed_dp_rank"] = ranks[0] if batch is None else ranks
+    return PDBodies(orjson.dumps(body), decode, rids)

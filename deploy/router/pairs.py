@@ -1,0 +1,76 @@
+"""Pair selection: the routing policies pick a (prefill, decode) pair among the available workers,
+then the bootstrap fields are chosen for it (rooms on the least-loaded prefill DP ranks) and the
+two legs' bodies written."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from .bootstrap import PDBodies, choose_rooms, pd_bodies
+from .exceptions import NoHealthyWorker
+from .policies import Policy, RoutingRequest
+from .types import Role
+from .validation import batch_size, routing_text
+from .workers import Worker, WorkerRegistry
+
+__all__ = ["Pair", "PairPicker"]
+
+
+@dataclass(slots=True)
+class Pair:
+    """The prefill and decode worker of one attempt, with the bodies they are sent."""
+
+    prefill: Worker
+    decode: Worker
+    bodies: PDBodies
+    dp_ranks: list[int]
+
+    def release_ranks(self, _: object = None) -> None:
+        """The prefill leg ended: its DP ranks have one request less in flight (a done callback)."""
+        worker = self.prefill
+        if len(worker.dp_in_flight) == worker.dp_size:  # unchanged since the pick
+            for rank in self.dp_ranks:
+                if rank < worker.dp_size:
+                    worker.dp_in_flight[rank] = max(0, worker.dp_in_flight[rank] - 1)
+
+
+class PairPicker:
+    def __init__(self, registry: WorkerRegistry, prefill_policy: Policy, decode_policy: Policy) -> None:
+        self.registry = registry
+        self.policies: dict[Role, Policy] = {"prefill": prefill_policy, "decode": decode_policy}
+        self._needs_text = prefill_policy.needs_text or decode_policy.needs_text
+        self._rng = random.Random()
+        self._dp_counter = itertools.count()
+        registry.subscribe(self._on_change)
+
+    def _on_change(self, event: str, worker: Worker) -> None:
+        # A departed worker's routing state (e.g. cache_aware's prefix tree) must not outlive it.
+        if event == "removed":
+            self.policies[worker.role].forget(worker)
+
+    def pick(self, endpoint: str, payload: dict[str, Any], rid: str, exclude: list[Worker]) -> Pair:
+        """Select a pair with the policies and write the legs' bodies; raises NoHealthyWorker."""
+        prefills = self.registry.available("prefill", exclude)
+        if not prefills:
+            raise NoHealthyWorker("prefill")
+        decodes = self.registry.available("decode", exclude)
+        if not decodes:
+            raise NoHealthyWorker("decode")
+        request = RoutingRequest(text=routing_text(payload) if self._needs_text else "")
+        prefill = self.policies["prefill"].select(prefills, request)
+        decode = self.policies["decode"].select(decodes, request)
+        batch = batch_size(endpoint, payload)
+        rooms, ranks = choose_rooms(
+            1 if batch is None else batch, self._rng, dp_in_flight=prefill.dp_in_flight, start=next(self._dp_counter)
+        )
+        for rank in ranks:
+            prefill.dp_in_flight[rank] += 1
+        assert prefill.bootstrap_port is not None, "the registry gives every prefill worker a bootstrap port"
+        bodies = pd_bodies(
+            payload, host=prefill.bootstrap_host, port=prefill.bootstrap_port, rooms=rooms, ranks=ranks,
+            rid=rid, batch=batch,
+        )  # fmt: skip
+        return Pair(prefill, decode, bodies, ranks)

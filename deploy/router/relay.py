@@ -1,0 +1,97 @@
+"""Relay decode's SSE stream to the client chunk by chunk, and report how it ended.
+
+The relay owns the open stream; whoever started it learns the outcome through `StreamOutcome`,
+exactly one call per stream: `completed`, `failed` (the decode broke mid-stream: the client gets
+an OpenAI-shaped SSE error event and `[DONE]`, since nothing can be retried once bytes reached
+it), or `abandoned` (the client went away, or sending to it failed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from ..openai_errors import sse_error
+from .exceptions import UpstreamError
+from .transport import Body, Reply
+
+__all__ = ["RelayResponse", "StreamOutcome", "wait_disconnect"]
+
+
+class StreamOutcome(Protocol):
+    def completed(self) -> None:
+        """The stream reached its end and the client got all of it."""
+
+    def failed(self, error: UpstreamError) -> None:
+        """The worker failed mid-stream; the client got an error event."""
+
+    def abandoned(self) -> None:
+        """The client left before the end (or sending to it failed)."""
+
+
+class RelayResponse(Response):
+    """Streams `reply` (its first chunk, possibly rewritten, then the rest) to the client."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, reply: Reply, first: bytes, outcome: StreamOutcome, *, rid: str) -> None:
+        assert reply.stream is not None, "RelayResponse needs an open stream (WorkerClient.open_stream)"
+        # Like StreamingResponse: no body attribute, so no Content-Length header.
+        self.status_code = reply.status
+        self.media_type = reply.content_type
+        self.background = None
+        self.init_headers({"x-request-id": rid, "cache-control": "no-cache", "x-accel-buffering": "no"})
+        self.stream: Body = reply.stream
+        self.first = first
+        self.outcome = outcome
+        self.finished = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        relay = asyncio.ensure_future(self._relay(send))
+        listen = asyncio.ensure_future(wait_disconnect(receive))
+        try:
+            await asyncio.wait({relay, listen}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not relay.done():
+                relay.cancel()
+                await asyncio.gather(relay, return_exceptions=True)
+            listen.cancel()
+            self._close()
+        if relay.done() and not relay.cancelled() and relay.exception() is not None:
+            raise relay.exception()  # type: ignore[misc]
+
+    async def _relay(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        if self.first:
+            await send({"type": "http.response.body", "body": self.first, "more_body": True})
+        try:
+            while chunk := await self.stream.next_chunk():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            self.finished = True
+            self.outcome.completed()
+        except UpstreamError as exc:
+            self.finished = True
+            self.outcome.failed(exc)
+            message = f"The decode worker failed mid-stream ({exc}); the answer is incomplete. Retry the request."
+            error = sse_error(502, message, code="upstream_stream_error")
+            await send({"type": "http.response.body", "body": error, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _close(self) -> None:
+        # A finished stream goes back to the pool; an unfinished one closes its connection.
+        if self.finished:
+            self.stream.release()
+        else:
+            self.stream.close()
+            self.outcome.abandoned()
+
+
+async def wait_disconnect(receive: Receive) -> None:
+    """Return when the client disconnects (the request body has been read already)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return

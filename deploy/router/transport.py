@@ -1,0 +1,254 @@
+"""The one interface the router has to its workers: `WorkerClient`.
+
+`post` (a whole answer), `open_stream` (an answer whose body is relayed chunk by chunk), `abort`
+(`/abort_request`, best effort) and `get` (health and info probes). The base class holds what
+every transport must do alike: headers (the worker API key, the request id), timeouts, and the
+mapping of answers to errors (5xx, or a stream whose first event is an error, is an
+`UpstreamStatusError`; 4xx is the engine's verdict and goes back to the client). A transport
+implements one primitive, `_send`, and raises the `UpstreamError` subclasses from `exceptions`.
+
+`HttpWorkerClient` is the real transport (aiohttp). Why aiohttp and not httpx here: measured on
+2 cores over loopback with one test worker, httpx 0.28 / httpcore 1.0.9 served 1046 / 483 / 177
+req/s at concurrency 1 / 16 / 64 while aiohttp 3.14 served 3412 / 5287 / 12452 req/s; httpcore's
+pool degrades with concurrency. Tests plug in an in-process transport behind the same class.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import aiohttp
+import orjson
+
+from .exceptions import UpstreamError, UpstreamStatusError, UpstreamTimeout, UpstreamUnreachable
+from .log import logger
+from .workers import Worker
+
+__all__ = ["Body", "HttpWorkerClient", "Reply", "Timeouts", "WorkerClient"]
+
+Purpose = Literal["unary", "stream", "abort", "health"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Timeouts:
+    """Seconds. `request` bounds a whole unary answer; `stream_idle` each read of a stream (its
+    first chunk included: the first byte's overall deadline is the proxy's); `abort` and `health`
+    bound those short calls."""
+
+    connect: float = 3.0
+    request: float = 600.0
+    stream_idle: float = 120.0
+    abort: float = 2.0
+    health: float = 2.0
+
+
+class Body(Protocol):
+    """A response body being received."""
+
+    async def read(self) -> bytes:
+        """The rest of the body."""
+        ...
+
+    async def next_chunk(self) -> bytes:
+        """The next piece of the body as it arrives; b"" at its end."""
+        ...
+
+    def release(self) -> None:
+        """The body was read to its end: the connection may be reused."""
+        ...
+
+    def close(self) -> None:
+        """Give up on the body: the worker sees the connection close."""
+        ...
+
+
+@dataclass(slots=True)
+class Reply:
+    """A worker's answer: its whole body, or (`stream` set) the first chunk and the open rest."""
+
+    status: int
+    content_type: str
+    body: bytes = b""
+    stream: Body | None = None
+
+
+class WorkerClient(ABC):
+    """Requests to workers, with the router's headers, timeouts and error mapping."""
+
+    def __init__(self, *, timeouts: Timeouts = Timeouts(), api_key: str = "") -> None:
+        self.timeouts = timeouts
+        self.headers = {"content-type": "application/json"}
+        if api_key:
+            self.headers["authorization"] = f"Bearer {api_key}"
+
+    @abstractmethod
+    async def _send(
+        self, worker: Worker, method: str, path: str, body: bytes, headers: dict[str, str], purpose: Purpose
+    ) -> tuple[int, str, Body]:
+        """Send one request; return (status, content type, body) once the headers arrived.
+        Raises UpstreamUnreachable or UpstreamTimeout."""
+
+    async def aclose(self) -> None:  # noqa: B027 (a transport without connections has nothing to close)
+        """Release connections; the client may be used again afterwards."""
+
+    async def post(self, worker: Worker, path: str, body: bytes, rid: str) -> Reply:
+        """POST and read the whole answer. A 5xx raises UpstreamStatusError."""
+        headers = {**self.headers, "x-request-id": rid}
+        status, content_type, stream = await self._send(worker, "POST", path, body, headers, "unary")
+        content = await _read_all(stream)
+        if status >= 500:
+            raise _status_error(worker, path, status, content)
+        return Reply(status, content_type, content)
+
+    async def open_stream(self, worker: Worker, path: str, body: bytes, rid: str) -> Reply:
+        """POST and wait for the first chunk of the body; the caller owns `Reply.stream` then.
+        A 4xx comes back whole; a 5xx, or a first event that is an error, raises
+        UpstreamStatusError (nothing reached the client, so the request can still be retried)."""
+        headers = {**self.headers, "x-request-id": rid}
+        status, content_type, stream = await self._send(worker, "POST", path, body, headers, "stream")
+        if status >= 400:
+            content = await _read_all(stream)
+            if status >= 500:
+                raise _status_error(worker, path, status, content)
+            return Reply(status, content_type, content)
+        try:
+            first = await stream.next_chunk()
+        except BaseException:
+            stream.close()
+            raise
+        if first[:24].replace(b" ", b"").startswith(b'data:{"error"'):
+            # sglang reports a failed KV transfer as the stream's first event.
+            stream.close()
+            raise UpstreamStatusError(
+                f"{worker.role} worker {worker.url} answered the stream with an error: {first[:300]!r}",
+                worker,
+                502,
+                first,
+            )
+        return Reply(status, content_type, first, stream)
+
+    async def abort(self, worker: Worker, rid: str) -> None:
+        """Ask a worker to drop request `rid`; a failure is logged, not raised (best effort)."""
+        try:
+            _, _, stream = await self._send(
+                worker, "POST", "/abort_request", orjson.dumps({"rid": rid}), self.headers, "abort"
+            )
+            await _read_all(stream)
+        except UpstreamError as exc:
+            logger.info("abort_request failed", extra={"worker": worker.url, "rid": rid, "error": str(exc)})
+
+    async def get(self, worker: Worker, path: str) -> tuple[int, bytes]:
+        """GET a probe or info path: (status, body). Raises UpstreamError when unreachable."""
+        status, _, stream = await self._send(worker, "GET", path, b"", self.headers, "health")
+        return status, await _read_all(stream)
+
+
+async def _read_all(stream: Body) -> bytes:
+    try:
+        content = await stream.read()
+    except BaseException:
+        stream.close()
+        raise
+    stream.release()
+    return content
+
+
+def _status_error(worker: Worker, path: str, status: int, content: bytes) -> UpstreamStatusError:
+    return UpstreamStatusError(
+        f"POST {path} to {worker.role} worker {worker.url} answered {status}: {content[:200]!r}",
+        worker,
+        status,
+        content,
+    )
+
+
+# -- aiohttp ------------------------------------------------------------------------------------
+
+# Most specific first: aiohttp's ServerTimeoutError and ConnectionTimeoutError are both
+# ClientErrors and TimeoutErrors; a `total` timeout is a bare TimeoutError.
+_CLIENT_MAP: tuple[tuple[type[BaseException], type[UpstreamError]], ...] = (
+    (TimeoutError, UpstreamTimeout),
+    (aiohttp.ClientError, UpstreamUnreachable),
+)
+
+
+@contextmanager
+def map_client_exceptions(worker: Worker, what: str) -> Iterator[None]:
+    """Translate aiohttp's errors raised inside the block into UpstreamError subclasses."""
+    try:
+        yield
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        for source, target in _CLIENT_MAP:
+            if isinstance(exc, source):
+                detail = str(exc) or type(exc).__name__
+                raise target(f"{what} to {worker.role} worker {worker.url} failed: {detail}", worker) from exc
+        raise
+
+
+class _AiohttpBody:
+    def __init__(self, resp: aiohttp.ClientResponse, worker: Worker) -> None:
+        self._resp = resp
+        self._worker = worker
+
+    async def read(self) -> bytes:
+        with map_client_exceptions(self._worker, "reading the answer"):
+            return await self._resp.read()
+
+    async def next_chunk(self) -> bytes:
+        with map_client_exceptions(self._worker, "streaming the answer"):
+            return await self._resp.content.readany()
+
+    def release(self) -> None:
+        self._resp.release()
+
+    def close(self) -> None:
+        self._resp.close()
+
+
+class HttpWorkerClient(WorkerClient):
+    """Workers over HTTP: one aiohttp session, keep-alive, no connection limit (admission control
+    bounds them); the session is created on first use, inside the running event loop."""
+
+    def __init__(self, *, timeouts: Timeouts = Timeouts(), api_key: str = "", keepalive_s: float = 30.0) -> None:
+        super().__init__(timeouts=timeouts, api_key=api_key)
+        t = timeouts
+        self._timeouts: dict[Purpose, aiohttp.ClientTimeout] = {
+            "unary": aiohttp.ClientTimeout(total=t.request, sock_connect=t.connect),
+            "stream": aiohttp.ClientTimeout(total=None, sock_connect=t.connect, sock_read=t.stream_idle),
+            "abort": aiohttp.ClientTimeout(total=t.abort, sock_connect=min(t.connect, t.abort)),
+            "health": aiohttp.ClientTimeout(total=t.health, sock_connect=min(t.connect, t.health)),
+        }
+        self._keepalive_s = keepalive_s
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self._keepalive_s, ttl_dns_cache=60)
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                auto_decompress=False,
+                cookie_jar=aiohttp.DummyCookieJar(),  # workers set no cookies the router should keep
+                skip_auto_headers=("User-Agent", "Accept-Encoding"),
+                trust_env=False,
+            )
+        return self._session
+
+    async def _send(
+        self, worker: Worker, method: str, path: str, body: bytes, headers: dict[str, str], purpose: Purpose
+    ) -> tuple[int, str, Body]:
+        default_type = "text/event-stream" if purpose == "stream" else "application/json"
+        with map_client_exceptions(worker, f"{method} {path}"):
+            resp = await self.session.request(
+                method, worker.url + path, data=body or None, headers=headers, timeout=self._timeouts[purpose]
+            )
+        return resp.status, resp.headers.get("content-type", default_type), _AiohttpBody(resp, worker)
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
