@@ -18,9 +18,20 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
+from sglang_pd.deploy.contract import (
+    DEFAULT_BOOTSTRAP_PORT,
+    DEFAULT_DECODE_PORT,
+    DEFAULT_PREFILL_PORT,
+    DEFAULT_ROUTER_PORT,
+    Role,
+    RoutingPolicy,
+    policy_problem,
+)
+
 __all__ = [
     "GPU_CAPABILITY",
     "DecodeSpec",
+    "InstanceEndpoint",
     "HardwareSpec",
     "ModelSpec",
     "PodSettings",
@@ -42,7 +53,6 @@ __all__ = [
 
 # sglang's default for SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK (REFERENCE.md §1).
 DEFAULT_DISPATCH_TOKEN_BUDGET = 128
-DEFAULT_BOOTSTRAP_PORT = 8998
 # Shipped presets (`local-cpu`, ...) and model configs (deepseek-v3-config.json). A config is found
 # by file name when a topology's relative `model.config_json` is not beside it (as in a pod).
 PRESETS_DIR = Path(__file__).parent / "presets"
@@ -171,7 +181,7 @@ class _RoleSpec(_Strict):
     max_running_requests: Positive | None = None
     chunked_prefill_size: int | None = Field(None, ge=-1)
     max_prefill_tokens: Positive | None = None
-    port: Port = 30000
+    port: Port = DEFAULT_PREFILL_PORT
     extra_args: list[str] = Field(default_factory=list, description="Appended to the sglang argv.")
     env: dict[str, str] = Field(default_factory=dict)
 
@@ -200,7 +210,7 @@ class DecodeSpec(_RoleSpec):
     """Decode groups: DP attention + EP across nodes, DeepEP low-latency, SBO."""
 
     groups: Positive = 1
-    port: Port = 30001
+    port: Port = DEFAULT_DECODE_PORT
     sbo: SBOMode = SBOMode.OFF
     cuda_graph_max_bs: Positive | None = Field(None, description="sglang --cuda-graph-max-bs-decode.")
     dispatch_token_budget: Positive = Field(
@@ -226,14 +236,13 @@ class TransferSpec(_Strict):
     )
 
 
-RoutingPolicy = Literal["round_robin", "random", "power_of_two", "least_load", "cache_aware"]
 
 
 class RouterSpec(_Strict):
     """The OpenAI-facing PD router."""
 
     host: str = "0.0.0.0"
-    port: Port = 8000
+    port: Port = DEFAULT_ROUTER_PORT
     prefill_policy: RoutingPolicy = "cache_aware"
     decode_policy: RoutingPolicy = "power_of_two"
     max_concurrent_requests: Positive = 1024
@@ -243,9 +252,10 @@ class RouterSpec(_Strict):
 
     @field_validator("decode_policy")
     @classmethod
-    def _no_cache_aware_decode(cls, v: str) -> str:
-        if v == "cache_aware":
-            raise ValueError("cache_aware routes by prompt prefix and applies to prefill only; use least_load")
+    def _decode_policy_fits_decode(cls, v: str) -> str:
+        problem = policy_problem("decode", v)
+        if problem is not None:
+            raise ValueError(problem)
         return v
 
 
@@ -271,6 +281,15 @@ class Topology(_Strict):
         """All roles on this one host (the reference stack), rather than GPU nodes."""
         return self.hardware.gpu.lower() == "cpu"
 
+    def model_path(self) -> str:
+        """What sglang gets as --model-path: a model folder given relative to the topology file (as the
+        shipped `single-h200` preset does) becomes absolute; hub ids and absolute paths pass through."""
+        p = Path(self.model.path)
+        if p.is_absolute() or self.source_dir is None:
+            return self.model.path
+        beside = self.source_dir / p
+        return str(beside.resolve()) if beside.is_dir() else self.model.path
+
     def config_json_path(self) -> Path | None:
         p = self.model.config_json
         if p is None or p.is_absolute():
@@ -294,16 +313,48 @@ class Topology(_Strict):
         except json.JSONDecodeError as exc:
             raise TopologyError(f"model.config_json: {path} is not valid JSON ({exc}).") from exc
 
+    def instance_endpoints(self, role: Role) -> list[InstanceEndpoint]:
+        """Where each prefill instance or decode group listens. On one host (the local stack)
+        instances take consecutive ports from the role's; in a cluster each is its own pod and
+        listens on the role's ports themselves."""
+        spec = self.prefill if role == "prefill" else self.decode
+        count = self.prefill.instances if role == "prefill" else self.decode.groups
+        step = 1 if self.is_local else 0
+        return [
+            InstanceEndpoint(
+                role=role,
+                index=i,
+                port=spec.port + i * step,
+                bootstrap_port=self.prefill.bootstrap_port + i * step if role == "prefill" else None,
+            )
+            for i in range(count)
+        ]
+
     def static_workers(self) -> tuple[list[tuple[str, int]], list[str]]:
         """Worker URLs known without discovery: the local stack's. Clusters discover pods instead."""
         if not self.is_local:
             return [], []
-        prefill = [
-            (f"http://127.0.0.1:{self.prefill.port + i}", self.prefill.bootstrap_port + i)
-            for i in range(self.prefill.instances)
-        ]
-        decode = [f"http://127.0.0.1:{self.decode.port + i}" for i in range(self.decode.groups)]
-        return prefill, decode
+        prefill = [(ep.url, ep.bootstrap_port or DEFAULT_BOOTSTRAP_PORT) for ep in self.instance_endpoints("prefill")]
+        return prefill, [ep.url for ep in self.instance_endpoints("decode")]
+
+
+@dataclass(frozen=True)
+class InstanceEndpoint:
+    """The ports of one prefill instance or decode group (`Topology.instance_endpoints`)."""
+
+    role: Role
+    index: int
+    port: int
+    bootstrap_port: int | None  # prefill only
+    host: str = "127.0.0.1"
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.index}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
 
 
 def _format_validation_error(exc: ValidationError, source: str) -> str:
@@ -491,6 +542,8 @@ RENDERED_FLAGS: dict[str, str] = {
 }
 
 DISPATCH_BUDGET_ENV = "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK"
+# Attention backends that force a KV page size (sglang/srt/arg_groups/overrides.py).
+PAGE_SIZES_OF_BACKEND: dict[str, tuple[int, ...]] = {"flashmla": (64,), "trtllm_mla": (32, 64)}
 
 
 def _role_rules(t: Topology, role: str, spec: _RoleSpec, errors: list[str]) -> None:
@@ -607,8 +660,16 @@ def check_rules(t: Topology, pod: PodSettings | None = None) -> RuleReport:
     if not t.is_local and per_rank is not None:
         _graph_cover_rule(d, per_rank, errors, warnings)
 
-    if t.model.page_size != 64 and not t.is_local:
-        warnings.append(f"model.page_size: {t.model.page_size}; FlashMLA (DeepSeek MLA on Hopper) uses 64-token pages.")
+    for role, spec in (("prefill", p), ("decode", d)):
+        allowed = PAGE_SIZES_OF_BACKEND.get(spec.attention_backend or "")
+        if allowed and t.model.page_size not in allowed:
+            # sglang snaps the page size of that role only (arg_groups/overrides.py,
+            # _mla_backend_page_constraints), and KV pages must be equal on both roles.
+            errors.append(
+                f"{role}.attention_backend: {spec.attention_backend} takes {'/'.join(map(str, allowed))}-token pages "
+                f"and sglang would change this role's page size from model.page_size={t.model.page_size}, so prefill "
+                f"and decode pages would differ. Set model.page_size: {allowed[-1]} or another attention backend."
+            )
 
     ports = {
         "prefill.port": p.port,
@@ -703,19 +764,28 @@ def _pod_rules(t: Topology, pod: PodSettings, cfg: dict[str, Any] | None, errors
             "when privileged, yet securityContext.privileged is false; Mooncake and DeepEP would fail to open "
             "the NICs. Set securityContext.privileged=true, or rdma.mode=devicePlugin with an RDMA device plugin."
         )
-    if pod.model_source == "hub" and pod.startup_budget_s is not None:
+    if pod.startup_budget_s is not None:
         if cfg is None:
             errors.append(
-                "model.config_json: weights come from the hub, and the startup budget can be checked only against "
-                "the model's size; set model.config_json."
+                "model.config_json: the pod's startup budget can be checked only against the model's size; "
+                "set model.config_json."
             )
             return
         size = estimate_weight_bytes(cfg)
-        need = required_startup_s(size, "hub", pod.download_bytes_per_s)
+        need = required_startup_s(size, pod.model_source, pod.download_bytes_per_s)
         if pod.startup_budget_s < need:
+            steps = (
+                f"download ~{size / 1e9:.0f} GB of weights at {pod.download_bytes_per_s / 1e6:.0f} MB/s, load them"
+                if pod.model_source == "hub"
+                else f"load ~{size / 1e9:.0f} GB of weights"
+            )
             errors.append(
-                f"startupProbe: a {pod.startup_budget_s} s startup budget cannot download ~{size / 1e9:.0f} GB of "
-                f"weights at {pod.download_bytes_per_s / 1e6:.0f} MB/s, load them and warm up (~{need} s); the "
-                f"probe would restart the pod forever. Raise the startup budget to >= {need} s, or serve the "
-                "weights from a volume (model.source=pvc or hostPath)."
+                f"startupProbe: a {pod.startup_budget_s} s startup budget cannot {steps} and warm up (~{need} s); "
+                f"the probe would restart the pod forever. Raise the startup budget to >= {need} s (leave the "
+                "chart's startupProbe.failureThreshold unset to derive it)"
+                + (
+                    ", or serve the weights from a volume (model.source=pvc or hostPath)."
+                    if pod.model_source == "hub"
+                    else "."
+                )
             )

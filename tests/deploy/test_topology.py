@@ -7,7 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from sglang_pd.deploy.topology import SBOMode, TopologyError, check_rules, load_topology, parse_topology
+from sglang_pd.deploy.topology import (
+    PodSettings,
+    SBOMode,
+    TopologyError,
+    check_rules,
+    estimate_weight_bytes,
+    load_topology,
+    parse_topology,
+    required_startup_s,
+)
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "deploy" / "presets"
 PRESETS = sorted(PRESET_DIR.glob("*.yaml"))
@@ -169,7 +178,10 @@ def test_tbo_on_decode_is_a_warning(preset_dict) -> None:
 def test_dispatch_budget_covers_per_rank_batch(preset_dict) -> None:
     d = preset_dict()
     d["decode"]["max_running_requests"] = 4096  # 256 per rank > 128
-    msg = only_error(d)
+    d["decode"]["cuda_graph_max_bs"] = 128
+    errs = errors_of(d)
+    assert [e.split(":")[0] for e in errs] == ["decode.dispatch_token_budget", "decode.cuda_graph_max_bs"]
+    msg = errs[0]
     assert msg.startswith("decode.dispatch_token_budget: 128 tokens per rank cannot hold the per-rank decode batch")
     assert "4096/16 = 256" in msg and "Raise decode.dispatch_token_budget to >= 256" in msg
 
@@ -217,6 +229,7 @@ def test_local_ports_must_not_collide(preset_dict) -> None:
 
 def test_heads_divisible_by_attention_tp(preset_dict, write_topology, tmp_path) -> None:
     d = preset_dict()
+    d["prefill"]["attn_dp_size"] = 1  # attention TP 8
     config = {"num_attention_heads": 20, "n_routed_experts": 256}
     (tmp_path / "odd.json").write_text(json.dumps(config))
     d["model"]["config_json"] = "odd.json"
@@ -247,3 +260,79 @@ def test_ib_device_gpu_index_in_range(preset_dict) -> None:
     d = preset_dict()
     d["transfer"]["ib_devices"][9] = "mlx5_0"
     assert only_error(d) == "transfer.ib_devices.9: GPU index out of range 0..7."
+
+
+# --- rules that keep a deployment doing what the topology asks --------------------------------
+
+
+def test_cuda_graphs_must_cover_the_per_rank_decode_batch(preset_dict) -> None:
+    d = preset_dict()
+    d["decode"]["cuda_graph_max_bs"] = 64  # 2048 requests over 16 ranks = 128 per rank
+    msg = only_error(d)
+    assert msg.startswith("decode.cuda_graph_max_bs: 64 is below the per-rank decode batch")
+    assert "2048/16 = 128" in msg and "Set decode.cuda_graph_max_bs: 128" in msg
+
+
+def test_unset_cuda_graph_size_is_a_warning_with_the_value(preset_dict) -> None:
+    d = preset_dict()
+    del d["decode"]["cuda_graph_max_bs"]
+    report = check_rules(parse_topology(d, source_dir=PRESET_DIR))
+    assert report.ok
+    assert report.warnings == [
+        "decode.cuda_graph_max_bs: unset, so sglang sizes graphs from GPU memory; the per-rank decode batch is 128 "
+        "(max_running_requests / attn_dp_size). Set decode.cuda_graph_max_bs: 128."
+    ]
+
+
+@pytest.mark.parametrize(
+    ("gpu", "runner", "wanted"), [("H200", "auto", "deep_gemm"), ("B200", "deep_gemm", "flashinfer_cutedsl")]
+)
+def test_full_sbo_needs_the_runner_sglang_overlaps(preset_dict, gpu, runner, wanted) -> None:
+    d = preset_dict()
+    d["hardware"]["gpu"] = gpu
+    d["decode"]["moe_runner_backend"] = runner
+    msg = only_error(d)
+    assert msg.startswith("decode.moe_runner_backend: sbo: full overlaps the down GEMM with combine only when")
+    assert f"--moe-runner-backend {wanted} on {gpu}, but it is {runner}" in msg
+    assert f"Set decode.moe_runner_backend: {wanted}, or decode.sbo: shared-only." in msg
+    d["decode"]["sbo"] = "shared-only"
+    assert errors_of(d) == []
+
+
+def test_page_forcing_attention_backend_would_split_page_sizes(preset_dict) -> None:
+    d = preset_dict()
+    d["model"]["page_size"] = 32
+    d["decode"]["attention_backend"] = "flashmla"
+    msg = only_error(d)
+    assert msg.startswith("decode.attention_backend: flashmla takes 64-token pages and sglang would change")
+    assert "Set model.page_size: 64" in msg
+
+
+def test_host_network_rdma_needs_device_access(preset_dict) -> None:
+    t = parse_topology(preset_dict(), source_dir=PRESET_DIR)
+    errs = check_rules(t, PodSettings(rdma_mode="hostNetwork", privileged=False)).errors
+    assert len(errs) == 1
+    assert errs[0].startswith("rdma.mode: hostNetwork mounts the host's /dev/infiniband")
+    assert "Set securityContext.privileged=true, or rdma.mode=devicePlugin" in errs[0]
+    assert check_rules(t, PodSettings(rdma_mode="hostNetwork", privileged=True)).ok
+    assert check_rules(t, PodSettings(rdma_mode="devicePlugin", privileged=False)).ok
+
+
+def test_hub_download_needs_a_startup_budget_that_covers_the_model(preset_dict) -> None:
+    t = parse_topology(preset_dict(), source_dir=PRESET_DIR)
+    need = required_startup_s(estimate_weight_bytes(t.load_model_config() or {}), "hub")
+    errs = check_rules(t, PodSettings(model_source="hub", startup_budget_s=1800)).errors
+    assert len(errs) == 1
+    assert errs[0].startswith("startupProbe: a 1800 s startup budget cannot download ~684 GB of weights at 500 MB/s")
+    assert f"Raise the startup budget to >= {need} s" in errs[0] and "model.source=pvc or hostPath" in errs[0]
+    assert check_rules(t, PodSettings(model_source="hub", startup_budget_s=need)).ok
+    # From a volume there is nothing to download: the 30-minute budget covers load and warm-up.
+    assert check_rules(t, PodSettings(model_source="pvc", startup_budget_s=1800)).ok
+
+
+def test_weight_estimate_matches_the_published_checkpoint(preset_dict) -> None:
+    t = parse_topology(preset_dict(), source_dir=PRESET_DIR)
+    # DeepSeek-V3's FP8 checkpoint (163 safetensors shards) is about 689 GB on the hub.
+    assert estimate_weight_bytes(t.load_model_config() or {}) == pytest.approx(689e9, rel=0.03)
+    with pytest.raises(TopologyError, match="needs hidden_size and vocab_size"):
+        estimate_weight_bytes({"num_hidden_layers": 2})

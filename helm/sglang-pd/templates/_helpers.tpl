@@ -135,12 +135,135 @@ Collect every values problem the schema cannot express, then fail once with each
 {{- if and (eq $t.transfer.protocol "rdma") (eq .Values.rdma.mode "none") -}}
 {{- $messages = append $messages "rdma.mode: none gives pods no RDMA NIC, but topology.transfer.protocol is rdma. Set rdma.mode=hostNetwork|devicePlugin or topology.transfer.protocol=tcp." -}}
 {{- end -}}
+{{- if and (eq $t.transfer.protocol "rdma") (eq .Values.rdma.mode "hostNetwork") (not (include "sglang-pd.privileged" . | eq "true")) -}}
+{{- $messages = append $messages "securityContext.privileged: rdma.mode hostNetwork mounts the host's /dev/infiniband, whose verbs devices a container opens only when privileged. Leave securityContext.privileged unset (automatic) or true, or set rdma.mode=devicePlugin with an RDMA device plugin." -}}
+{{- end -}}
+{{- if and (eq .Values.cache.type "pvc") (not .Values.cache.pvc.claimName) -}}
+{{- $messages = append $messages "cache.pvc.claimName: cache.type is pvc but no claim is named. Set --set cache.pvc.claimName=<pvc> or choose cache.type=hostPath|emptyDir." -}}
+{{- end -}}
+{{- if and (eq .Values.cache.type "hostPath") (not .Values.cache.hostPath) -}}
+{{- $messages = append $messages "cache.hostPath: cache.type is hostPath but no path is set. Set --set cache.hostPath=/var/cache/sglang-pd." -}}
+{{- end -}}
+{{- $need := include "sglang-pd.startupSeconds" . | int -}}
+{{- if and (lt $need 0) (not (and .Values.prefill.startupProbe.failureThreshold .Values.decode.startupProbe.failureThreshold)) -}}
+{{- $messages = append $messages "model.sizeBytes: the startup budget is derived from the checkpoint size, which the chart knows only for shipped model configs (topology.model.config_json). Set --set model.sizeBytes=<bytes>, or set prefill.startupProbe.failureThreshold and decode.startupProbe.failureThreshold." -}}
+{{- else -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- $probe := (index $.Values $role).startupProbe -}}
+{{- if ge $need 0 -}}
+{{- $budget := include "sglang-pd.startupBudget" (dict "role" $role "context" $) | int -}}
+{{- if and $probe.failureThreshold (lt $budget $need) -}}
+{{- $messages = append $messages (printf "%s.startupProbe.failureThreshold: %d x %ds = %ds cannot cover a cold start of this model (~%ds: %s the weights, warm-up of %vs); the probe would restart the pod forever. Raise it to >= %d, or unset it to derive it." $role (int $probe.failureThreshold) (int $probe.periodSeconds) $budget $need (ternary "download and load" "load" (eq $.Values.model.source "hub")) $.Values.startupBudget.warmupSeconds (div (add $need (int $probe.periodSeconds) -1) (int $probe.periodSeconds))) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- if and .Values.router.ingress.enabled (not .Values.router.ingress.host) -}}
 {{- $messages = append $messages "router.ingress.host: the Ingress needs a host name. Set --set router.ingress.host=llm.example.com." -}}
 {{- end -}}
 {{- if $messages -}}
 {{- printf "\nVALUES VALIDATION:\n%s" (join "\n" $messages) | fail -}}
 {{- end -}}
+{{- end -}}
+
+{{/*
+Return "true" when GPU pods run privileged: securityContext.privileged when set, else automatic:
+privileged with rdma.mode hostNetwork, whose hostPath /dev/infiniband opens only with device
+access (sglang's LWS PD example runs privileged too), unprivileged otherwise.
+*/}}
+{{- define "sglang-pd.privileged" -}}
+{{- if kindIs "bool" .Values.securityContext.privileged -}}
+{{- .Values.securityContext.privileged -}}
+{{- else -}}
+{{- eq .Values.rdma.mode "hostNetwork" -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Return the checkpoint size in bytes: model.sizeBytes, else the size sglang-pd estimated from the
+shipped config.json the topology names (files/model-sizes.yaml), else -1.
+*/}}
+{{- define "sglang-pd.weightBytes" -}}
+{{- $t := include "sglang-pd.topologyView" . | fromYaml -}}
+{{- $sizes := .Files.Get "files/model-sizes.yaml" | fromYaml -}}
+{{- $name := base (default "" $t.model.config_json | toString) -}}
+{{- if .Values.model.sizeBytes -}}
+{{- .Values.model.sizeBytes | int64 -}}
+{{- else if hasKey $sizes $name -}}
+{{- get $sizes $name | int64 -}}
+{{- else -}}
+-1
+{{- end -}}
+{{- end -}}
+
+{{/*
+Return the seconds a GPU pod needs from start to a healthy sglang on a cold node (-1: size unknown):
+download (model.source hub) + load + warm-up (DeepGEMM JIT). The same formula as sglang-pd's
+`required_startup_s`, which `sglang-pd launch` checks the budget against.
+*/}}
+{{- define "sglang-pd.startupSeconds" -}}
+{{- $bytes := include "sglang-pd.weightBytes" . | int64 -}}
+{{- if lt $bytes 0 -}}
+-1
+{{- else -}}
+{{- $load := div $bytes (.Values.startupBudget.loadBytesPerSecond | int64) -}}
+{{- $download := ternary (div $bytes (.Values.model.hub.downloadBytesPerSecond | int64)) 0 (eq .Values.model.source "hub") -}}
+{{- add $download $load (.Values.startupBudget.warmupSeconds | int64) 2 -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Return a role's startup probe failureThreshold: the value set, else derived from the model.
+Call with (dict "role" "prefill" "context" $).
+*/}}
+{{- define "sglang-pd.startupFailureThreshold" -}}
+{{- $probe := (index .context.Values .role).startupProbe -}}
+{{- if $probe.failureThreshold -}}
+{{- $probe.failureThreshold | int -}}
+{{- else -}}
+{{- $need := include "sglang-pd.startupSeconds" .context | int -}}
+{{- $period := $probe.periodSeconds | int -}}
+{{- div (add $need $period -1) $period -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Return a role's startup budget in seconds (failureThreshold x periodSeconds).
+*/}}
+{{- define "sglang-pd.startupBudget" -}}
+{{- mul (include "sglang-pd.startupFailureThreshold" .) ((index .context.Values .role).startupProbe.periodSeconds | int) -}}
+{{- end -}}
+
+{{/*
+Return the fabric environment of GPU pods as a dict (YAML): fabric.preset infiniband or roce,
+the bootstrap interface, and the HCAs from topology.hardware.rdma_devices. NCCL, Gloo, NVSHMEM
+(DeepEP) and Mooncake read these; RoCE needs the GID index (the seed's H20 cluster ran RoCE).
+*/}}
+{{- define "sglang-pd.fabricEnv" -}}
+{{- $t := include "sglang-pd.topologyView" . | fromYaml -}}
+{{- $f := .Values.fabric -}}
+{{- $env := dict -}}
+{{- with $f.socketInterface -}}
+{{- $_ := set $env "NCCL_SOCKET_IFNAME" . -}}
+{{- $_ := set $env "GLOO_SOCKET_IFNAME" . -}}
+{{- $_ := set $env "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME" . -}}
+{{- end -}}
+{{- if has $f.preset (list "infiniband" "roce") -}}
+{{- with $t.hardware.rdma_devices -}}
+{{- $_ := set $env "NCCL_IB_HCA" (printf "=%s" (join "," .)) -}}
+{{- end -}}
+{{- end -}}
+{{- if eq $f.preset "roce" -}}
+{{- $gid := toString (int $f.gidIndex) -}}
+{{- $_ := set $env "NCCL_IB_GID_INDEX" $gid -}}
+{{- $_ := set $env "NVSHMEM_IB_GID_INDEX" $gid -}}
+{{- $_ := set $env "MC_GID_INDEX" $gid -}}
+{{- if not (kindIs "invalid" $f.trafficClass) -}}
+{{- $_ := set $env "NCCL_IB_TC" (toString (int $f.trafficClass)) -}}
+{{- $_ := set $env "NVSHMEM_IB_TRAFFIC_CLASS" (toString (int $f.trafficClass)) -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $env -}}
 {{- end -}}
 
 {{/*
@@ -154,6 +277,8 @@ Leaders serve HTTP and carry the probes and the router's discovery annotations; 
 {{- $spec := index $t .role -}}
 {{- $gpus := int $t.hardware.gpus_per_node -}}
 {{- $hostNetwork := eq $.Values.rdma.mode "hostNetwork" -}}
+{{- $privileged := include "sglang-pd.privileged" $ | eq "true" -}}
+{{- $hub := eq $.Values.model.source "hub" -}}
 metadata:
   labels:
     {{- include "sglang-pd.podLabels" (dict "component" .role "context" $) | nindent 4 }}
@@ -200,9 +325,23 @@ spec:
       imagePullPolicy: {{ $.Values.image.pullPolicy }}
       command: ["sglang-pd", "launch", "--role", {{ .role | quote }}, "--topology", {{ include "sglang-pd.topologyPath" $ | quote }}]
       env:
-        {{- if eq $.Values.model.source "hub" }}
+        # The address sglang advertises to its peers (bootstrap, Mooncake): the pod's IP, which is
+        # the node's under hostNetwork.
+        - name: SGLANG_HOST_IP
+          valueFrom:
+            fieldRef:
+              fieldPath: status.podIP
+        # JIT caches (DeepGEMM, Triton, Inductor, FlashInfer) on the cache volume: a restarted or
+        # recreated pod skips the 10-20 minute DeepGEMM warm-up compile.
+        - name: SGLANG_CACHE_DIR
+          value: /cache/sglang
+        - name: SGLANG_JIT_CACHE_DIR
+          value: /cache/sglang/jit
+        - name: FLASHINFER_WORKSPACE_BASE
+          value: /cache
+        {{- if $hub }}
         - name: HF_HOME
-          value: /root/.cache/huggingface
+          value: /cache/huggingface
         {{- with $.Values.model.hub.tokenSecret.name }}
         - name: HF_TOKEN
           valueFrom:
@@ -211,7 +350,18 @@ spec:
               key: {{ $.Values.model.hub.tokenSecret.key }}
         {{- end }}
         {{- end }}
-        {{- range $k, $v := merge (dict) $cfg.env $.Values.env }}
+        # How this pod is set up, for `sglang-pd launch`'s check against the topology.
+        - name: SGLANG_PD_POD_RDMA_MODE
+          value: {{ $.Values.rdma.mode | quote }}
+        - name: SGLANG_PD_POD_PRIVILEGED
+          value: {{ $privileged | quote }}
+        - name: SGLANG_PD_POD_MODEL_SOURCE
+          value: {{ $.Values.model.source | quote }}
+        - name: SGLANG_PD_POD_STARTUP_BUDGET_S
+          value: {{ include "sglang-pd.startupBudget" (dict "role" .role "context" $) | quote }}
+        - name: SGLANG_PD_POD_DOWNLOAD_BYTES_PER_S
+          value: {{ $.Values.model.hub.downloadBytesPerSecond | int64 | quote }}
+        {{- range $k, $v := merge (dict) $cfg.env $.Values.env (include "sglang-pd.fabricEnv" $ | fromYaml) }}
         - name: {{ $k }}
           value: {{ $v | quote }}
         {{- end }}
@@ -231,6 +381,10 @@ spec:
           {{- if eq $.Values.rdma.mode "devicePlugin" }}
           {{ $.Values.rdma.devicePlugin.resourceName }}: {{ $.Values.rdma.devicePlugin.count }}
           {{- end }}
+          {{- if and $hub (eq $.Values.cache.type "emptyDir") }}
+          # The download lands on the node's ephemeral storage: schedule only where it fits.
+          ephemeral-storage: {{ $.Values.cache.sizeLimit }}
+          {{- end }}
         limits:
           {{- with $cfg.resources.limits }}
           {{- toYaml . | nindent 10 }}
@@ -240,7 +394,7 @@ spec:
           {{ $.Values.rdma.devicePlugin.resourceName }}: {{ $.Values.rdma.devicePlugin.count }}
           {{- end }}
       securityContext:
-        {{- if $.Values.securityContext.privileged }}
+        {{- if $privileged }}
         privileged: true
         {{- else }}
         privileged: false
@@ -255,7 +409,7 @@ spec:
       startupProbe:
         httpGet: {path: /health, port: http}
         periodSeconds: {{ $cfg.startupProbe.periodSeconds }}
-        failureThreshold: {{ $cfg.startupProbe.failureThreshold }}
+        failureThreshold: {{ include "sglang-pd.startupFailureThreshold" (dict "role" .role "context" $) }}
         timeoutSeconds: 5
       readinessProbe:
         httpGet: {path: /health, port: http}
@@ -276,11 +430,15 @@ spec:
           readOnly: true
         - name: shm
           mountPath: /dev/shm
+        - name: cache
+          mountPath: /cache
+        {{- if not $hub }}
         - name: model
-          mountPath: {{ if eq $.Values.model.source "hub" }}/root/.cache/huggingface{{ else }}{{ $.Values.model.mountPath }}{{ end }}
+          mountPath: {{ $.Values.model.mountPath }}
           {{- if eq $.Values.model.source "pvc" }}
           readOnly: {{ $.Values.model.pvc.readOnly }}
           {{- end }}
+        {{- end }}
         {{- if $hostNetwork }}
         - name: infiniband
           mountPath: /dev/infiniband
@@ -293,19 +451,31 @@ spec:
       emptyDir:
         medium: Memory
         sizeLimit: {{ $.Values.shmSizeLimit }}
+    # Hub downloads and JIT caches. LeaderWorkerSet recreates the whole group when a pod restarts,
+    # which wipes an emptyDir: hostPath (the default) or a PVC keeps them.
+    - name: cache
+      {{- if eq $.Values.cache.type "pvc" }}
+      persistentVolumeClaim:
+        claimName: {{ $.Values.cache.pvc.claimName }}
+      {{- else if eq $.Values.cache.type "hostPath" }}
+      hostPath:
+        path: {{ $.Values.cache.hostPath }}
+        type: DirectoryOrCreate
+      {{- else }}
+      emptyDir:
+        sizeLimit: {{ $.Values.cache.sizeLimit }}
+      {{- end }}
+    {{- if eq $.Values.model.source "pvc" }}
     - name: model
-      {{- if eq $.Values.model.source "pvc" }}
       persistentVolumeClaim:
         claimName: {{ $.Values.model.pvc.claimName }}
         readOnly: {{ $.Values.model.pvc.readOnly }}
-      {{- else if eq $.Values.model.source "hostPath" }}
+    {{- else if eq $.Values.model.source "hostPath" }}
+    - name: model
       hostPath:
         path: {{ $.Values.model.hostPath.path }}
         type: Directory
-      {{- else }}
-      emptyDir:
-        sizeLimit: {{ $.Values.model.hub.cacheSizeLimit }}
-      {{- end }}
+    {{- end }}
     {{- if $hostNetwork }}
     - name: infiniband
       hostPath:
