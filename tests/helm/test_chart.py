@@ -14,11 +14,14 @@ import pytest
 import yaml
 
 from sglang_pd.deploy.cli import main as cli_main
+from sglang_pd.deploy.launch import pod_settings_from_env
 from sglang_pd.deploy.sglang_args import LEADER_HOST_FROM_ENV
 from sglang_pd.deploy.sglang_check import sglang_available
-from sglang_pd.deploy.topology import check_rules, load_topology
+from sglang_pd.deploy.topology import check_rules, estimate_weight_bytes, load_topology, required_startup_s
 
-from .conftest import CHART, REPO, helm_python, one, preset_topology, preset_values
+from .conftest import CHART, PRESETS, REPO, helm_python, one, preset_topology, preset_values
+
+PRESETS_DIR = PRESETS
 
 PRESET_NAMES = ["deepseek-r1-h200-1p1d", "deepseek-v3-h20-3p2d", "local-cpu"]
 K8S_VERSIONS = ["1.30.0", "1.33.0"]
@@ -57,10 +60,23 @@ def test_lint_strict() -> None:
     assert [m for m in report["messages"] if m["severity"] >= 2] == []
 
 
+# Least-privilege RDMA with RoCE, downloads on ephemeral storage, a JIT cache claim.
+DEVICE_PLUGIN_ROCE = {
+    "rdma": {"mode": "devicePlugin"},
+    "fabric": {"preset": "roce", "socketInterface": "bond0", "trafficClass": 106},
+    "cache": {"type": "emptyDir"},
+    "networkPolicy": {"enabled": True},
+}
+PVC_CACHE = {
+    "cache": {"type": "pvc", "pvc": {"claimName": "jit"}},
+    "model": {"source": "pvc", "pvc": {"claimName": "w"}},
+}
+
+
 @pytest.mark.parametrize(
     "values",
-    [{}, EVERYTHING_ON, *[preset_values(p) for p in PRESET_NAMES]],
-    ids=["default", "everything-on", *PRESET_NAMES],
+    [{}, EVERYTHING_ON, DEVICE_PLUGIN_ROCE, PVC_CACHE, *[preset_values(p) for p in PRESET_NAMES]],
+    ids=["default", "everything-on", "device-plugin-roce", "pvc-cache", *PRESET_NAMES],
 )
 @pytest.mark.parametrize("k8s", K8S_VERSIONS)
 def test_objects_pass_kubernetes_schemas(render, values, k8s) -> None:
@@ -122,8 +138,10 @@ def test_probes_only_on_leaders(render) -> None:
     leader = lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"][0]
     worker = lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]
     assert leader["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
-    # Big checkpoints load for 10-30 minutes: the startup budget covers 30.
-    assert leader["startupProbe"]["periodSeconds"] * leader["startupProbe"]["failureThreshold"] >= 1800
+    # The default downloads DeepSeek from the hub: the budget covers download, load and warm-up.
+    budget = leader["startupProbe"]["periodSeconds"] * leader["startupProbe"]["failureThreshold"]
+    weights = estimate_weight_bytes(load_topology(PRESETS_DIR / "deepseek-r1-h200-1p1d.yaml").load_model_config() or {})
+    assert budget >= required_startup_s(weights, "hub") > 2400
     assert leader["livenessProbe"]["failureThreshold"] * leader["livenessProbe"]["periodSeconds"] >= 300
     assert "readinessProbe" in leader
     assert not {"startupProbe", "readinessProbe", "livenessProbe"} & set(worker)
@@ -152,39 +170,153 @@ def test_ports_agree_between_router_and_workers(render) -> None:
     assert service["spec"]["ports"][0]["targetPort"] == "http"
 
 
+def _decode_leader(docs: list[dict]) -> dict:
+    return one(docs, "LeaderWorkerSet", "-decode")["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]
+
+
+def _env(container: dict) -> dict:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
 def test_gpu_pod_security_env_and_volumes(render) -> None:
     values = {
         "env": {"NCCL_IB_GID_INDEX": 3},
         "decode": {"env": {"EP_MIN_TOKENS_PER_PART": "1"}},
         "model": {"source": "hub", "hub": {"tokenSecret": {"name": "hf", "key": "token"}}},
     }
-    lws = one(render(values), "LeaderWorkerSet", "-decode")
-    spec = lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]
+    spec = _decode_leader(render(values))
     c = spec["containers"][0]
-    assert c["securityContext"] == {"privileged": False, "capabilities": {"add": ["IPC_LOCK"]}}
-    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
+    # hostNetwork RDMA: the host's verbs devices open only in a privileged pod.
+    assert c["securityContext"] == {"privileged": True}
+    env = _env(c)
     assert env["NCCL_IB_GID_INDEX"] == "3" and env["EP_MIN_TOKENS_PER_PART"] == "1"
     assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+    assert env["SGLANG_HOST_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["HF_HOME"] == "/cache/huggingface" and env["SGLANG_CACHE_DIR"] == "/cache/sglang"
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert volumes["shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
     assert volumes["infiniband"]["hostPath"]["path"] == "/dev/infiniband" and spec["hostNetwork"] is True
     assert volumes["topology"]["configMap"]["name"] == "demo-sglang-pd-topology"
+    # Downloads and JIT caches survive LeaderWorkerSet's group recreation: a node directory.
+    assert volumes["cache"]["hostPath"] == {"path": "/var/cache/sglang-pd", "type": "DirectoryOrCreate"}
+    assert "model" not in volumes and "ephemeral-storage" not in c["resources"]["requests"]
+
+
+def test_host_network_rdma_without_privileges_is_refused(chart) -> None:
+    with pytest.raises(helm_python.HelmError, match="VALUES VALIDATION") as info:
+        chart.render({"securityContext": {"privileged": False}}, name="demo", namespace="llm")
+    assert "securityContext.privileged: rdma.mode hostNetwork mounts the host's /dev/infiniband" in str(info.value)
 
 
 def test_device_plugin_rdma_and_pvc_weights(render) -> None:
     values = {
         "rdma": {"mode": "devicePlugin", "devicePlugin": {"resourceName": "rdma/hca", "count": 2}},
         "model": {"source": "pvc", "pvc": {"claimName": "weights"}},
-        "securityContext": {"sysRawio": True},
     }
     spec = one(render(values), "LeaderWorkerSet", "-prefill")["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]
     c = spec["containers"][0]
     assert c["resources"]["limits"]["rdma/hca"] == 2 and "hostNetwork" not in spec
-    assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK", "SYS_RAWIO"]
+    # Least privilege with a device plugin, as llm-d's wide-EP pods.
+    assert c["securityContext"] == {"privileged": False, "capabilities": {"add": ["IPC_LOCK", "SYS_RAWIO"]}}
     assert {v["name"]: v for v in spec["volumes"]}["model"]["persistentVolumeClaim"] == {
         "claimName": "weights",
         "readOnly": True,
     }
+    assert "HF_HOME" not in _env(c)
+
+
+def test_emptydir_downloads_request_ephemeral_storage(render) -> None:
+    spec = _decode_leader(render({"cache": {"type": "emptyDir", "sizeLimit": "900Gi"}}))
+    c = spec["containers"][0]
+    assert c["resources"]["requests"]["ephemeral-storage"] == "900Gi"
+    assert {v["name"]: v for v in spec["volumes"]}["cache"]["emptyDir"] == {"sizeLimit": "900Gi"}
+    pvc = _decode_leader(render({"model": {"source": "pvc", "pvc": {"claimName": "w"}}, "cache": {"type": "emptyDir"}}))
+    assert "ephemeral-storage" not in pvc["containers"][0]["resources"]["requests"]
+
+
+@pytest.mark.parametrize("preset", PRESET_NAMES)
+@pytest.mark.parametrize("source", ["hub", "pvc"])
+def test_derived_startup_budget_passes_the_launchers_check(render, preset, source) -> None:
+    values = {**preset_values(preset), "model": {"source": source, "pvc": {"claimName": "w"}}}
+    docs = render(values)
+    lws = one(docs, "LeaderWorkerSet", "-decode")["spec"]["leaderWorkerTemplate"]
+    spec = lws.get("leaderTemplate", lws["workerTemplate"])["spec"]
+    c = spec["containers"][0]
+    pod = pod_settings_from_env(_env(c))
+    assert pod is not None and pod.model_source == source
+    probe = c["startupProbe"]
+    assert pod.startup_budget_s == probe["periodSeconds"] * probe["failureThreshold"]
+    t = load_topology(PRESETS_DIR / f"{preset}.yaml")
+    assert check_rules(t, pod).ok, check_rules(t, pod).errors
+
+
+def test_too_small_startup_budget_is_refused(chart) -> None:
+    values = {"decode": {"startupProbe": {"failureThreshold": 180}}}
+    with pytest.raises(helm_python.HelmError, match="VALUES VALIDATION") as info:
+        chart.render(values, name="demo", namespace="llm")
+    message = str(info.value)
+    assert "decode.startupProbe.failureThreshold: 180 x 10s = 1800s cannot cover a cold start" in message
+    assert "Raise it to >= 292, or unset it to derive it." in message
+
+
+def test_unknown_model_needs_its_size_for_the_budget(chart, render) -> None:
+    topology = preset_topology("deepseek-r1-h200-1p1d")
+    del topology["model"]["config_json"]
+    with pytest.raises(helm_python.HelmError, match=r"model\.sizeBytes: the startup budget is derived"):
+        chart.render({"topology": topology}, name="demo", namespace="llm")
+    spec = _decode_leader(render({"topology": topology, "model": {"sizeBytes": 100_000_000_000}}))
+    # 100 GB: 200 s download + 50 s load + 1200 s warm-up (+2 s rounding) in 10 s periods.
+    assert spec["containers"][0]["startupProbe"]["failureThreshold"] == 146
+
+
+@pytest.mark.parametrize(
+    ("fabric", "want", "absent"),
+    [
+        ({}, {"NCCL_IB_HCA": "=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7"}, ["NCCL_IB_GID_INDEX"]),
+        (
+            {"preset": "roce", "socketInterface": "bond0", "trafficClass": 106},
+            {
+                "NCCL_IB_GID_INDEX": "3",
+                "NVSHMEM_IB_GID_INDEX": "3",
+                "MC_GID_INDEX": "3",
+                "NCCL_IB_TC": "106",
+                "NVSHMEM_IB_TRAFFIC_CLASS": "106",
+                "NCCL_SOCKET_IFNAME": "bond0",
+                "GLOO_SOCKET_IFNAME": "bond0",
+                "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "bond0",
+            },
+            [],
+        ),
+        ({"preset": "none"}, {}, ["NCCL_IB_HCA", "NCCL_IB_GID_INDEX"]),
+    ],
+    ids=["infiniband", "roce", "none"],
+)
+def test_fabric_presets(render, fabric, want, absent) -> None:
+    env = _env(_decode_leader(render({"fabric": fabric}))["containers"][0])
+    assert {k: env.get(k) for k in want} == want
+    assert not set(absent) & set(env)
+
+
+def test_own_env_wins_over_the_fabric_preset(render) -> None:
+    values = {"fabric": {"preset": "roce"}, "env": {"NCCL_IB_GID_INDEX": "5"}}
+    c = _decode_leader(render(values))["containers"][0]
+    assert [e["value"] for e in c["env"] if e["name"] == "NCCL_IB_GID_INDEX"] == ["5"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "policies"), [("hostNetwork", ["-router"]), ("devicePlugin", ["-router", "-workers"])]
+)
+def test_network_policy_skips_host_network_workers(render, mode, policies) -> None:
+    docs = render({"networkPolicy": {"enabled": True}, "rdma": {"mode": mode}})
+    names = sorted(d["metadata"]["name"] for d in docs if d["kind"] == "NetworkPolicy")
+    assert names == [f"demo-sglang-pd{p}" for p in policies]
+
+
+def test_kv_probe_pod_can_open_host_rdma_devices(render) -> None:
+    probe = one(render(), "Pod", "-test-kv-probe")["spec"]["containers"][0]
+    assert probe["securityContext"] == {"privileged": True}
+    probe = one(render({"rdma": {"mode": "devicePlugin"}}), "Pod", "-test-kv-probe")["spec"]["containers"][0]
+    assert probe["securityContext"] == {"capabilities": {"add": ["IPC_LOCK", "SYS_RAWIO"]}}
 
 
 def test_gate_runs_gsm8k_against_the_router(render) -> None:
