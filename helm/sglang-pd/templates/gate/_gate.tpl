@@ -1,0 +1,165 @@
+{{/*
+Return the name of the ConfigMap that keeps the last passing gate report (the next rollout's baseline).
+*/}}
+{{- define "sglang-pd.gate.baselineName" -}}
+{{- printf "%s-gate-baseline" (include "sglang-pd.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+Return the gate's ServiceAccount name (it may read and patch the baseline ConfigMap, nothing else).
+*/}}
+{{- define "sglang-pd.gate.serviceAccountName" -}}
+{{- printf "%s-gate" (include "sglang-pd.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+Return true when some gate runs at all (the baseline objects are only needed then).
+*/}}
+{{- define "sglang-pd.gate.anyEnabled" -}}
+{{- $g := .Values.gate -}}
+{{- if or $g.helmTest.enabled $g.hook.enabled $g.analysisTemplate.enabled $g.canary.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/*
+Return the gsm8k gate's container: call with (dict "context" $ "name" "gsm8k-gate" "mode" "rollout"|"canary").
+A rollout gate asks gate.gsm8k.numQuestions, compares with the stored baseline when there is one, and
+stores its report as the next baseline on a clean pass. The canary asks a fixed sample of the baseline's
+questions, never stores, and writes its verdict for node-exporter's textfile collector.
+*/}}
+{{- define "sglang-pd.gate.container" -}}
+{{- $ := .context -}}
+{{- $g := $.Values.gate.gsm8k -}}
+{{- $canary := eq .mode "canary" -}}
+{{- $c := $.Values.gate.canary -}}
+{{- $timeout := ternary $c.timeoutSeconds $g.timeoutSeconds $canary -}}
+- name: {{ .name }}
+  image: {{ include "sglang-pd.image" $ }}
+  imagePullPolicy: {{ $.Values.image.pullPolicy }}
+  command:
+    - sglang-pd
+    - eval
+    - gsm8k
+    - --base-url
+    - {{ printf "http://%s-router:%v/v1" (include "sglang-pd.fullname" $) $.Values.router.service.port | quote }}
+    - --parallel
+    - {{ $g.parallel | quote }}
+    - --api
+    - {{ $g.api | quote }}
+    - --min-accuracy
+    - {{ $g.minAccuracy | quote }}
+    - --output
+    - /tmp/gsm8k-report.json
+    - --quiet
+    # Wait for the router to list a model; end with a report (exit 4) before Kubernetes kills the pod.
+    - --wait-ready
+    - {{ ternary "60" "300" $canary | quote }}
+    - --timeout
+    - {{ sub (int $timeout) 30 | quote }}
+    {{- if $canary }}
+    # A fixed sample of the baseline's questions, so that every canary run is paired with it.
+    - --num-questions
+    - {{ $c.numQuestions | quote }}
+    - --sample
+    - --max-drop
+    - {{ $c.maxDrop | quote }}
+    - --metrics-textfile
+    - {{ printf "/textfile/sglang_pd_gsm8k_%s.prom" $.Release.Name | quote }}
+    - --metrics-label
+    - {{ printf "release=%s" $.Release.Name | quote }}
+    - --metrics-label
+    - {{ printf "release_namespace=%s" $.Release.Namespace | quote }}
+    {{- else }}
+    - --num-questions
+    - {{ $g.numQuestions | quote }}
+    - --max-drop
+    - {{ $g.maxDrop | quote }}
+    {{- end }}
+    {{- if $.Values.gate.baseline.enabled }}
+    # The report of the last passing release; none yet on a first install (then only the floor applies).
+    - --baseline
+    - /baseline/report.json
+    - --baseline-optional
+    {{- if not $canary }}
+    - --publish-baseline
+    - {{ include "sglang-pd.gate.baselineName" $ }}
+    {{- end }}
+    {{- end }}
+    {{- if $g.dataConfigMap }}
+    - --data
+    - /data/gsm8k/test.jsonl
+    {{- end }}
+  {{- if $.Values.router.apiKeySecret.name }}
+  env:
+    - name: OPENAI_API_KEY
+      valueFrom:
+        secretKeyRef:
+          name: {{ $.Values.router.apiKeySecret.name }}
+          key: {{ $.Values.router.apiKeySecret.key }}
+  {{- end }}
+  resources:
+    requests: {cpu: "1", memory: 1Gi}
+    limits: {memory: 2Gi}
+  securityContext:
+    allowPrivilegeEscalation: false
+    capabilities: {drop: [ALL]}
+    {{- if $canary }}
+    # node-exporter's textfile directory belongs to root on the host: the canary writes there as UID 0,
+    # with no capability at all.
+    runAsUser: 0
+    {{- else }}
+    runAsNonRoot: true
+    runAsUser: 65534
+    {{- end }}
+  {{- if or $g.dataConfigMap $.Values.gate.baseline.enabled $canary }}
+  volumeMounts:
+    {{- if $g.dataConfigMap }}
+    - name: gsm8k-data
+      mountPath: /data/gsm8k
+      readOnly: true
+    {{- end }}
+    {{- if $.Values.gate.baseline.enabled }}
+    - name: gsm8k-baseline
+      mountPath: /baseline
+      readOnly: true
+    {{- end }}
+    {{- if $canary }}
+    - name: textfile
+      mountPath: /textfile
+    {{- end }}
+  {{- end }}
+{{- end -}}
+
+{{/*
+Return the gate pod's service account and volumes: call with (dict "context" $ "mode" "rollout"|"canary").
+*/}}
+{{- define "sglang-pd.gate.podSpec" -}}
+{{- $ := .context -}}
+{{- $g := $.Values.gate.gsm8k -}}
+{{- if and $.Values.gate.baseline.enabled (ne .mode "canary") }}
+# Stores a passing report in the baseline ConfigMap through the API (the canary never stores).
+serviceAccountName: {{ include "sglang-pd.gate.serviceAccountName" $ }}
+{{- else }}
+automountServiceAccountToken: false
+{{- end }}
+{{- if or $g.dataConfigMap $.Values.gate.baseline.enabled (eq .mode "canary") }}
+volumes:
+  {{- if $g.dataConfigMap }}
+  - name: gsm8k-data
+    configMap:
+      name: {{ $g.dataConfigMap }}
+  {{- end }}
+  {{- if $.Values.gate.baseline.enabled }}
+  # optional: before the first passing gate the ConfigMap holds no report.json.
+  - name: gsm8k-baseline
+    configMap:
+      name: {{ include "sglang-pd.gate.baselineName" $ }}
+      optional: true
+  {{- end }}
+  {{- if eq .mode "canary" }}
+  - name: textfile
+    hostPath:
+      path: {{ $.Values.gate.canary.textfileDirectory }}
+      type: DirectoryOrCreate
+  {{- end }}
+{{- end }}
+{{- end -}}
