@@ -644,6 +644,39 @@ def _signal_mode(enable_overlap: bool, signal: torch.Tensor | None, signal_layou
     return SIGNAL_SGLANG if signal_layout == "sglang" else SIGNAL_DEEPEP
 
 
+def _run_entry(
+    lhs: tuple[torch.Tensor, torch.Tensor | None],
+    rhs: tuple[torch.Tensor, torch.Tensor | None],
+    out: torch.Tensor,
+    masked_m: torch.Tensor,
+    expected_m: int,
+    max_block_n: int,
+    overlap: tuple[bool, torch.Tensor | None, str],
+    num_sms: int | None,
+    config: GemmConfig | WsConfig | None,
+) -> tuple[int | None, int | None]:
+    """What both entry points do with their DeepGEMM arguments: ``lhs``/``rhs`` are (tensor, scales or
+    None), ``overlap`` is (enable_overlap, signal, signal_layout). Launches, and returns DeepGEMM's pair."""
+    (a, a_scale), (b, b_scale) = lhs, rhs
+    enable_overlap, signal, signal_layout = overlap
+    mode = _signal_mode(enable_overlap, signal, signal_layout)
+    result = masked_grouped_gemm(
+        a,
+        b,
+        out,
+        masked_m,
+        a_scale=a_scale,
+        b_scale=b_scale,
+        signal=signal,
+        signal_mode=mode,
+        num_sms=num_sms,
+        config=config,
+        expected_m=expected_m,
+        max_block_n=max_block_n,
+    )
+    return result if enable_overlap else (None, None)
+
+
 def fp8_m_grouped_gemm_nt_masked(
     lhs: tuple[torch.Tensor, torch.Tensor],
     rhs: tuple[torch.Tensor, torch.Tensor],
@@ -670,25 +703,9 @@ def fp8_m_grouped_gemm_nt_masked(
     """
     assert recipe in (None, (1, 128, 128)), f"only DeepSeek's (1, 128, 128) recipe, got {recipe}"
     del compiled_dims, disable_ue8m0_cast  # DeepGEMM JIT knobs with no meaning here
-    a, a_scale = lhs
-    b, b_scale = rhs
-    assert a.dtype == torch.float8_e4m3fn, f"lhs must be float8_e4m3fn, got {a.dtype}"
-    mode = _signal_mode(enable_overlap, signal, signal_layout)
-    result = masked_grouped_gemm(
-        a,
-        b,
-        out,
-        masked_m,
-        a_scale=a_scale,
-        b_scale=b_scale,
-        signal=signal,
-        signal_mode=mode,
-        num_sms=num_sms,
-        config=config,
-        expected_m=expected_m,
-        max_block_n=max_block_n,
-    )
-    return result if enable_overlap else (None, None)
+    assert lhs[0].dtype == torch.float8_e4m3fn, f"lhs must be float8_e4m3fn, got {lhs[0].dtype}"
+    overlap = (enable_overlap, signal, signal_layout)
+    return _run_entry(lhs, rhs, out, masked_m, expected_m, max_block_n, overlap, num_sms, config)
 
 
 def bf16_m_grouped_gemm_nt_masked(
@@ -708,20 +725,8 @@ def bf16_m_grouped_gemm_nt_masked(
 ) -> tuple[int | None, int | None]:
     """The bf16-input variant, with the same signals as the FP8 entry point."""
     del compiled_dims
-    mode = _signal_mode(enable_overlap, signal, signal_layout)
-    result = masked_grouped_gemm(
-        a,
-        b,
-        out,
-        masked_m,
-        signal=signal,
-        signal_mode=mode,
-        num_sms=num_sms,
-        config=config,
-        expected_m=expected_m,
-        max_block_n=max_block_n,
-    )
-    return result if enable_overlap else (None, None)
+    overlap = (enable_overlap, signal, signal_layout)
+    return _run_entry((a, None), (b, None), out, masked_m, expected_m, max_block_n, overlap, num_sms, config)
 
 
 # %%

@@ -81,6 +81,27 @@ def check_output(out: torch.Tensor, ref: torch.Tensor, masked_m: torch.Tensor, r
         assert err < rtol, f"expert {e} (masked_m={m}): relative error {err:.2e} exceeds {rtol:.0e}"
 
 
+def signal_buffer(mode: int, E: int, M_max: int, block_m: int) -> torch.Tensor:
+    """Zeroed counters as each layout's caller allocates them (DeepEP's are uint32)."""
+    return torch.zeros(
+        E * -(-M_max // block_m) if mode == sg.SIGNAL_SGLANG else E,
+        dtype=torch.int32 if mode != sg.SIGNAL_DEEPEP else torch.uint32,
+        device="cuda",
+    )
+
+
+def check_signals(result, signal, mode, config, masked_m, M_max: int, N: int, num_programs: int) -> None:
+    """The launcher's returned pair and the final counters match the layout's torch reference."""
+    if mode == sg.SIGNAL_SGLANG:
+        assert result == (config.block_m, -(-N // config.block_n))
+        expected = sg.reference_sglang_signal(masked_m, M_max, N, config.block_m, config.block_n)
+        assert torch.equal(signal.cpu(), expected), "sglang-layout signals differ from the reference"
+    elif mode == sg.SIGNAL_DEEPEP:
+        assert result == (num_programs, num_programs)
+        expected = sg.reference_deepep_signal(len(masked_m), num_programs)
+        assert torch.equal(signal.view(torch.int32).cpu(), expected), "DeepEP-layout signals differ"
+
+
 SHAPES = [
     # (E, M_max, N, K): DeepSeek-V3 down projection at test scale, then an odd one.
     (4, 256, 7168, 2048),
@@ -139,36 +160,15 @@ def test_fp8_masked_gemm(shape, mask, config, mode):
     masked_m = masked_m_for(mask, E, M_max, gen)
     a, a_scale, b, b_scale = make_fp8_problem(E, M_max, N, K)
     cfg = config or sg.pick_config(int(masked_m.float().mean().item()) or 1)
-    signal = torch.zeros(
-        E * -(-M_max // cfg.block_m) if mode == sg.SIGNAL_SGLANG else E,
-        dtype=torch.int32 if mode != sg.SIGNAL_DEEPEP else torch.uint32,
-        device="cuda",
-    )
+    signal = signal_buffer(mode, E, M_max, cfg.block_m)
     out = poisoned(E, M_max, N)
     num_sms = 7 if mode == sg.SIGNAL_DEEPEP else None  # fewer programs than tiles and than experts
-    result = sg.masked_grouped_gemm(
-        a,
-        b,
-        out,
-        masked_m,
-        a_scale=a_scale,
-        b_scale=b_scale,
-        signal=signal,
-        signal_mode=mode,
-        config=cfg,
-        num_sms=num_sms,
-    )
+    result = sg.masked_grouped_gemm(a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale, signal=signal,
+                                    signal_mode=mode, config=cfg, num_sms=num_sms)  # fmt: skip
     torch.cuda.synchronize()
     ref = sg.reference_masked_grouped_gemm(a, b, masked_m, a_scale, b_scale)
     check_output(out, ref, masked_m, FP8_RTOL)
-    if mode == sg.SIGNAL_SGLANG:
-        assert result == (cfg.block_m, -(-N // cfg.block_n))
-        expected = sg.reference_sglang_signal(masked_m, M_max, N, cfg.block_m, cfg.block_n)
-        assert torch.equal(signal.cpu(), expected), "sglang-layout signals differ from the reference"
-    elif mode == sg.SIGNAL_DEEPEP:
-        assert result == (7, 7)
-        expected = sg.reference_deepep_signal(E, 7)
-        assert torch.equal(signal.view(torch.int32).cpu(), expected), "DeepEP-layout signals differ"
+    check_signals(result, signal, mode, cfg, masked_m, M_max, N, num_programs=7)
 
 
 @pytest.mark.gpu
@@ -257,18 +257,8 @@ def test_signal_ordering_with_polling_consumer(layout):
     for cfg in {pick(m, cap) for m in (1, 17, 64, 128, M_max) for cap in (160, 256)}:
         warm = torch.zeros(E * -(-M_max // cfg.block_m), dtype=torch.int32, device="cuda")
         full = torch.full((E,), M_max, dtype=torch.int32, device="cuda")
-        sg.masked_grouped_gemm(
-            a,
-            b,
-            out,
-            full,
-            a_scale=a_scale,
-            b_scale=b_scale,
-            signal=warm,
-            signal_mode=mode,
-            num_sms=num_sms,
-            config=cfg,
-        )
+        sg.masked_grouped_gemm(a, b, out, full, a_scale=a_scale, b_scale=b_scale, signal=warm,
+                               signal_mode=mode, num_sms=num_sms, config=cfg)  # fmt: skip
         target = num_sms if layout == "deepep" else -(-N // cfg.block_n)
         copy_when_signalled(warm, full, out, copy, target, per_expert=per_expert, block_m=cfg.block_m)
     torch.cuda.synchronize()
@@ -304,18 +294,8 @@ def test_signal_ordering_with_polling_consumer(layout):
         if run % 3 != 1:
             torch.cuda._sleep(delay_gemm)
         launch_start = time.perf_counter()
-        sg.masked_grouped_gemm(
-            a,
-            b,
-            out,
-            masked_m,
-            a_scale=a_scale,
-            b_scale=b_scale,
-            signal=signal,
-            signal_mode=mode,
-            num_sms=num_sms,
-            config=cfg,
-        )
+        sg.masked_grouped_gemm(a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale, signal=signal,
+                               signal_mode=mode, num_sms=num_sms, config=cfg)  # fmt: skip
         launch_s = time.perf_counter() - launch_start  # seconds the host took to launch the GEMM
         slowest_launch = max(slowest_launch, (launch_s, run))
         torch.cuda.synchronize()
@@ -367,6 +347,12 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
                 assert torch.equal(sig, sg.reference_sglang_signal(masked_m, M, N, cfg.block_m, cfg.block_n))
             if mode == sg.SIGNAL_DEEPEP:
                 assert torch.equal(sig, sg.reference_deepep_signal(E, 5))
+    # The DeepGEMM-compatible entry point: its returned pair in each layout (threshold = ceil(200 / 64)).
+    gemm = lambda **kw: sg.fp8_m_grouped_gemm_nt_masked((a, a_scale), (b, b_scale), out, masked_m, 32, num_sms=5,
+                                                        config=sg.GemmConfig(block_m=64, block_n=64), **kw)
+    assert gemm() == (None, None)
+    assert gemm(enable_overlap=True, signal=torch.zeros(E * 2, dtype=torch.int32)) == (64, 4)
+    assert gemm(enable_overlap=True, signal=torch.zeros(E, dtype=torch.int32), signal_layout="deepep") == (5, 5)
     print("ok")
     """
 )
@@ -413,24 +399,14 @@ def test_ws_fp8_masked_gemm(shape, mask, tile, mode):
     masked_m = masked_m_for(mask, E, M_max, gen)
     a, a_scale, b, b_scale = make_fp8_problem(E, M_max, N, K)
     a_scale = a_scale.transpose(1, 2).contiguous().transpose(1, 2)  # MN-major, as sglang passes them
-    signal = torch.zeros(
-        E * -(-M_max // config.block_m) if mode == sg.SIGNAL_SGLANG else E,
-        dtype=torch.int32 if mode != sg.SIGNAL_DEEPEP else torch.uint32,
-        device="cuda",
-    )
+    signal = signal_buffer(mode, E, M_max, config.block_m)
     out = poisoned(E, M_max, N)
     result = sg.masked_grouped_gemm(
         a, b, out, masked_m, a_scale=a_scale, b_scale=b_scale, signal=signal, signal_mode=mode, num_sms=7, config=config
     )
     torch.cuda.synchronize()
     check_output(out, sg.reference_masked_grouped_gemm(a, b, masked_m, a_scale, b_scale), masked_m, FP8_RTOL)
-    if mode == sg.SIGNAL_SGLANG:
-        assert result == (config.block_m, -(-N // config.block_n))
-        expected = sg.reference_sglang_signal(masked_m, M_max, N, config.block_m, config.block_n)
-        assert torch.equal(signal.cpu(), expected), "sglang-layout signals differ from the reference"
-    elif mode == sg.SIGNAL_DEEPEP:
-        assert result == (7, 7)
-        assert torch.equal(signal.view(torch.int32).cpu(), sg.reference_deepep_signal(E, 7)), "DeepEP signals differ"
+    check_signals(result, signal, mode, config, masked_m, M_max, N, num_programs=7)
 
 
 @pytest.mark.gpu
