@@ -52,7 +52,7 @@ def test_plan_yaml_and_shell(capsys) -> None:
     assert yaml.safe_load(out)["name"] == "local-cpu"
     _, out, _ = run(capsys, "plan", "local-cpu", "--format", "shell")
     lines = [ln for ln in out.splitlines() if not ln.startswith("#")]
-    assert len(lines) == 2 and all(ln.startswith("MC_FORCE_TCP=true python3 -m sglang.launch_server") for ln in lines)
+    assert len(lines) == 2 and all(ln.startswith("MC_FORCE_TCP=1 python3 -m sglang.launch_server") for ln in lines)
 
 
 def test_invalid_topology_exits_1_with_the_rule(capsys, preset_dict, write_topology) -> None:

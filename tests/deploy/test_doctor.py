@@ -26,7 +26,7 @@ def sm90(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_json_report_on_this_machine(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", "--format", "json", "--skip-targets"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert set(doc) == {"versions", "gpu", "kernel", "deepep_combine", "plugin", "hook_targets", "sbo"}
+    assert set(doc) == {"versions", "gpu", "kernel", "deepep_combine", "plugin", "deepep_driver", "hook_targets", "sbo"}
     assert set(doc["versions"]) == set(doctor.DISTRIBUTIONS)
     assert doc["versions"]["sglang-pd"] is not None
     assert set(doc["sbo"]) == {"full", "shared-only"}
@@ -39,7 +39,8 @@ def test_json_report_on_this_machine(capsys: pytest.CaptureFixture[str]) -> None
 def test_table_report(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", "--skip-targets"]) == 0
     out = capsys.readouterr().out
-    for row in ("sglang", "sgl-deep-ep", "sgl-deep-gemm", "GPU", "our sm_90 kernel", "SBO full", "SBO shared-only"):
+    rows = ("sglang", "sgl-deep-ep", "sgl-deep-gemm", "GPU", "our sm_90 kernel", "DeepEP driver options", "SBO full")
+    for row in rows:
         assert any(line.startswith(row) for line in out.splitlines()), row
 
 
@@ -125,3 +126,42 @@ def test_plan_check_shows_the_sbo_warning(preset_dict, write_topology, capsys: p
     main(["plan", str(write_topology(data)), "--check", "--format", "json"])
     doc = json.loads(capsys.readouterr().out)
     assert any(w.startswith("decode.sbo: full on hardware.gpu A100") for w in doc["warnings"])
+
+
+# --- DeepEP's NVIDIA driver options (/proc/driver/nvidia/params) or GDRCopy ---------------------
+
+PARAMS_SET = 'EnableStreamMemOPs: 1\nRegistryDwords: "PeerMappingOverride=1;"\nEnableMSI: 1\n'
+PARAMS_UNSET = 'EnableStreamMemOPs: 0\nRegistryDwords: ""\nEnableMSI: 1\n'
+
+
+@pytest.mark.parametrize(
+    ("params", "gdrcopy", "ok"),
+    [(PARAMS_SET, False, True), (PARAMS_UNSET, True, True), (PARAMS_UNSET, False, False)],
+    ids=["driver-options", "gdrcopy", "neither"],
+)
+def test_deepep_driver_options(tmp_path, params: str, gdrcopy: bool, ok: bool) -> None:
+    (tmp_path / "params").write_text(params)
+    if gdrcopy:
+        (tmp_path / "gdrdrv").touch()
+    found = doctor.deepep_driver(tmp_path / "params", tmp_path / "gdrdrv")
+    assert found["ok"] is ok and found["driver"] is True
+    if not ok:
+        assert "DeepEP across nodes will fail" in found["detail"]
+        assert 'NVreg_EnableStreamMemOPs=1 NVreg_RegistryDwords="PeerMappingOverride=1;"' in found["detail"]
+        assert "or install GDRCopy" in found["detail"]
+
+
+def test_deepep_driver_without_nvidia_driver(tmp_path) -> None:
+    found = doctor.deepep_driver(tmp_path / "absent", tmp_path / "gdrdrv")
+    assert found == {"ok": None, "driver": False, "detail": f"no NVIDIA driver here ({tmp_path / 'absent'} is absent)"}
+
+
+def test_kv_probe_reports_the_driver_options(monkeypatch) -> None:
+    from sglang_pd.deploy.kv import cli as kv_cli
+
+    missing = {"ok": False, "driver": True, "detail": "EnableStreamMemOPs=not 1; " + doctor.DRIVER_FIX}
+    monkeypatch.setattr(doctor, "deepep_driver", lambda: missing)
+    row = kv_cli._deepep_driver_check()
+    assert row == {"check": "deepep-driver", "ok": False, "advisory": True, "detail": missing["detail"]}
+    monkeypatch.setattr(doctor, "deepep_driver", lambda: {"ok": None, "driver": False, "detail": "no NVIDIA driver"})
+    assert kv_cli._deepep_driver_check()["ok"] is True  # nothing to check on a machine without the driver

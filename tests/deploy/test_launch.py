@@ -7,10 +7,18 @@ from pathlib import Path
 
 import pytest
 
+from sglang_pd.deploy import launch
 from sglang_pd.deploy.cli import main
-from sglang_pd.deploy.launch import LaunchError, pod_checks, resolve_command
+from sglang_pd.deploy.launch import (
+    CAP_IPC_LOCK,
+    LaunchError,
+    has_capability,
+    pod_checks,
+    pod_settings_from_env,
+    resolve_command,
+)
 from sglang_pd.deploy.sglang_args import render_node
-from sglang_pd.deploy.topology import load_topology
+from sglang_pd.deploy.topology import PodSettings, load_topology
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "deploy" / "presets"
 R1 = PRESET_DIR / "deepseek-r1-h200-1p1d.yaml"
@@ -51,7 +59,7 @@ def test_worker_index_out_of_range(r1) -> None:
 def test_pod_checks_name_the_fix(r1, monkeypatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     checks = {c.name: c for c in pod_checks(r1, "decode")}
-    assert set(checks) == {"gpus", "shm", "memlock", "rdma"}
+    assert {"gpus", "shm", "memlock", "rdma"} <= set(checks)
     assert not checks["gpus"].ok
     assert checks["gpus"].detail == (
         "2 GPU(s) visible, topology needs 8 per node; the pod must request 8 GPUs (hardware.gpus_per_node)"
@@ -72,7 +80,7 @@ def test_dry_run_prints_argv_env_and_checks(capsys, monkeypatch) -> None:
         "SGLANG_PD_SBO_MODE": "full",
     }
     assert doc["argv"][doc["argv"].index("--node-rank") + 1] == "1"
-    assert {c["name"] for c in doc["checks"]} == {"gpus", "shm", "memlock", "rdma"}
+    assert {"gpus", "shm", "memlock", "rdma"} <= {c["name"] for c in doc["checks"]}
 
 
 def test_failed_checks_stop_the_launch(capsys, monkeypatch) -> None:
@@ -95,3 +103,105 @@ def test_invalid_topology_is_refused(tmp_path, capsys) -> None:
     (tmp_path / "t.yaml").write_text(text)
     assert main(["launch", "--role", "decode", "--topology", str(tmp_path / "t.yaml"), "--dry-run"]) == 1
     assert "decode.ep: DeepEP is the all-to-all" in capsys.readouterr().err
+
+
+# --- locked memory: CAP_IPC_LOCK lets RDMA pin past RLIMIT_MEMLOCK ---------------------------------
+
+STATUS = "Name:\tpython3\nCapInh:\t0000000000000000\nCapPrm:\t{cap}\nCapEff:\t{cap}\nCapBnd:\t000001ffffffffff\n"
+
+
+def _status(tmp_path: Path, cap: str) -> Path:
+    path = tmp_path / "status"
+    path.write_text(STATUS.format(cap=cap))
+    return path
+
+
+def test_capability_is_read_from_capeff(tmp_path) -> None:
+    assert has_capability(CAP_IPC_LOCK, _status(tmp_path, "00000000a80465fb"))  # docker's default set + IPC_LOCK
+    assert not has_capability(CAP_IPC_LOCK, _status(tmp_path, "00000000a80425fb"))  # docker's default set
+    assert not has_capability(CAP_IPC_LOCK, tmp_path / "absent")
+
+
+def _memlock_check(monkeypatch, tmp_path, limit: int, cap: str):
+    monkeypatch.setattr(launch.resource, "getrlimit", lambda _: (limit, limit))
+    monkeypatch.setattr(launch, "PROC_STATUS", _status(tmp_path, cap))
+    monkeypatch.setattr(launch.has_capability, "__defaults__", (launch.PROC_STATUS,))
+    return {c.name: c for c in pod_checks(load_topology(R1), "decode")}["memlock"]
+
+
+def test_memlock_passes_with_cap_ipc_lock(monkeypatch, tmp_path) -> None:
+    check = _memlock_check(monkeypatch, tmp_path, 8 << 20, "00000000a80465fb")  # 8 MiB, a runtime default
+    assert check.ok and check.required
+    assert check.detail == "locked-memory limit 8388608 bytes, but CAP_IPC_LOCK lets Mooncake pin KV memory past it"
+
+
+def test_memlock_without_the_capability_warns_but_does_not_stop_the_pod(monkeypatch, tmp_path, capsys) -> None:
+    check = _memlock_check(monkeypatch, tmp_path, 64 << 10, "00000000a80425fb")
+    assert not check.ok and not check.required
+    assert "no CAP_IPC_LOCK" in check.detail and "add the IPC_LOCK capability" in check.detail
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    monkeypatch.setattr(launch, "pod_checks", lambda t, role: [check])
+    monkeypatch.setattr(launch.os, "execvpe", lambda *a: None)
+    assert main(["launch", "--role", "prefill", "--topology", str(R1)]) == 0
+    assert "pod check memlock: WARNING: locked-memory limit 65536 bytes and no CAP_IPC_LOCK" in capsys.readouterr().err
+
+
+def test_memlock_large_enough_needs_no_capability(monkeypatch, tmp_path) -> None:
+    assert _memlock_check(monkeypatch, tmp_path, launch.resource.RLIM_INFINITY, "0000000000000000").ok
+
+
+# --- RDMA device access and the chart's pod settings --------------------------------------------
+
+
+def test_rdma_devices_that_cannot_be_opened_fail(monkeypatch, tmp_path) -> None:
+    sysfs, dev = tmp_path / "sys", tmp_path / "dev"
+    (sysfs / "mlx5_0").mkdir(parents=True)
+    dev.mkdir()
+    (dev / "uverbs0").write_text("")
+    (dev / "uverbs0").chmod(0)
+    monkeypatch.setattr(launch, "INFINIBAND_SYSFS", sysfs)
+    monkeypatch.setattr(launch, "INFINIBAND_DEV", dev)
+    real_open = launch.os.open
+
+    def refuse(path, flags, *a):  # root may open a mode-0 file: refuse as the device cgroup would
+        if str(path).endswith("uverbs0"):
+            raise PermissionError(1, "Operation not permitted")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(launch.os, "open", refuse)
+    checks = {c.name: c for c in pod_checks(load_topology(R1), "decode")}
+    access = checks["rdma-access"]
+    assert not access.ok and access.required
+    assert access.detail.startswith("cannot open uverbs0 (Operation not permitted): the pod lacks device access")
+    monkeypatch.setattr(launch.os, "open", real_open)
+    (dev / "uverbs0").chmod(0o600)
+    assert {c.name: c for c in pod_checks(load_topology(R1), "decode")}["rdma-access"].ok
+
+
+def test_pod_settings_come_from_the_charts_env() -> None:
+    env = {
+        "SGLANG_PD_POD_RDMA_MODE": "hostNetwork",
+        "SGLANG_PD_POD_PRIVILEGED": "false",
+        "SGLANG_PD_POD_MODEL_SOURCE": "hub",
+        "SGLANG_PD_POD_STARTUP_BUDGET_S": "1800",
+        "SGLANG_PD_POD_DOWNLOAD_BYTES_PER_S": "500000000",
+    }
+    assert pod_settings_from_env(env) == PodSettings("hostNetwork", False, "hub", 1800, 5e8)
+    assert pod_settings_from_env({}) is None  # not a chart pod: no pod rules
+    with pytest.raises(LaunchError, match=r"SGLANG_PD_POD_RDMA_MODE='hostnet'"):
+        pod_settings_from_env({**env, "SGLANG_PD_POD_RDMA_MODE": "hostnet"})
+
+
+def test_pod_settings_that_break_a_rule_stop_the_launch(monkeypatch, capsys) -> None:
+    for k, v in {
+        "SGLANG_PD_POD_RDMA_MODE": "hostNetwork",
+        "SGLANG_PD_POD_PRIVILEGED": "false",
+        "SGLANG_PD_POD_MODEL_SOURCE": "hub",
+        "SGLANG_PD_POD_STARTUP_BUDGET_S": "1800",
+    }.items():
+        monkeypatch.setenv(k, v)
+    assert main(["launch", "--role", "prefill", "--topology", str(R1), "--dry-run"]) == 1
+    err = capsys.readouterr().err
+    assert "the pod's settings do not fit the topology" in err
+    assert "rdma.mode: hostNetwork mounts the host's /dev/infiniband" in err
+    assert "startupProbe: a 1800 s startup budget cannot download ~684 GB" in err
