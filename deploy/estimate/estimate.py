@@ -47,6 +47,7 @@ class Estimate:
     prefill: PhaseEstimate
     decode: PhaseEstimate
     sbo_saving: float
+    sbo_applies: bool
     tbo_saving: float
     pd_ratio: float
     kv: KVCapacity
@@ -186,6 +187,12 @@ def estimate_topology(
     assumptions = [hw.assumption_texts[k] for k in hw.assumptions if k != "mem_fraction_static"]
     assumptions += [f"{gpu.key} {a}" for a in gpu.assumed]
     warnings: list[str] = []
+    limit = t.model.context_length or cfg.get("max_position_embeddings")
+    if limit and input_len + output_len > limit:
+        warnings.append(
+            f"input {input_len} + output {output_len} tokens exceed the model's context length {limit}; "
+            "sglang would refuse or truncate such requests. Pass shorter --input-len/--output-len."
+        )
 
     # Prefill: throughput with every attention rank busy, TTFT of one request alone.
     p_lay = role_layout(t, "prefill", shape)
@@ -217,8 +224,10 @@ def estimate_topology(
     decode = _phase(d_cost, d_tps_gpu, d_cost.total)
     plain = replace(d_lay, tbo=False, sbo="off")
     t_plain = model.decode_step(plain, batch, d_context).total
-    sbo_saving = 1 - model.decode_step(replace(plain, sbo="full"), batch, d_context).total / t_plain
-    if d_lay.a2a != "low_latency" or d_lay.attn_dp == 1:
+    sbo_applies = d_lay.a2a == "low_latency" and d_lay.attn_dp > 1
+    sbo = "full" if d_lay.sbo == "off" else d_lay.sbo  # what SBO would save where it is off
+    sbo_saving = 1 - model.decode_step(replace(plain, sbo=sbo), batch, d_context).total / t_plain
+    if not sbo_applies:
         sbo_saving = 0.0
     tbo_saving = 1 - model.decode_step(replace(plain, tbo=True), batch, d_context).total / t_plain
 
@@ -259,6 +268,7 @@ def estimate_topology(
         prefill=prefill,
         decode=decode,
         sbo_saving=sbo_saving,
+        sbo_applies=sbo_applies,
         tbo_saving=tbo_saving,
         pd_ratio=pd_ratio,
         kv=kv,

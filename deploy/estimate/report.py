@@ -17,13 +17,18 @@ def _table(e: Estimate) -> str:
         ("decode", f"{d.tokens_per_s_per_gpu:,.0f}", f"ITL {d.latency_ms:.1f} ms", d.bound),
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    sbo = (
+        f"SBO saves {e.sbo_saving:.1%} of the ITL,"
+        if e.sbo_applies
+        else "SBO does not apply (needs DeepEP low-latency),"
+    )
     lines = [
         f"estimate for {e.topology} on {e.gpu}: input {e.input_len}, output {e.output_len} tokens, "
         f"decode batch {e.decode_batch} per rank",
         "",
         *("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows),
         "",
-        f"decode overlaps: SBO saves {e.sbo_saving:.1%} of the ITL, TBO would save {e.tbo_saving:.1%}",
+        f"decode overlaps: {sbo} TBO would save {e.tbo_saving:.1%}",
         f"P:D ratio: {e.pd_ratio:.2f} prefill instances per decode group balance these lengths",
         f"KV capacity (decode): {e.kv.tokens_per_gpu:,} tokens per GPU; the batch needs "
         f"{e.kv.tokens_needed_per_gpu:,} (at most {e.kv.max_batch_per_rank} requests per rank): "
