@@ -4,27 +4,26 @@ Starts the prefill and decode engines (the reference engine on a CPU topology; s
 CUDA and sglang are installed) and the router, as child processes with role-prefixed logs; waits
 until every one is healthy; prints the time to ready, the OpenAI base URL and a curl example; and on
 Ctrl-C, SIGTERM or any child's exit stops every child (their whole process groups; children also
-die with this process, via PR_SET_PDEATHSIG).
+die with this process: `procs.py`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
-import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+import httpx
+
+from sglang_pd.deploy.procs import Child, http_ok, spawn
 from sglang_pd.deploy.topology import Topology, TopologyError, load_checked_topology
 
 __all__ = ["ChildSpec", "Stack", "add_arguments", "local_children", "run"]
@@ -65,27 +64,28 @@ def _model_arg(t: Topology) -> list[str]:
 
 def local_children(t: Topology, *, host: str, port: int) -> list[ChildSpec]:
     """The reference-engine stack of a CPU topology: engines, then the router."""
-    prefill, decode = t.static_workers()
     common = [*_model_arg(t), "--served-model-name", t.model.name, "--page-size", str(t.model.page_size)]
     children = []
-    for i, (url, bootstrap) in enumerate(prefill):
-        p = url.rsplit(":", 1)[1]
+    for ep in t.instance_endpoints("prefill"):
         mrr = str(t.prefill.max_running_requests or 64)
-        argv = _cli("engine", "--role", "prefill", "--port", p, "--bootstrap-port", str(bootstrap), *common)
-        children.append(ChildSpec(f"prefill-{i}", [*argv, "--max-running-requests", mrr], f"{url}/health"))
-    for i, url in enumerate(decode):
-        p = url.rsplit(":", 1)[1]
+        argv = _cli("engine", "--role", "prefill", "--port", str(ep.port), "--bootstrap-port", str(ep.bootstrap_port))
+        children.append(ChildSpec(ep.name, [*argv, *common, "--max-running-requests", mrr], f"{ep.url}/health"))
+    for ep in t.instance_endpoints("decode"):
         mrr = str(t.decode.max_running_requests or 64)
-        argv = _cli("engine", "--role", "decode", "--port", p, *common, "--max-running-requests", mrr)
-        children.append(ChildSpec(f"decode-{i}", argv, f"{url}/health"))
+        argv = _cli("engine", "--role", "decode", "--port", str(ep.port), *common, "--max-running-requests", mrr)
+        children.append(ChildSpec(ep.name, argv, f"{ep.url}/health"))
+    return [*children, _router_child(t, host, port)]
+
+
+def _router_child(t: Topology, host: str, port: int) -> ChildSpec:
+    """The router in front of the topology's instances on this host."""
     router = _cli("router", "--host", host, "--port", str(port))
     router += ["--prefill-policy", t.router.prefill_policy, "--decode-policy", t.router.decode_policy]
-    for url, bootstrap in prefill:
-        router += ["--prefill", url, str(bootstrap)]
-    for url in decode:
-        router += ["--decode", url]
-    children.append(ChildSpec("router", router, f"http://{_client_host(host)}:{port}/readiness"))
-    return children
+    for ep in t.instance_endpoints("prefill"):
+        router += ["--prefill", ep.url, str(ep.bootstrap_port)]
+    for ep in t.instance_endpoints("decode"):
+        router += ["--decode", ep.url]
+    return ChildSpec("router", router, f"http://{_client_host(host)}:{port}/readiness")
 
 
 def _client_host(host: str) -> str:
@@ -100,23 +100,12 @@ def sglang_children(t: Topology, *, host: str, port: int) -> list[ChildSpec]:
         raise TopologyError(
             f"{t.name}: instances span several nodes; run `sglang-pd launch` on each node (or use Helm) instead of up."
         )
-    plan = render_plan(t, "127.0.0.1")
     children = []
-    prefill_urls: list[str] = []
-    decode_urls: list[str] = []
-    for role, cmds in plan.items():
-        for c in cmds:
-            url = f"http://127.0.0.1:{c.port}"
-            (prefill_urls if role == "prefill" else decode_urls).append(url)
-            argv = [sys.executable, *c.argv[1:]] if c.argv[0].startswith("python") else c.argv
-            children.append(ChildSpec(f"{role}-{c.instance}", argv, f"{url}/health", c.env))
-    router = _cli("router", "--host", host, "--port", str(port))
-    for i, url in enumerate(prefill_urls):
-        router += ["--prefill", url, str(t.prefill.bootstrap_port + i)]
-    for url in decode_urls:
-        router += ["--decode", url]
-    children.append(ChildSpec("router", router, f"http://{_client_host(host)}:{port}/readiness"))
-    return children
+    for role, cmds in render_plan(t, "127.0.0.1").items():
+        for c, ep in zip(cmds, t.instance_endpoints(role), strict=True):
+            # The renderer names the module; this process's interpreter runs it.
+            children.append(ChildSpec(ep.name, [sys.executable, *c.argv], f"{ep.url}/health", c.env))
+    return [*children, _router_child(t, host, port)]
 
 
 def _sglang_available() -> bool:
@@ -132,18 +121,12 @@ def _sglang_available() -> bool:
         return False
 
 
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: its own process group, and SIGTERM when we die.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class Stack:
     """The running children: start, prefix their logs, wait for health, stop them all."""
 
     def __init__(self, specs: list[ChildSpec], *, out: TextIO | None = None) -> None:
         self.specs = specs
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.procs: dict[str, Child] = {}
         self._out = out or sys.stdout
         self._print_lock = threading.Lock()
         self.stopping = threading.Event()
@@ -152,29 +135,21 @@ class Stack:
         with self._print_lock:
             print(line, file=self._out, flush=True)
 
-    def _pump(self, name: str, proc: subprocess.Popen[bytes]) -> None:
-        assert proc.stdout is not None
+    def _pump(self, child: Child) -> None:
+        assert child.proc.stdout is not None
         width = max(len(s.name) for s in self.specs)
-        for raw in iter(proc.stdout.readline, b""):
-            self._echo(f"{name:<{width}} | {raw.decode(errors='replace').rstrip()}")
+        for raw in iter(child.proc.stdout.readline, b""):
+            self._echo(f"{child.name:<{width}} | {raw.decode(errors='replace').rstrip()}")
 
     def start(self) -> None:
         for spec in self.specs:
-            env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
-            proc = subprocess.Popen(
-                spec.argv,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
-            self.procs[spec.name] = proc
-            threading.Thread(target=self._pump, args=(spec.name, proc), daemon=True).start()
+            env = {**spec.env, "PYTHONUNBUFFERED": "1"}
+            child = spawn(spec.name, spec.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=False)
+            self.procs[spec.name] = child
+            threading.Thread(target=self._pump, args=(child,), daemon=True).start()
 
     def exited(self) -> list[tuple[str, int]]:
-        return [(n, p.returncode) for n, p in self.procs.items() if p.poll() is not None]
+        return [(n, c.proc.returncode) for n, c in self.procs.items() if not c.alive()]
 
     def wait_ready(self, timeout_s: float) -> None:
         """Poll every child's health URL until all answer 200; raise RuntimeError naming the laggard."""
@@ -188,9 +163,8 @@ class Stack:
                 name, rc = dead[0]
                 raise RuntimeError(f"{name} exited with code {rc} before it was ready; see its log lines above.")
             for name, url in list(pending.items()):
-                with contextlib.suppress(urllib.error.URLError, OSError), urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
-                        del pending[name]
+                if http_ok(url):
+                    del pending[name]
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"{', '.join(pending)} not healthy after {timeout_s:.0f} s ({', '.join(pending.values())})."
@@ -200,20 +174,15 @@ class Stack:
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM every child's process group, then SIGKILL what is left after `grace_s`."""
         self.stopping.set()
-        for proc in reversed(list(self.procs.values())):
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGTERM)
+        for child in reversed(list(self.procs.values())):
+            if child.alive():
+                child.signal_group(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        for proc in self.procs.values():
+        for child in self.procs.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        for proc in self.procs.values():
-            # The group may hold grandchildren even once the leader is gone.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=5)
+                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        for child in self.procs.values():
+            child.reap()  # the group may hold grandchildren even once the leader is gone
 
 
 SMOKE_QUESTION = "What is the capital of France?"
@@ -231,24 +200,19 @@ def smoke_check(base: str, model: str, timeout_s: float = 60.0) -> str:
         "temperature": 0,
     }
 
-    def post(payload: dict[str, object]) -> urllib.request.Request:
-        return urllib.request.Request(
-            f"{base}/v1/chat/completions",
-            data=json.dumps(payload).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-
+    url = f"{base}/v1/chat/completions"
     t = time.monotonic()
-    with urllib.request.urlopen(post(body), timeout=timeout_s) as resp:
-        answer = json.loads(resp.read())
+    resp = httpx.post(url, json=body, timeout=timeout_s)
+    resp.raise_for_status()
+    answer = resp.json()
     plain_ms = (time.monotonic() - t) * 1e3
     tokens = answer["usage"]["completion_tokens"]
     t = time.monotonic()
     chunks, done = 0, False
-    with urllib.request.urlopen(post({**body, "stream": True}), timeout=timeout_s) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if line == "data: [DONE]":
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=timeout_s) as streamed:
+        streamed.raise_for_status()
+        for line in streamed.iter_lines():
+            if line.strip() == "data: [DONE]":
                 done = True
                 break
             chunks += line.startswith("data: ")
@@ -331,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_smoke:
             try:
                 print(smoke_check(base, t.model.name), flush=True)
-            except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            except (httpx.HTTPError, ValueError, KeyError, RuntimeError) as exc:
                 print(f"error: the stack is up but a chat completion through it failed: {exc}", file=sys.stderr)
                 return EXIT_FAILED
         print(f"try: curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'", flush=True)

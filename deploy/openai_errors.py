@@ -58,7 +58,7 @@ class ApiError(Exception):
         return error_body(self.status, self.message, param=self.param, code=self.code)
 
     def response(self) -> Response:
-        return error_response(self.status, self.message, param=self.param, code=self.code, headers=self.headers)
+        return Response(self.body(), status_code=self.status, media_type="application/json", headers=self.headers)
 
 
 def error_type(status: int) -> str:
@@ -67,34 +67,16 @@ def error_type(status: int) -> str:
 
 
 def error_dict(status: int, message: str, *, param: str | None = None, code: str | None = None) -> Any:
-    return {
-        "error": {
-            "message": message,
-            "type": error_type(status),
-            "param": param,
-            "code": code,
-        }
-    }
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
 
 
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> bytes:
     return orjson.dumps(error_dict(status, message, param=param, code=code))
 
 
-def error_response(
-    status: int,
-    message: str,
-    *,
-    param: str | None = None,
-    code: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> Response:
-    return Response(
-        error_body(status, message, param=param, code=code),
-        status_code=status,
-        media_type="application/json",
-        headers=headers,
-    )
+def error_response(status: int, message: str, **fields: Any) -> Response:
+    """The HTTP response of an error; `fields` are ApiError's keyword options (param, code, headers)."""
+    return ApiError(status, message, **fields).response()
 
 
 def sse_error(status: int, message: str, *, code: str | None = None) -> bytes:

@@ -20,7 +20,7 @@ from typing import IO, Any
 
 import httpx
 
-__all__ = ["Child", "spawn"]
+__all__ = ["Child", "http_ok", "spawn"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -65,12 +65,9 @@ class Child:
     def wait_http(self, url: str, timeout_s: float, *, interval_s: float = 0.1) -> None:
         """Poll `url` until it answers 200; RuntimeError if the child exits or `timeout_s` passes."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.alive():
-                break
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url, timeout=min(2.0, timeout_s)).status_code == 200:
-                    return
+        while time.monotonic() < deadline and self.alive():
+            if http_ok(url):
+                return
             time.sleep(interval_s)
         raise RuntimeError(self._not_ready(timeout_s, url))
 
@@ -106,6 +103,14 @@ class Child:
         for stream in (self.proc.stdout, self.proc.stderr):
             if stream is not None:
                 stream.close()
+
+
+def http_ok(url: str, timeout_s: float = 2.0) -> bool:
+    """One readiness probe: whether `url` answers 200 now."""
+    try:
+        return httpx.get(url, timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def spawn(

@@ -5,6 +5,9 @@ engine, registers a zeroed buffer and serves, over a tiny HTTP API on loopback (
 `GET /info` (session id, buffer base and length), `GET /crc?offset=&length=` (crc32 of a slice),
 `GET /fill?offset=&length=&byte=` and `GET /quit`. The first stdout line is the /info JSON plus
 `http_port`. `kv-probe`, `scripts/bench_kv.py` and the tests use it as the decode side.
+
+The control API is the standard library's threaded HTTP server: the peer's handlers touch the
+registered buffer from plain threads, and it starts in milliseconds with nothing to install.
 """
 
 from __future__ import annotations
@@ -12,15 +15,19 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import subprocess
 import sys
 import threading
 import zlib
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
-from urllib.request import urlopen
+
+import httpx
+
+from sglang_pd.deploy.procs import Child, spawn
 
 from .config import KVConfig
 from .engine import get_engine
@@ -96,65 +103,33 @@ def main(argv: list[str] | None = None) -> int:
 class PeerProcess:
     """A running peer child process (see `start_peer`)."""
 
-    def __init__(self, proc: object, info: PeerInfo) -> None:
-        import subprocess
-
-        assert isinstance(proc, subprocess.Popen)
-        self.proc = proc
+    def __init__(self, child: Child, info: PeerInfo) -> None:
+        self.child = child
+        self.proc = child.proc
         self.info = info
 
     def get(self, path: str) -> dict[str, object]:
-        with urlopen(self.info.http + path, timeout=30) as r:
-            result: dict[str, object] = json.loads(r.read())
-            return result
+        result: dict[str, object] = httpx.get(self.info.http + path, timeout=30).json()
+        return result
 
     def crc(self, offset: int, length: int) -> int:
         return int(self.get(f"/crc?offset={offset}&length={length}")["crc"])  # type: ignore[call-overload]
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=10)
-
-
-def _die_with_parent() -> None:
-    # In the child before exec: SIGTERM when the starting process dies, however it dies.
-    import ctypes
-    import signal
-
-    with suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        self.child.kill()
 
 
 @contextmanager
 def start_peer(size: int, *, env: dict[str, str] | None = None, timeout_s: float = 30.0) -> Iterator[PeerProcess]:
     """Start a peer process on loopback, yield it, and always stop it."""
-    import os
-    import subprocess
-
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sglang_pd.deploy.kv.peer", "--size", str(size)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, **(env or {})},
-        preexec_fn=_die_with_parent,
-    )
+    argv = [sys.executable, "-m", "sglang_pd.deploy.kv.peer", "--size", str(size)]
+    child = spawn("the KV peer process", argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
-        assert proc.stdout is not None
-        ready: list[str] = []
-        reader = threading.Thread(target=lambda: ready.append(proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
-        reader.start()
-        reader.join(timeout_s)
-        if not ready or not ready[0]:
-            raise RuntimeError(f"The KV peer process did not start within {timeout_s:.0f} s (exit code {proc.poll()}).")
-        d = json.loads(ready[0])
+        d = json.loads(child.first_line(timeout_s))
         info = PeerInfo(d["session_id"], d["base"], d["length"], f"http://127.0.0.1:{d['http_port']}")
-        yield PeerProcess(proc, info)
+        yield PeerProcess(child, info)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=10)
+        child.reap()
 
 
 if __name__ == "__main__":

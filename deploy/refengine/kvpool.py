@@ -10,16 +10,14 @@ import torch
 
 from sglang_pd.deploy.kv.pages import KVCacheShape, PagedLayout
 
+from .exceptions import PoolExhausted
+
 __all__ = ["DEFAULT_POOL_BYTES", "KVPool", "PoolExhausted", "default_num_pages"]
 
 # A pool's default size: float32 rows of a 30-layer model cost 60 times a 2-layer one's, so the
 # default is a memory budget (and at most 2048 pages), not a fixed page count.
 DEFAULT_POOL_BYTES = 512 * 2**20
 MAX_DEFAULT_PAGES = 2048
-
-
-class PoolExhausted(RuntimeError):
-    """No free pages are left for a request."""
 
 
 def default_num_pages(shape: KVCacheShape, page_size: int) -> int:

@@ -19,17 +19,15 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from sglang_pd.deploy.contract import DEFAULT_BOOTSTRAP_PORT
+from sglang_pd.deploy.openai_errors import error_dict, error_response
+
 from .engine import Bootstrap, RefEngine, RequestContext, RequestFailed, SamplingParams, StepOutput
 from .pd import Claim, ClaimRejected
 
 __all__ = ["create_app", "create_bootstrap_app"]
 
 Kind = str  # "generate" | "completion" | "chat"
-
-
-def _error(status: int, message: str) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
 def _bootstrap(body: dict[str, Any], request: Request) -> Bootstrap | None:
@@ -43,7 +41,7 @@ def _bootstrap(body: dict[str, Any], request: Request) -> Bootstrap | None:
         raise RequestFailed(
             "Batch requests (a list of bootstrap rooms) are not supported by the reference engine.", 400
         )
-    return Bootstrap(str(host), int(port or 8998), int(room))
+    return Bootstrap(str(host), int(port or DEFAULT_BOOTSTRAP_PORT), int(room))
 
 
 def _stop_list(v: Any) -> list[str]:
@@ -219,16 +217,16 @@ def create_app(engine: RefEngine) -> FastAPI:
     app = FastAPI(title="sglang-pd reference engine", docs_url=None, redoc_url=None)
 
     @app.exception_handler(RequestFailed)
-    async def _failed(_: Request, exc: RequestFailed) -> JSONResponse:
-        return _error(exc.status, str(exc))
+    async def _failed(_: Request, exc: RequestFailed) -> Response:
+        return error_response(exc.status, str(exc))
 
     async def serve(request: Request, kind: Kind) -> Response:
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "The request body is not valid JSON.")
+            return error_response(400, "The request body is not valid JSON.")
         if not isinstance(body, dict):
-            return _error(400, "The request body must be a JSON object.")
+            return error_response(400, "The request body must be a JSON object.")
         bootstrap = _bootstrap(body, request)
         params = _params(body, kind)
         ids = _prompt_ids(engine, body, kind)
@@ -256,7 +254,7 @@ def create_app(engine: RefEngine) -> FastAPI:
 
                 await _until_disconnect(request, collect(), ctx)
                 if fmt.finish and fmt.finish["type"] == "abort":
-                    return _error(499, f"Request {rid} was aborted.")
+                    return error_response(499, f"Request {rid} was aborted.")
                 return JSONResponse(fmt.full())
             # Start the work before answering 200, so that a failed handshake is a clean 5xx.
             try:
@@ -282,7 +280,7 @@ def create_app(engine: RefEngine) -> FastAPI:
                     try:
                         step = await gen.__anext__()
                     except RequestFailed as exc:
-                        yield _sse({"error": {"message": str(exc), "code": exc.status}})
+                        yield _sse(error_dict(exc.status, str(exc)))
                         break
                 yield b"data: [DONE]\n\n"
             finally:

@@ -15,15 +15,7 @@ import os
 import sys
 from typing import Any
 
-from sglang_pd.deploy.contract import (
-    DEFAULT_BOOTSTRAP_PORT,
-    ENV_ROUTER_ADMIN_KEY,
-    ENV_ROUTER_API_KEYS,
-    ENV_ROUTER_WORKER_API_KEY,
-    POLICIES,
-    PREFILL_ONLY_POLICIES,
-    worker_selector,
-)
+from sglang_pd.deploy import contract
 from sglang_pd.deploy.topology import RouterSpec, load_topology
 
 from .config import KubernetesDiscoveryConfig, RouterConfig
@@ -40,8 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar=("URL", "BOOTSTRAP_PORT"),
-        help=f"a prefill worker and its bootstrap port (default {DEFAULT_BOOTSTRAP_PORT}; 'none' for the default); "
-        "repeatable",
+        help=f"a prefill worker and its bootstrap port (default {contract.DEFAULT_BOOTSTRAP_PORT}; "
+        "'none' for the default); repeatable",
     )
     workers.add_argument("--decode", action="append", default=[], metavar="URL", help="a decode worker; repeatable")
     workers.add_argument("--kubernetes", action="store_true", help="discover workers from pods by label selector")
@@ -54,9 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve = parser.add_argument_group("serving")
     serve.add_argument("--host", default=None, help="address to listen on (default 0.0.0.0)")
     serve.add_argument("--port", type=int, default=None, help="port to listen on (default 8000)")
-    serve.add_argument("--policy", choices=POLICIES, default=None, help="policy for both roles")
-    serve.add_argument("--prefill-policy", choices=POLICIES, default=None)
-    serve.add_argument("--decode-policy", choices=[p for p in POLICIES if p not in PREFILL_ONLY_POLICIES], default=None)
+    serve.add_argument("--policy", choices=contract.POLICIES, default=None, help="policy for both roles")
+    serve.add_argument("--prefill-policy", choices=contract.POLICIES, default=None)
+    serve.add_argument(
+        "--decode-policy",
+        choices=[p for p in contract.POLICIES if p not in contract.PREFILL_ONLY_POLICIES],
+        default=None,
+    )
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=None)
     serve.add_argument("--drain-timeout", type=float, default=None, help="seconds in-flight requests get on SIGTERM")
 
@@ -83,11 +79,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-key",
         action="append",
         default=None,
-        help=f"client API key; repeatable (or {ENV_ROUTER_API_KEYS}=k1,k2)",
+        help=f"client API key; repeatable (or {contract.ENV_ROUTER_API_KEYS}=k1,k2)",
     )
-    security.add_argument("--admin-key", default=None, help=f"key for /workers (or {ENV_ROUTER_ADMIN_KEY})")
+    security.add_argument("--admin-key", default=None, help=f"key for /workers (or {contract.ENV_ROUTER_ADMIN_KEY})")
     security.add_argument(
-        "--worker-api-key", default=None, help=f"key sent to workers (or {ENV_ROUTER_WORKER_API_KEY})"
+        "--worker-api-key", default=None, help=f"key sent to workers (or {contract.ENV_ROUTER_WORKER_API_KEY})"
     )
 
 
@@ -152,16 +148,16 @@ def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None
         prefill = [_parse_prefill(v) for v in args.prefill]
         decode = list(args.decode)
     api_keys = list(args.api_key or [])
-    api_keys += [k for k in env.get(ENV_ROUTER_API_KEYS, "").split(",") if k.strip()]
+    api_keys += [k for k in env.get(contract.ENV_ROUTER_API_KEYS, "").split(",") if k.strip()]
     fields["api_keys"] = tuple(k.strip() for k in api_keys)
-    fields["admin_key"] = args.admin_key or env.get(ENV_ROUTER_ADMIN_KEY, "")
-    worker_api_key = args.worker_api_key or env.get(ENV_ROUTER_WORKER_API_KEY, "")
+    fields["admin_key"] = args.admin_key or env.get(contract.ENV_ROUTER_ADMIN_KEY, "")
+    worker_api_key = args.worker_api_key or env.get(contract.ENV_ROUTER_WORKER_API_KEY, "")
     use_k8s = args.kubernetes or (args.topology and not prefill and not decode)
     if use_k8s:
         k8s: dict[str, Any] = {}
         if release := getattr(args, "k8s_release", None):
-            k8s["prefill_selector"] = worker_selector("prefill", release)
-            k8s["decode_selector"] = worker_selector("decode", release)
+            k8s["prefill_selector"] = contract.worker_selector("prefill", release)
+            k8s["decode_selector"] = contract.worker_selector("decode", release)
         for flag, name in (
             ("k8s_namespace", "namespace"),
             ("k8s_prefill_selector", "prefill_selector"),

@@ -69,18 +69,8 @@ class Worker:
             self.dp_in_flight = [0] * dp_size
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "url": self.url,
-            "role": self.role,
-            "bootstrap_port": self.bootstrap_port,
-            "source": self.source,
-            "healthy": self.healthy,
-            "breaker": self.breaker.state.name.lower(),
-            "dp_size": self.dp_size,
-            "in_flight": self.in_flight,
-            "models": self.models,
-            "last_error": self.last_error,
-        }
+        shown = ("url", "role", "bootstrap_port", "source", "healthy", "dp_size", "in_flight", "models", "last_error")
+        return {**{name: getattr(self, name) for name in shown}, "breaker": self.breaker.state.name.lower()}
 
 
 class WorkerRegistry:

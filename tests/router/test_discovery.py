@@ -87,45 +87,18 @@ def _line(kind: str, pod: dict[str, Any]) -> str:
 
 
 # A prefill pod going Pending → Running (not ready) → Ready → rescheduled with a new IP → deleted.
+P0 = "dsv3-prefill-0"
+BOOT = {"sglang-pd/bootstrap-port": "8998"}
+PORTS = {"sglang-pd/bootstrap-port": "9100", "sglang-pd/port": "31000"}
 PREFILL_EVENTS = [
-    _line("ADDED", _pod("dsv3-prefill-0", "prefill", None, ready=False, phase="Pending", rv="10")),
-    _line(
-        "MODIFIED",
-        _pod(
-            "dsv3-prefill-0",
-            "prefill",
-            "10.1.0.5",
-            ready=False,
-            rv="11",
-            annotations={"sglang-pd/bootstrap-port": "8998"},
-        ),
-    ),
-    _line(
-        "MODIFIED",
-        _pod(
-            "dsv3-prefill-0",
-            "prefill",
-            "10.1.0.5",
-            ready=True,
-            rv="12",
-            annotations={"sglang-pd/bootstrap-port": "9100", "sglang-pd/port": "31000"},
-        ),
-    ),
+    _line("ADDED", _pod(P0, "prefill", None, ready=False, phase="Pending", rv="10")),
+    _line("MODIFIED", _pod(P0, "prefill", "10.1.0.5", ready=False, rv="11", annotations=BOOT)),
+    _line("MODIFIED", _pod(P0, "prefill", "10.1.0.5", ready=True, rv="12", annotations=PORTS)),
     _line("ADDED", _pod("dsv3-prefill-1", "prefill", "10.1.0.6", ready=True, rv="13")),
-    _line(
-        "MODIFIED",
-        _pod(
-            "dsv3-prefill-0",
-            "prefill",
-            "10.1.0.9",
-            ready=True,
-            rv="14",
-            annotations={"sglang-pd/bootstrap-port": "9100", "sglang-pd/port": "31000"},
-        ),
-    ),
+    _line("MODIFIED", _pod(P0, "prefill", "10.1.0.9", ready=True, rv="14", annotations=PORTS)),
     _line("MODIFIED", _pod("dsv3-prefill-1", "prefill", "10.1.0.6", ready=True, rv="15", deleting=True)),
     _line("DELETED", _pod("dsv3-prefill-1", "prefill", "10.1.0.6", ready=False, rv="16")),
-]
+]  # fmt: skip
 DECODE_EVENTS = [
     _line("ADDED", _pod("dsv3-decode-0", "decode", "10.2.0.7", ready=True, rv="20")),
     _line("BOOKMARK", {"kind": "Pod", "apiVersion": "v1", "metadata": {"resourceVersion": "21"}}),

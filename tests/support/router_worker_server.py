@@ -52,16 +52,9 @@ async def _serve(args: argparse.Namespace) -> None:
         except Exception as exc:
             return f"KV transfer for room {room} from {host}:{port} failed: {type(exc).__name__} {exc}"
 
+    options = ("model", "dp_size", "tokens", "token_delay", "prefill_delay", "handshake_timeout")
     worker = FakeWorker(
-        args.role,
-        fetch_kv=fetch_kv,
-        model=args.model,
-        dp_size=args.dp_size,
-        tokens=args.tokens,
-        token_delay=args.token_delay,
-        prefill_delay=args.prefill_delay,
-        handshake_timeout=args.handshake_timeout,
-        keep_log=not args.no_log,
+        args.role, fetch_kv=fetch_kv, keep_log=not args.no_log, **{k: getattr(args, k) for k in options}
     )
 
     async def handle(request: web.Request) -> web.StreamResponse:

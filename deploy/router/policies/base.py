@@ -3,6 +3,8 @@ leaves the registry (the registry's removal, from the admin API or from discover
 
 from __future__ import annotations
 
+import itertools
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -10,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from ..workers import Worker
 
-__all__ = ["Policy", "RoutingRequest"]
+__all__ = ["Policy", "RotatingPolicy", "RoutingRequest", "SampledPolicy"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,3 +35,21 @@ class Policy(Protocol):
         """Drop what the policy keeps about `worker`, which has left. Stateless policies keep
         nothing: they inherit this no-op by subclassing Policy."""
         return None
+
+
+class RotatingPolicy(Policy):
+    """A load-only policy that starts each pick one worker further (ties rotate)."""
+
+    needs_text = False
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+
+class SampledPolicy(Policy):
+    """A load-only policy that picks at random; `seed` makes it repeatable."""
+
+    needs_text = False
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)

@@ -1,10 +1,9 @@
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .base import Policy, RoutingRequest
+from .base import RotatingPolicy, RoutingRequest
 
 if TYPE_CHECKING:
     from ..workers import Worker
@@ -12,14 +11,10 @@ if TYPE_CHECKING:
 __all__ = ["LeastLoad"]
 
 
-class LeastLoad(Policy):
+class LeastLoad(RotatingPolicy):
     """The worker with the fewest requests in flight; ties rotate so idle workers share load."""
 
     name = "least_load"
-    needs_text = False
-
-    def __init__(self) -> None:
-        self._counter = itertools.count()
 
     def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
         n = len(workers)

@@ -1,10 +1,9 @@
 from __future__ import annotations
 
-import random as _random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .base import Policy, RoutingRequest
+from .base import RoutingRequest, SampledPolicy
 
 if TYPE_CHECKING:
     from ..workers import Worker
@@ -12,14 +11,10 @@ if TYPE_CHECKING:
 __all__ = ["PowerOfTwo"]
 
 
-class PowerOfTwo(Policy):
+class PowerOfTwo(SampledPolicy):
     """Sample two workers at random and take the one with fewer requests in flight."""
 
     name = "power_of_two"
-    needs_text = False
-
-    def __init__(self, seed: int | None = None) -> None:
-        self._rng = _random.Random(seed)
 
     def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
         if len(workers) == 1:

@@ -1,10 +1,9 @@
 from __future__ import annotations
 
-import random as _random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .base import Policy, RoutingRequest
+from .base import RoutingRequest, SampledPolicy
 
 if TYPE_CHECKING:
     from ..workers import Worker
@@ -12,12 +11,10 @@ if TYPE_CHECKING:
 __all__ = ["Random"]
 
 
-class Random(Policy):
-    name = "random"
-    needs_text = False
+class Random(SampledPolicy):
+    """Any worker, uniformly."""
 
-    def __init__(self, seed: int | None = None) -> None:
-        self._rng = _random.Random(seed)
+    name = "random"
 
     def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
         return workers[self._rng.randrange(len(workers))]

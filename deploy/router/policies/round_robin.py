@@ -1,10 +1,9 @@
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .base import Policy, RoutingRequest
+from .base import RotatingPolicy, RoutingRequest
 
 if TYPE_CHECKING:
     from ..workers import Worker
@@ -12,12 +11,10 @@ if TYPE_CHECKING:
 __all__ = ["RoundRobin"]
 
 
-class RoundRobin(Policy):
-    name = "round_robin"
-    needs_text = False
+class RoundRobin(RotatingPolicy):
+    """Each worker in turn."""
 
-    def __init__(self) -> None:
-        self._counter = itertools.count()
+    name = "round_robin"
 
     def select(self, workers: Sequence[Worker], request: RoutingRequest) -> Worker:
         return workers[next(self._counter) % len(workers)]
