@@ -201,8 +201,7 @@ def estimate_topology(
         assumptions.append(
             f"prefill forward passes of {tokens} tokens per attention rank (sglang's chunked-prefill size)"
         )
-    context = (input_len + 1) / 2
-    p_cost = model.prefill_pass(p_lay, tokens, p_lay.attn_dp, context)
+    p_cost = model.prefill_pass(p_lay, tokens, p_lay.attn_dp, input_len)
     p_tps_gpu = tokens * p_lay.attn_dp / (p_cost.total / 1e6) / p_lay.tp
     kv_token_bytes = shape.layers * shape.kv_width * kv_bytes
     nic_bytes_per_s = gpu.nic_gbps * 1e9 * hw.assumptions["kv_transfer_efficiency"]
@@ -211,7 +210,7 @@ def estimate_topology(
     p_bound = None
     if kv_limit_tps_gpu < p_tps_gpu:
         p_tps_gpu, p_bound = kv_limit_tps_gpu, KV_TRANSFER
-    ttft_cost = model.prefill_pass(p_lay, input_len, 1, context)
+    ttft_cost = model.prefill_pass(p_lay, input_len, 1, input_len)
     ttft_cost += Cost.of(KV_TRANSFER, input_len * kv_token_bytes / nic_bytes_per_s * 1e6)
     prefill = _phase(p_cost, p_tps_gpu, ttft_cost.total, p_bound)
 

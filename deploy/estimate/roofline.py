@@ -208,9 +208,8 @@ class Roofline:
         """(gate+up, down) GEMMs of the routed experts on the most loaded GPU.
 
         `tokens_total` is the number of tokens entering the MoE layer across the EP group. The
-        hottest GPU carries `expert_imbalance` times the mean; an expert with fewer rows than
-        wgmma's 64 still costs 64 in the masked (decode) layout; experts that got no token this
-        step are not read.
+        hottest GPU carries `expert_imbalance` times the mean; an active expert with fewer rows
+        than wgmma's 64 still costs 64 in the masked (decode) layout.
         """
         s = self.shape
         if lay.a2a == "none":
@@ -220,10 +219,9 @@ class Roofline:
         else:
             experts, slice_ = lay.experts_per_gpu, 1.0
             pairs = tokens_total * s.topk / lay.ep * self._assume("expert_imbalance")
-        rows = pairs / experts
-        active = experts * (1 - math.exp(-rows)) if rows < 50 else experts
-        rows_computed = max(rows, WGMMA_ROWS) if masked else rows
-        flops_rows = min(active * rows_computed, experts * rows_computed)
+        # Experts that got no token this step are not read (Poisson arrivals).
+        active = experts * -math.expm1(-pairs / experts)
+        flops_rows = active * max(pairs / active, WGMMA_ROWS) if masked else pairs
         gate_up_params = 2 * s.hidden * s.moe_intermediate * slice_
         down_params = s.hidden * s.moe_intermediate * slice_
         gate_up = self.gemm(2 * flops_rows * gate_up_params, active * gate_up_params * s.weight_bytes)
@@ -342,12 +340,15 @@ class Roofline:
         total += s.moe_layers * layer
         return total + 2 * (self.lm_head(half, batch) + self.small_kernels(batch))
 
-    def prefill_pass(self, lay: Layout, tokens: float, ranks: int, context: float) -> Cost:
-        """One prefill forward pass: `tokens` per attention rank on `ranks` busy attention ranks."""
+    def prefill_pass(self, lay: Layout, tokens: float, ranks: int, prompt: int) -> Cost:
+        """One prefill forward pass: `tokens` per attention rank, from prompts of `prompt` tokens,
+        on `ranks` busy attention ranks. A causal query attends to (prompt + 1) / 2 keys on average;
+        the LM head runs on each prompt's last token only."""
         s = self.shape
+        context = (prompt + 1) / 2
         if lay.tbo:
             half = replace(lay, tbo=False)
-            return self._prefill_tbo(half, tokens / 2, ranks, context)
+            return self._prefill_tbo(half, tokens / 2, ranks, context, tokens / 2 / prompt)
         total = Cost()
         for _ in range(s.dense_layers):
             total += self.attention(lay, tokens, context, decode=False) + self.dense_mlp(lay, tokens)
@@ -359,13 +360,13 @@ class Roofline:
             disp, comb = self.normal(lay, tokens / lay.attn_tp)
             layer = attn + disp + mlp + comb
         total += s.moe_layers * layer
-        return total + self.lm_head(lay, tokens / max(context, 1))
+        return total + self.lm_head(lay, tokens / prompt)
 
     def _prefill_experts(self, lay: Layout, tokens: float, ranks: int) -> Cost:
         gate_up, down = self.routed_experts(lay, tokens * ranks, masked=False)
         return self.shared_expert(lay, tokens / lay.attn_tp) + gate_up + down
 
-    def _prefill_tbo(self, half: Layout, tokens: float, ranks: int, context: float) -> Cost:
+    def _prefill_tbo(self, half: Layout, tokens: float, ranks: int, context: float, requests: float) -> Cost:
         """Two micro-batches, DeepSeek's prefill overlap: each stage pairs one micro-batch's
         computation with the other's dispatch or combine (attention | dispatch, experts |
         dispatch, experts | combine, attention | combine); DeepEP's SMs slow the computation."""
@@ -388,4 +389,4 @@ class Roofline:
                 + shared_sms(attn, comb, stretch, hidden)
             )
         total += s.moe_layers * layer
-        return total + 2 * self.lm_head(half, tokens / max(context, 1))
+        return total + 2 * self.lm_head(half, requests)
