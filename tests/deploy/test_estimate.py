@@ -87,6 +87,26 @@ def test_h20_sbo_pr_saving_within_3_points() -> None:
     assert e.sbo_saving == pytest.approx(1 - e.decode.latency_ms / off.decode.latency_ms, rel=1e-6)
 
 
+def test_h20_sbo_pr_ttft_and_prefill_load_are_consistent() -> None:
+    # The PR's median TTFT, 508.61 ms with SBO, includes queueing at 4.8 requests/s; its 3 prefill
+    # nodes took 18,963.67 input tok/s. A request prefilled alone must be faster than that median,
+    # and the prefill nodes must have had capacity to spare.
+    e = estimate_topology(h20_sbo_pr("full"), input_len=4096, output_len=1536)
+    assert 0.5 * 508.61 < e.prefill.latency_ms < 508.61
+    assert e.prefill.tokens_per_s_per_gpu * 24 > 18_963.67
+    assert e.pd_ratio < 3  # fewer prefill nodes than the PR ran would have kept up
+
+
+def test_sbo_without_the_deepgemm_runner_is_only_the_shared_half() -> None:
+    full = estimate_topology(h20_sbo_pr("full"))
+    t = h20_sbo_pr("full")
+    auto = estimate_topology(
+        t.model_copy(update={"decode": t.decode.model_copy(update={"moe_runner_backend": "auto"})})
+    )
+    assert 0 < auto.sbo_saving < full.sbo_saving
+    assert auto.decode.latency_ms > full.decode.latency_ms
+
+
 # --- sglang's large-scale EP blog (lmsys.org, 2025-05-05, "Deploying DeepSeek with PD Disaggregation
 # and Large-scale Expert Parallelism on 96 H100 GPUs"): prefill EP32 on 4 nodes, DP attention, TBO,
 # 16,384 tokens per device, 32 redundant experts: 57,674 / 54,543 / 50,302 tok/s per node at 1k / 2k
