@@ -74,7 +74,7 @@ def kv_capacity(
     weights = shape.weight_bytes_per_gpu(lay.attn_tp, lay.dense_tp, lay.experts_per_gpu, lay.lm_head_tp)
     pool = gpu_memory_gib * GIB * mem_fraction_static - weights
     per_token = shape.layers * shape.kv_width * kv_bytes
-    fit = max(0, int(pool // per_token))
+    fit = max(0, int(pool // (per_token * page_size))) * page_size  # the pool holds whole pages
     per_request = math.ceil(sequence_len / page_size) * page_size
     return KVCapacity(
         gpu_memory_gib=gpu_memory_gib,
