@@ -3,7 +3,8 @@
 Each operation costs the larger of its compute time and its memory time at measured kernel
 efficiencies; communication costs its bytes over the measured DeepEP or NVLink bandwidth.
 Operations that run concurrently (two-batch overlap, single-batch overlap) cost the `max` of
-the overlapped parts, not their sum. A `Cost` keeps, beside its total, how much of it each
+the overlapped parts, not their sum, plus the share of the shorter part that measurements say
+does not hide (`tbo_overlap`, `sbo_overlap` in hardware.yaml). A `Cost` keeps, beside its total, how much of it each
 resource accounts for on the critical path, so the estimate can say what bounds a phase.
 """
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from sglang_pd.deploy.estimate.hardware import GPUProfile, HardwareData
 from sglang_pd.deploy.estimate.shapes import ModelShape
 
-__all__ = ["BOUNDS", "Cost", "Layout", "Roofline"]
+__all__ = ["BOUNDS", "Cost", "Layout", "Roofline", "overlap", "shared_sms"]
 
 # The resources a phase can be bound by (the estimate's "bound" names one).
 WEIGHTS, KV, FLOPS, A2A, ALLREDUCE, KV_TRANSFER, OTHER = (
@@ -307,7 +308,6 @@ class Roofline:
         c0, c = self.low_latency(lay, "combine", tokens)
         if lay.sbo == "off" or lay.a2a != "low_latency":
             return attn + d0 + d + shared + gate_up + down + c0 + c
-        # SBO: the shared expert runs while the dispatch is in flight.
         # SBO: the shared expert runs while the dispatch is in flight (its send and receive copies
         # keep SMs busy and stay on the critical path).
         dispatch = d0 + d
