@@ -31,8 +31,8 @@ from sglang_pd.deploy.contract import (
 __all__ = [
     "GPU_CAPABILITY",
     "DecodeSpec",
-    "InstanceEndpoint",
     "HardwareSpec",
+    "InstanceEndpoint",
     "ModelSpec",
     "PodSettings",
     "PrefillSpec",
