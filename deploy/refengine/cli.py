@@ -45,7 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-pages", type=int, default=None, help="pages in the KV pool (default: what 512 MiB holds, at most 2048)"
     )
     parser.add_argument("--max-running-requests", type=int, default=64)
-    parser.add_argument("--bootstrap-timeout", type=float, default=30.0, metavar="SECONDS")
+    parser.add_argument(
+        "--bootstrap-timeout", type=float, default=30.0, metavar="SECONDS", help="both halves of a room arrive (30)"
+    )
+    parser.add_argument(
+        "--waiting-timeout", type=float, default=300.0, metavar="SECONDS", help="then the prefill sends the KV (300)"
+    )
     parser.add_argument("--kv-hostname", default=None, help="address Mooncake peers reach this engine at")
     parser.add_argument("--kv-protocol", choices=("tcp", "rdma"), default=None)
     parser.add_argument("--kv-device", default=None, help="RDMA device(s)")
@@ -82,6 +87,7 @@ async def _serve(args: argparse.Namespace) -> int:
         max_running_requests=args.max_running_requests,
         bootstrap_port=args.bootstrap_port if args.role == "prefill" else None,
         bootstrap_timeout_s=args.bootstrap_timeout,
+        waiting_timeout_s=args.waiting_timeout,
         kv=KVConfig.from_env(hostname=args.kv_hostname, protocol=args.kv_protocol, device=args.kv_device),
         verify_kv=os.environ.get(ENV_PREFIX + "VERIFY_KV", "1") != "0",
         test_slow_transfer_s=float(os.environ.get(ENV_PREFIX + "TEST_SLOW_TRANSFER_S", "0")),

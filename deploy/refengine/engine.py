@@ -25,7 +25,8 @@ import httpx
 
 from sglang_pd.deploy.kv import KVConfig, KVError, KVTransferEngine, PagedLayout, get_engine
 
-from .kvpool import KVPool, PoolExhausted, default_num_pages
+from .exceptions import PoolExhausted, RequestFailed
+from .kvpool import KVPool, default_num_pages
 from .model import LoadedModel, sample_token
 from .pd import Claim, ClaimRejected, RoomTable
 from .sources import DEFAULT_MODEL
@@ -38,14 +39,6 @@ T = TypeVar("T")
 log = logging.getLogger("sglang_pd.refengine")
 
 
-class RequestFailed(Exception):
-    """A request cannot be served; `status` is the HTTP status to answer with."""
-
-    def __init__(self, message: str, status: int = 500) -> None:
-        super().__init__(message)
-        self.status = status
-
-
 @dataclass(kw_only=True)
 class EngineConfig:
     role: Role = "both"
@@ -54,7 +47,10 @@ class EngineConfig:
     kv_pages: int | None = None  # None: kvpool.default_num_pages for the model
     max_running_requests: int = 64
     bootstrap_port: int | None = None
-    bootstrap_timeout_s: float = 30.0
+    bootstrap_timeout_s: float = 30.0  # both halves of a room must have arrived within this
+    # Once both have, how long decode waits for the prefill to compute and send the KV (sglang's
+    # SGLANG_DISAGGREGATION_WAITING_TIMEOUT, 300 s): prompts queue on the one model thread.
+    waiting_timeout_s: float = 300.0
     kv: KVConfig = field(default_factory=KVConfig)
     verify_kv: bool = True  # decode checks the crc32 of the KV it received
     # Test hooks (SGLANG_PD_REFENGINE_TEST_*): spread the prefill's writes over this many seconds,
@@ -134,7 +130,9 @@ class RefEngine:
 
     def http(self) -> httpx.AsyncClient:
         if self._http is None:
-            self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.config.bootstrap_timeout_s + 30, connect=5.0))
+            c = self.config
+            read_s = c.bootstrap_timeout_s + c.waiting_timeout_s + c.kv.timeout_s + 30
+            self._http = httpx.AsyncClient(timeout=httpx.Timeout(read_s, connect=5.0))
         return self._http
 
     async def close(self) -> None:
@@ -304,6 +302,7 @@ class RefEngine:
         self.counters["prompt_tokens"] += len(ids)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         pages: list[int] = []
+        self.rooms.get(b.room).arrived.set()
         try:
             logits, rows = await ctx.guard(self.run_model(self.model.prefill, ids))
             first = self._sample(logits, params, seed, 0)
@@ -381,17 +380,31 @@ class RefEngine:
         if room.claim.done():
             raise ClaimRejected(f"Bootstrap room {claim.room} was already claimed.", 409)
         room.claim.set_result(claim)
+        c = self.config
         try:
-            return await asyncio.wait_for(
-                asyncio.shield(room.result), self.config.bootstrap_timeout_s + self.config.kv.timeout_s + 5
-            )
-        except TimeoutError:
-            self.rooms.drop(claim.room)
-            raise ClaimRejected(
-                f"No prefill request arrived for bootstrap room {claim.room} within "
-                f"{self.config.bootstrap_timeout_s:.0f} s; the router must send the request to both engines.",
-                504,
-            ) from None
+            arrival: asyncio.Future[Any] = asyncio.ensure_future(room.arrived.wait())
+            try:
+                await asyncio.wait(
+                    {arrival, room.result}, timeout=c.bootstrap_timeout_s, return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                arrival.cancel()
+            if not room.arrived.is_set() and not room.result.done():
+                self.rooms.drop(claim.room)
+                raise ClaimRejected(
+                    f"No prefill request arrived for bootstrap room {claim.room} within "
+                    f"{c.bootstrap_timeout_s:.0f} s; the router must send the request to both engines.",
+                    504,
+                )
+            try:
+                return await asyncio.wait_for(asyncio.shield(room.result), c.waiting_timeout_s + c.kv.timeout_s)
+            except TimeoutError:
+                self.rooms.drop(claim.room)
+                raise ClaimRejected(
+                    f"The prefill request for bootstrap room {claim.room} arrived but sent no KV within "
+                    f"{c.waiting_timeout_s:.0f} s; the prefill engine is overloaded (lower the request rate).",
+                    504,
+                ) from None
         except RequestFailed as exc:
             raise ClaimRejected(str(exc), 502) from exc
         finally:

@@ -16,15 +16,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .exceptions import ClaimRejected
+
 __all__ = ["Claim", "ClaimRejected", "Room", "RoomTable"]
-
-
-class ClaimRejected(Exception):
-    """The prefill side refused or failed the handshake for a room; carries an HTTP status."""
-
-    def __init__(self, message: str, status: int = 502) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass
@@ -59,6 +53,8 @@ class Room:
     claim: asyncio.Future[Claim]
     result: asyncio.Future[dict[str, Any]]
     writing: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Set once the prefill request for the room is here (it may still queue behind other prompts).
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled: bool = False
     created: float = field(default_factory=time.monotonic)
 
