@@ -13,6 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from sglang_pd.deploy import topology
 from sglang_pd.deploy.cli import main as cli_main
 from sglang_pd.deploy.launch import pod_settings_from_env
 from sglang_pd.deploy.sglang_args import LEADER_HOST_FROM_ENV
@@ -248,6 +249,13 @@ def test_derived_startup_budget_passes_the_launchers_check(render, preset, sourc
     assert pod.startup_budget_s == probe["periodSeconds"] * probe["failureThreshold"]
     t = load_topology(PRESETS_DIR / f"{preset}.yaml")
     assert check_rules(t, pod).ok, check_rules(t, pod).errors
+
+
+def test_chart_budget_defaults_are_the_launchers() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["model"]["hub"]["downloadBytesPerSecond"] == topology.DEFAULT_DOWNLOAD_BYTES_PER_S
+    assert values["startupBudget"]["loadBytesPerSecond"] == topology.DEFAULT_LOAD_BYTES_PER_S
+    assert values["startupBudget"]["warmupSeconds"] == topology.DEFAULT_WARMUP_S
 
 
 def test_too_small_startup_budget_is_refused(chart) -> None:
