@@ -1,13 +1,14 @@
 """The errors of the gsm8k gate, each mapped to one exit code of `sglang-pd eval`.
 
     EvalError
-    ├── UsageError            bad flags or a bad baseline report          (exit 2)
+    ├── UsageError            bad flags or an unusable baseline           (exit 2)
     ├── DataUnavailable       no dataset: offline, bad file, bad checksum (exit 3)
     └── EndpointError         the endpoint cannot be evaluated            (exit 4)
         └── EndpointUnreachable
 
-Failures during a run (too many failed questions, --timeout) are not raised: the report is written
-with status "error" (exit 4). A failed gate is a result too (`GateResult`, exit 1).
+Failures during a run (too many failed questions, first attempts, malformed responses or truncated
+answers, --timeout) are not raised: the report is written with status "error" (exit 4). A failed
+gate is a result too (`GateResult`, exit 1).
 """
 
 from __future__ import annotations

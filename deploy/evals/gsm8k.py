@@ -36,13 +36,11 @@ __all__ = [
     "DEFAULT_MAX_INVALID_RATE",
     "DEFAULT_MAX_RETRY_RATE",
     "DEFAULT_MAX_TRUNCATION_RATE",
-    "DEFAULT_NUM_QUESTIONS",
     "MAX_SCORE_DISAGREEMENT",
     "Gsm8kOptions",
     "evaluate",
 ]
 
-DEFAULT_NUM_QUESTIONS = 200
 # Infrastructure limits (exit 4 past each); a healthy deployment sees none of these at all.
 DEFAULT_MAX_ERROR_RATE = 0.05
 DEFAULT_MAX_RETRY_RATE = 0.05
@@ -57,7 +55,8 @@ class Gsm8kOptions:
     client: ClientConfig
     data: Path | None = None
     num_shots: int = DEFAULT_NUM_SHOTS
-    num_questions: int | None = DEFAULT_NUM_QUESTIONS
+    # None: every question after the shots (1314 of test.jsonl), what the paired rule needs.
+    num_questions: int | None = None
     sample: bool = False
     seed: int = 0
     timeout_s: float | None = None
@@ -113,7 +112,9 @@ def _run_problems(options: Gsm8kOptions, run: RunResult, m: Metrics, max_errors:
             f"({m.errors} questions unanswered or failed)"
         )
     elif m.errors > max_errors:
-        first = next(r.error for r in run.records if r.error is not None)
+        # The first real failure: questions left unanswered when the run stopped only say so.
+        failed = [r for r in run.records if r.error is not None]
+        first = next((r.error for r in failed if r.error_kind != "unanswered"), failed[0].error)
         problems.append(
             f"{m.errors} of {m.n} questions failed after retries, more than --max-error-rate "
             f"{options.max_error_rate:g} allows ({max_errors}); first error: {first}"
