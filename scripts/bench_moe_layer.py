@@ -1,0 +1,1114 @@
+"""One DeepSeek-V3 MoE layer across GPUs with DeepEP: what SBO (decode) and TBO (prefill) save.
+
+What is measured
+----------------
+``--mode decode`` (default): one decode MoE layer per rank, DeepEP low-latency dispatch/combine,
+at 8, 16, 32, 64 and 128 tokens per rank. The layer: router (bf16 GEMM, DeepSeek-V3's grouped
+top-8 of 256 with sigmoid scores and correction bias), DeepEP low-latency dispatch (FP8, 1x128
+scales), the up/gate grouped GEMM (FP8, 128x128 weight scales), SiLU-and-mul with FP8
+re-quantization (a small Triton kernel here; sglang fuses the same step), the down grouped GEMM
+(our `sglang_pd.kernels.signal_gemm.fp8_m_grouped_gemm_nt_masked`), DeepEP low-latency combine,
+and one shared expert (moe_intermediate 2048). Three variants:
+
+- ``none``: dispatch, experts, combine, shared expert, one after the other;
+- ``shared``: SBO's first half as sglang runs it on Hopper (`SboFlags.enable_dispatch_shared_one_
+  stream_overlap`): dispatch-send, the shared expert on the same stream while the tokens travel,
+  then dispatch-receive (DeepEP's receive hook);
+- ``full``: the shared half plus the down GEMM signalling DeepEP's combine-send per finished row
+  block (sglang's sm_90 contract, `low_latency_combine(..., overlap=True, packed_recv_count,
+  comp_signal, block_m, threshold, num_sms)`, DeepEP PR #483): the GEMM on the compute stream
+  with all SMs but ``--combine-sms``, the combine on a second stream that waits for the GEMM's
+  start, exactly as sglang's `compute_overlap_args` and `_combine_core` arrange it.
+
+Each variant is captured in a CUDA graph (as sglang's decode runs) and timed over its replays with
+CUDA events (median over ``--repeats`` of ``--iters`` replays; the slowest rank's median is the
+layer time). If capture fails, the variant is timed eagerly and the table says so.
+
+Correctness: every rank checks its layer output (after the eager warm-up and again after the
+timed graph replays) against a single-GPU torch reference of the same layer: float32 math on the
+dequantized FP8 weights, with the activations quantized the way the layer quantizes them (1x128,
+amax / 448) and the GEMM outputs rounded to bf16 like the kernels'. Pass: relative L2 error
+``||out - ref|| / ||ref|| <= --tol`` (default 2e-2) and all finite. The variants are also compared
+with ``none`` (same kernels, so the difference should be 0 or a few bf16 ulps).
+
+``--mode tbo``: prefill two-batch overlap. Per layer: an attention stand-in (two bf16 GEMMs,
+[T, 7168] x [7168, W] x [W, 7168], W = ``--attn-width``; about the FLOPs of DeepSeek-V3's MLA at
+W = 24576 — it stands in for attention, it is not attention), the router, DeepEP normal
+dispatch (FP8), the experts (the same FP8 grouped GEMMs on a masked layout built with plain torch
+gathers; sglang uses fused Triton gathers), the shared expert, DeepEP normal combine. ``none``
+runs the whole batch; ``tbo`` splits it in two micro-batches and orders the work so that each
+micro-batch's dispatch/combine runs on DeepEP's communication stream while the other computes
+(dispatch A || attention B, dispatch B || experts A, combine A || experts B, combine B || the next
+layer's attention A). ``--layers`` layers are chained so the steady state is measured; DeepEP's
+normal dispatch waits on the CPU for the receive counts, so these are timed with CUDA events,
+not graphs. Correctness: TBO against no overlap (``--tol``), and no overlap against the torch
+reference on the first tokens of each rank.
+
+What this setup is and is not
+-----------------------------
+All ranks are GPUs of one host linked by NVLink; DeepEP's low-latency kernels reach peers through
+NVSHMEM P2P (the host has no RDMA NICs). In the deployments this models (decode EP16 over two
+nodes) 15/16 of the combine traffic goes over RDMA, where the send SMs only post work requests;
+here the send SMs copy the data themselves, so few combine SMs cost more than they would there.
+With 256 experts on 2 GPUs each GPU holds 128 experts; ``--num-experts 32`` gives each GPU the
+16 experts and the tokens per expert of EP16 decode with 256 experts (the same per-GPU GEMM work).
+
+Run (one process per GPU is spawned; from the repository root)::
+
+    python3 scripts/bench_moe_layer.py --json decode.json
+    python3 scripts/bench_moe_layer.py --mode tbo --json tbo.json
+
+DeepEP must be importable (scripts/build_deepep.sh installs it into /tmp/deepep; put that on
+PYTHONPATH). The machine rule NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
+NVSHMEM_DISABLE_NVLS=1 is enforced here; nothing uses NVLink multicast.
+"""
+
+from __future__ import annotations
+
+# %%
+# Environment (before torch, NCCL or NVSHMEM read it)
+# ---------------------------------------------------
+import os
+
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+# One host, no RDMA NICs: NVSHMEM reaches every peer through P2P (NVLink). DeepEP itself sets
+# NVSHMEM_IB_ENABLE_IBGDA=1 and NVSHMEM_DISABLE_P2P=0 when it creates a low-latency buffer with
+# allow_nvlink_for_low_latency_mode=True; IBGDA then finds no device and stays off, and every
+# low-latency send takes DeepEP's NVLink path (`nvshmemi_get_p2p_ptr` != 0).
+os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
+os.environ.setdefault("PYTHONUNBUFFERED", "1")
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import triton
+import triton.language as tl
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _import_from_tree() -> str:
+    """`sglang_pd.kernels` and `sglang_pd.sglang_patches` from the installed package, else from this tree."""
+    try:
+        import sglang_pd.kernels.signal_gemm
+        import sglang_pd.sglang_patches.status  # noqa: F401
+
+        return "installed package"
+    except ImportError:
+        pass
+    for name in ("sglang_pd", "sglang_pd.kernels", "sglang_pd.sglang_patches"):
+        sys.modules.pop(name, None)
+    root = types.ModuleType("sglang_pd")
+    root.__path__ = []
+    sys.modules["sglang_pd"] = root
+    for sub, folder in (("kernels", "kernels"), ("sglang_patches", "sglang_patches")):
+        mod = types.ModuleType(f"sglang_pd.{sub}")
+        mod.__path__ = [str(REPO / folder)]
+        sys.modules[f"sglang_pd.{sub}"] = mod
+        setattr(root, sub, mod)
+    return f"source tree {REPO}"
+
+
+KERNELS_FROM = _import_from_tree()
+from sglang_pd.kernels import signal_gemm as sg  # noqa: E402
+from sglang_pd.sglang_patches import status  # noqa: E402
+
+# %%
+# DeepSeek-V3's MoE layer
+# -----------------------
+HIDDEN = 7168
+MOE_INTER = 2048  # per routed expert; the one shared expert has the same width
+TOP_K = 8
+N_GROUP, TOPK_GROUP = 8, 4
+ROUTED_SCALE = 2.5
+BLOCK = sg.SCALE_BLOCK  # 128
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+MAX_DISPATCH_TOKENS = 128  # sglang's SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK default
+DECODE_TOKENS = (8, 16, 32, 64, 128)
+TBO_TOKENS = (4096, 16384)
+
+
+def log(rank: int, msg: str) -> None:
+    print(f"[rank {rank}] {msg}", flush=True)
+
+
+# %%
+# Quantization and weights
+# ------------------------
+
+
+def quant_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 with one float32 scale per 128 channels, as DeepEP's dispatch casts (amax >= 1e-4, scale = amax / 448)."""
+    xf = x.float().unflatten(-1, (x.shape[-1] // BLOCK, BLOCK))
+    amax = xf.abs().amax(-1).clamp(min=1e-4)
+    q = (xf * (FP8_MAX / amax)[..., None]).to(FP8).flatten(-2)
+    return q, amax / FP8_MAX
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """FP8 tensors are stacked, zeroed and indexed as bytes (not every torch kernel takes FP8)."""
+    return t.view(torch.uint8)
+
+
+def stack_fp8(ts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([as_bytes(t) for t in ts]).view(FP8)
+
+
+def dequant_1x128(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return (q.float().unflatten(-1, (q.shape[-1] // BLOCK, BLOCK)) * s[..., None]).flatten(-2)
+
+
+def dequant_weight(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """[.., N, K] FP8 with [.., N/128, K/128] block scales -> float32."""
+    n, k = q.shape[-2:]
+    full = s.repeat_interleave(BLOCK, -2)[..., :n, :].repeat_interleave(BLOCK, -1)[..., :k]
+    return q.float() * full
+
+
+def fp8_weight(gen: torch.Generator, n: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random FP8 weight with 128x128 block scales; dequantized entries have variance about 1/k."""
+    q = torch.randn(n, k, generator=gen, device=device).clamp_(-6, 6).to(FP8)
+    s = (torch.rand(triton.cdiv(n, BLOCK), k // BLOCK, generator=gen, device=device) * 0.5 + 0.75) / math.sqrt(k)
+    return q, s
+
+
+class Weights:
+    """Router, routed experts (this rank's slice, FP8) and the shared expert; any expert regenerates on demand."""
+
+    def __init__(self, num_experts: int, rank: int, world: int, seed: int, device: torch.device) -> None:
+        self.num_experts, self.seed, self.device = num_experts, seed, device
+        self.num_local = num_experts // world
+        self.first = rank * self.num_local
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed)
+        self.router = (torch.randn(num_experts, HIDDEN, generator=gen, device=device) / math.sqrt(HIDDEN)).to(
+            torch.bfloat16
+        )
+        self.router_bias = torch.randn(num_experts, generator=gen, device=device) * 0.01
+        experts = [self.expert(self.first + i) for i in range(self.num_local)]
+        self.up_q = stack_fp8([e[0] for e in experts])  # [L, 2I, H]: gate rows then up rows
+        self.up_s = torch.stack([e[1] for e in experts])
+        self.down_q = stack_fp8([e[2] for e in experts])  # [L, H, I]
+        self.down_s = torch.stack([e[3] for e in experts])
+        del experts
+        shared = self.expert(-1)
+        self.shared_up_q, self.shared_up_s = shared[0][None], shared[1][None]
+        self.shared_down_q, self.shared_down_s = shared[2][None], shared[3][None]
+
+    def expert(self, e: int) -> tuple[torch.Tensor, ...]:
+        """Expert ``e``'s (up_q, up_s, down_q, down_s), the same on every rank (e = -1: the shared expert)."""
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(self.seed * 1_000_003 + 7919 * (e + 2))
+        up = fp8_weight(gen, 2 * MOE_INTER, HIDDEN, self.device)
+        down = fp8_weight(gen, HIDDEN, MOE_INTER, self.device)
+        return (*up, *down)
+
+
+# %%
+# Router: DeepSeek-V3's grouped top-k (sigmoid scores, correction bias, normalised x 2.5)
+# ------------------------------------------------------------------------------------------
+
+
+def route(x: torch.Tensor, w: Weights, idx_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    t, e = x.shape[0], w.num_experts
+    scores = (x @ w.router.t()).float().sigmoid()
+    choice = scores + w.router_bias
+    groups = choice.view(t, N_GROUP, e // N_GROUP).topk(2, dim=-1).values.sum(-1)
+    keep = torch.zeros_like(groups).scatter_(1, groups.topk(TOPK_GROUP, dim=-1).indices, 1.0).bool()
+    choice = choice.masked_fill(~keep.repeat_interleave(e // N_GROUP, dim=1), float("-inf"))
+    idx = choice.topk(TOP_K, dim=-1).indices
+    weights = scores.gather(1, idx)
+    weights = weights / weights.sum(-1, keepdim=True) * ROUTED_SCALE
+    return idx.to(idx_dtype), weights.float()
+
+
+# %%
+# Expert math: grouped FP8 GEMMs and SiLU-and-mul with FP8 re-quantization
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _silu_mul_quant_kernel(
+    h_ptr, q_ptr, s_ptr, masked_m_ptr,
+    INTER,
+    stride_he, stride_hm, stride_qe, stride_qm, stride_se, stride_sm,
+    BLOCK_ROWS: tl.constexpr, GROUP: tl.constexpr,
+):  # fmt: skip
+    """act = silu(gate) * up for rows < masked_m[e]; FP8 with one scale per row per GROUP columns."""
+    e = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.program_id(2) * GROUP + tl.arange(0, GROUP)
+    ok = rows < tl.load(masked_m_ptr + e)
+    h = h_ptr + e * stride_he + rows[:, None] * stride_hm + cols[None, :]
+    gate = tl.load(h, mask=ok[:, None], other=0.0).to(tl.float32)
+    up = tl.load(h + INTER, mask=ok[:, None], other=0.0).to(tl.float32)
+    act = gate * tl.sigmoid(gate) * up
+    amax = tl.maximum(tl.max(tl.abs(act), axis=1), 1e-4)
+    q = (act * (448.0 / amax)[:, None]).to(tl.float8e4nv)
+    tl.store(q_ptr + e * stride_qe + rows[:, None] * stride_qm + cols[None, :], q, mask=ok[:, None])
+    tl.store(s_ptr + e * stride_se + rows * stride_sm + tl.program_id(2), amax / 448.0, mask=ok)
+
+
+def silu_mul_quant(h: torch.Tensor, masked_m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, M, 2I] bf16 -> ([E, M, I] FP8, [E, M, I/128] float32); rows >= masked_m[e] are left unwritten."""
+    e, m, two_i = h.shape
+    inter = two_i // 2
+    q = torch.empty(e, m, inter, dtype=FP8, device=h.device)
+    s = torch.empty(e, m, inter // BLOCK, dtype=torch.float32, device=h.device)
+    grid = (e, triton.cdiv(m, 16), inter // BLOCK)
+    _silu_mul_quant_kernel[grid](
+        h, q, s, masked_m, inter, h.stride(0), h.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
+        BLOCK_ROWS=16, GROUP=BLOCK,
+    )  # fmt: skip
+    return q, s
+
+
+def silu_mul_quant_torch(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    hf = h.float()
+    inter = hf.shape[-1] // 2
+    return quant_1x128(torch.nn.functional.silu(hf[..., :inter]) * hf[..., inter:])
+
+
+#: SiLU-and-mul implementation: the Triton kernel, or torch over the whole buffer if the kernel fails its check.
+ACT_IMPL = {"name": "triton"}
+
+
+def act_quant(h: torch.Tensor, masked_m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return silu_mul_quant(h, masked_m) if ACT_IMPL["name"] == "triton" else silu_mul_quant_torch(h)
+
+
+class Experts:
+    """The grouped GEMMs of one rank: ours (default) or torch on dequantized weights (``--up-gemm torch``)."""
+
+    def __init__(self, w: Weights, up_impl: str, num_sms: int) -> None:
+        self.w, self.up_impl, self.num_sms = w, up_impl, num_sms
+        self._up_bf16: torch.Tensor | None = None
+
+    def up(self, a: torch.Tensor, a_s: torch.Tensor, masked_m: torch.Tensor, expected_m: int) -> torch.Tensor:
+        e, m, _ = a.shape
+        out = torch.empty(e, m, 2 * MOE_INTER, dtype=torch.bfloat16, device=a.device)
+        if self.up_impl == "ours":
+            sg.fp8_m_grouped_gemm_nt_masked((a, a_s), (self.w.up_q, self.w.up_s), out, masked_m, expected_m)
+            return out
+        if self._up_bf16 is None:  # dequantized once: [L, 2I, H] bf16
+            self._up_bf16 = torch.stack(
+                [dequant_weight(q, s).to(torch.bfloat16) for q, s in zip(self.w.up_q, self.w.up_s, strict=True)]
+            )
+        torch.bmm(dequant_1x128(a, a_s).to(torch.bfloat16), self._up_bf16.transpose(1, 2), out=out)
+        return out
+
+    def down(
+        self, a: torch.Tensor, a_s: torch.Tensor, masked_m: torch.Tensor, expected_m: int,
+        signal: torch.Tensor | None = None, num_sms: int | None = None,
+    ) -> tuple[torch.Tensor, tuple[int | None, int | None]]:  # fmt: skip
+        e, m, _ = a.shape
+        out = torch.empty(e, m, HIDDEN, dtype=torch.bfloat16, device=a.device)
+        ret = sg.fp8_m_grouped_gemm_nt_masked(
+            (a, a_s), (self.w.down_q, self.w.down_s), out, masked_m, expected_m,
+            enable_overlap=signal is not None, signal=signal, signal_layout="sglang", num_sms=num_sms,
+        )  # fmt: skip
+        return out, ret
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert on [T, H] bf16, through the same FP8 GEMMs (one group, rows padded to 128)."""
+        t = x.shape[0]
+        rows = max(BLOCK, triton.cdiv(t, BLOCK) * BLOCK)
+        xq, xs = quant_1x128(x)
+        a = torch.zeros(1, rows, HIDDEN, dtype=torch.uint8, device=x.device)
+        a_s = torch.ones(1, rows, HIDDEN // BLOCK, dtype=torch.float32, device=x.device)
+        a[0, :t], a_s[0, :t] = as_bytes(xq), xs
+        a = a.view(FP8)
+        m = torch.full((1,), t, dtype=torch.int32, device=x.device)
+        h = torch.empty(1, rows, 2 * MOE_INTER, dtype=torch.bfloat16, device=x.device)
+        sg.fp8_m_grouped_gemm_nt_masked((a, a_s), (self.w.shared_up_q, self.w.shared_up_s), h, m, t)
+        aq, as_ = act_quant(h, m)
+        out = torch.empty(1, rows, HIDDEN, dtype=torch.bfloat16, device=x.device)
+        sg.fp8_m_grouped_gemm_nt_masked((aq, as_), (self.w.shared_down_q, self.w.shared_down_s), out, m, t)
+        return out[0, :t]
+
+
+# %%
+# The torch reference (one GPU, float32, the same quantization points)
+# -----------------------------------------------------------------------
+
+
+def reference_expert(x_deq: torch.Tensor, up_q, up_s, down_q, down_s) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """float32 expert on dequantized FP8 activations; bf16 GEMM outputs and FP8 intermediate, like the kernels."""
+    h = (x_deq @ dequant_weight(up_q, up_s).t()).to(torch.bfloat16)
+    aq, as_ = silu_mul_quant_torch(h)
+    return (dequant_1x128(aq, as_) @ dequant_weight(down_q, down_s).t()).to(torch.bfloat16).float()
+
+
+def reference_layer(x: torch.Tensor, topk_idx: torch.Tensor, topk_w: torch.Tensor, w: Weights) -> torch.Tensor:
+    """sum_k w_k * expert_{e_k}(x) + shared(x) for [T, H] bf16 tokens, in float32."""
+    xd = dequant_1x128(*quant_1x128(x))
+    out = torch.zeros(x.shape[0], HIDDEN, dtype=torch.float32, device=x.device)
+    for e in torch.unique(topk_idx).tolist():
+        rows, ks = (topk_idx == e).nonzero(as_tuple=True)
+        local = w.first <= e < w.first + w.num_local
+        params = (
+            (w.up_q[e - w.first], w.up_s[e - w.first], w.down_q[e - w.first], w.down_s[e - w.first])
+            if local
+            else w.expert(e)
+        )
+        out.index_add_(0, rows, reference_expert(xd[rows], *params) * topk_w[rows, ks][:, None])
+    shared = reference_expert(xd, w.shared_up_q[0], w.shared_up_s[0], w.shared_down_q[0], w.shared_down_s[0])
+    return out + shared
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
+    o, r = out.float(), ref.float()
+    finite = bool(torch.isfinite(o).all())
+    rel = float((o - r).norm() / r.norm().clamp(min=1e-30)) if finite else float("inf")
+    return {"rel_err": rel, "max_abs_err": float((o - r).abs().max()) if finite else float("inf"), "finite": finite}
+
+
+# %%
+# Timing
+# ------
+
+
+def time_replays(fn: Callable[[], None], iters: int, repeats: int) -> list[float]:
+    """Median-ready list of microseconds per call: ``repeats`` times ``iters`` calls between two events."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / iters)
+    return times
+
+
+def wait_or_die(rank: int, what: str, timeout_s: float, diagnose: Callable[[], str] | None = None) -> None:
+    """Wait for the current stream; if it has not finished in ``timeout_s``, print why and end this process.
+
+    A combine that waits on signals that never come spins forever; a stuck kernel cannot be
+    cancelled, so the only way out is to say what was seen and exit (the parent reports it)."""
+    ev = torch.cuda.Event()
+    ev.record()
+    deadline = time.monotonic() + timeout_s
+    while not ev.query():
+        if time.monotonic() > deadline:
+            log(rank, f"HANG: {what} did not finish within {timeout_s:.0f} s")
+            if diagnose is not None:
+                try:
+                    log(rank, diagnose())
+                except Exception as exc:  # the diagnosis itself may block on the hung device
+                    log(rank, f"(diagnosis failed: {type(exc).__name__}: {exc})")
+            sys.stdout.flush()
+            os._exit(3)
+        time.sleep(0.001)
+
+
+def read_on_side_stream(t: torch.Tensor, timeout_s: float = 5.0) -> torch.Tensor | None:
+    """Copy a device tensor to the host on its own stream (works while another stream is stuck)."""
+    side = torch.cuda.Stream()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    with torch.cuda.stream(side):
+        host.copy_(t, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+    deadline = time.monotonic() + timeout_s
+    while not ev.query():
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.001)
+    return host
+
+
+# %%
+# Decode: DeepEP low-latency, three variants
+# ------------------------------------------
+
+
+class DecodeLayer:
+    """One decode MoE layer on one rank; ``__call__(x, variant)`` enqueues it (capturable in a CUDA graph)."""
+
+    VARIANTS = ("none", "shared", "full")
+
+    def __init__(
+        self, buffer: Any, w: Weights, experts: Experts, world: int, combine_sms: int, idx_dtype: torch.dtype
+    ) -> None:
+        self.buffer, self.w, self.experts, self.world = buffer, w, experts, world
+        self.combine_sms = combine_sms
+        self.idx_dtype = idx_dtype
+        self.num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        self.alt = torch.cuda.Stream()
+        self.m_max = world * MAX_DISPATCH_TOKENS
+        # sglang's sm_90 allocation: int32[E_local * ceil(M_max / 64)] (DeepEP asserts exactly this size)
+        self.signal = torch.zeros(w.num_local * triton.cdiv(self.m_max, 64), dtype=torch.int32, device="cuda")
+        self.last: dict[str, Any] = {}
+
+    def expected_m(self, t: int) -> int:
+        return max(1, min(self.m_max, triton.cdiv(t * self.world * TOP_K, self.w.num_experts)))
+
+    def __call__(self, x: torch.Tensor, variant: str) -> torch.Tensor:
+        w, ex = self.w, self.experts
+        topk_idx, topk_w = route(x, w, self.idx_dtype)
+        (recv_q, recv_s), recv_count, handle, _, hook = self.buffer.low_latency_dispatch(
+            x, topk_idx, MAX_DISPATCH_TOKENS, w.num_experts, use_fp8=True, async_finish=False, return_recv_hook=True
+        )
+        if variant == "none":
+            hook()
+            shared = ex.shared(x)
+        else:  # the shared expert runs while the dispatched tokens travel (sglang's one-stream overlap)
+            shared = ex.shared(x)
+            hook()
+        em = self.expected_m(x.shape[0])
+        h = ex.up(recv_q, recv_s, recv_count, em)
+        aq, as_ = act_quant(h, recv_count)
+        if variant in ("none", "shared"):
+            down, _ = ex.down(aq, as_, recv_count, em)
+            combined, _, hook = self.buffer.low_latency_combine(
+                down, topk_idx, topk_w, handle, async_finish=False, return_recv_hook=True
+            )
+            hook()
+        else:
+            self.signal.zero_()
+            start = torch.cuda.Event()
+            start.record()
+            down, (block_m, threshold) = ex.down(
+                aq, as_, recv_count, em, signal=self.signal, num_sms=self.num_sms - self.combine_sms
+            )
+            self.alt.wait_event(start)
+            with torch.cuda.stream(self.alt):
+                combined, _, hook = self.buffer.low_latency_combine(
+                    down, topk_idx, topk_w, handle, overlap=True, packed_recv_count=recv_count,
+                    comp_signal=self.signal, block_m=block_m, threshold=threshold, num_sms=self.combine_sms,
+                    async_finish=False, return_recv_hook=True,
+                )  # fmt: skip
+                hook()
+            torch.cuda.current_stream().wait_stream(self.alt)
+            self.last.update(block_m=block_m, threshold=threshold)
+        self.last.update(topk_idx=topk_idx, topk_w=topk_w, recv_count=recv_count)
+        return combined + shared
+
+    def diagnose(self) -> str:
+        sig = read_on_side_stream(self.signal)
+        cnt = read_on_side_stream(self.last["recv_count"]) if "recv_count" in self.last else None
+        if sig is None:
+            return "could not read the signal counters (the device does not answer)"
+        bm, thr = self.last.get("block_m"), self.last.get("threshold")
+        blocks = triton.cdiv(self.m_max, bm or 64)  # the kernel and DeepEP index e * blocks + row_block
+        per_expert = sig[: self.w.num_local * blocks].view(self.w.num_local, blocks)
+        return (
+            f"combine waits for counters == threshold {thr} (block_m {bm}); first experts' counters "
+            f"{per_expert[:4].tolist()}, their received tokens {cnt[:4].tolist() if cnt is not None else '?'}"
+        )
+
+
+def run_decode(rank: int, world: int, args: argparse.Namespace, report: dict[str, Any]) -> None:
+    import deep_ep
+
+    dev = torch.device("cuda", rank)
+    w = Weights(args.num_experts, rank, world, args.seed, dev)
+    ex = Experts(w, args.up_gemm, torch.cuda.get_device_properties(dev).multi_processor_count)
+    idx_dtype = getattr(deep_ep, "topk_idx_t", torch.int64)
+    group = dist.new_group(list(range(world)))
+    num_rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_DISPATCH_TOKENS, HIDDEN, world, args.num_experts)
+    log(rank, f"DeepEP low-latency buffer: {num_rdma_bytes / 2**20:.0f} MiB, {w.num_local} local experts")
+    buffer = deep_ep.Buffer(
+        group, num_nvl_bytes=0, num_rdma_bytes=num_rdma_bytes, low_latency_mode=True,
+        num_qps_per_rank=w.num_local, allow_nvlink_for_low_latency_mode=True, explicitly_destroy=True,
+    )  # fmt: skip
+    log(rank, "DeepEP buffer ready")
+    rows: list[dict[str, Any]] = []
+    report["decode"] = rows
+    try:
+        for combine_sms in args.combine_sms:
+            layer = DecodeLayer(buffer, w, ex, world, combine_sms, idx_dtype)
+            for t in args.tokens:
+                rows.append(decode_one(rank, world, layer, t, args))
+                if rank == 0:
+                    print_decode_row(rows[-1])
+                    write_report(args.json, report)
+    finally:
+        dist.barrier()
+        try:
+            buffer.destroy()
+        except Exception as exc:
+            log(rank, f"buffer.destroy(): {type(exc).__name__}: {exc}")
+
+
+def decode_one(rank: int, world: int, layer: DecodeLayer, t: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One batch size: eager warm-up and check, graph capture, timing, check after replays."""
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(args.seed + 17 * t + rank)
+    x = torch.randn(t, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
+    row: dict[str, Any] = {"tokens_per_rank": t, "combine_sms": layer.combine_sms, "variants": {}}
+    outputs: dict[str, torch.Tensor] = {}
+    ref = None
+    for variant in DecodeLayer.VARIANTS:
+        res: dict[str, Any] = {}
+        row["variants"][variant] = res
+        try:
+            for _ in range(2):  # warm-up: compiles, module loads, DeepEP buffer parity
+                out = layer(x, variant)
+                wait_or_die(rank, f"decode T={t} {variant} (eager)", args.hang_s, layer.diagnose)
+            if ref is None:
+                ref = reference_layer(x, layer.last["topk_idx"], layer.last["topk_w"], layer.w)
+                row["recv_tokens"] = int(layer.last["recv_count"].sum())
+            res["eager_check"] = compare(out, ref)
+            outputs[variant] = out.clone()
+            if "none" in outputs and variant != "none":
+                res["max_abs_diff_vs_none"] = float((out.float() - outputs["none"].float()).abs().max())
+            if variant == "full":
+                res["block_m"], res["threshold"] = layer.last["block_m"], layer.last["threshold"]
+            graph, static_out, how = capture(rank, lambda v=variant: layer(x, v), args)  # type: ignore[misc]
+            res["timing"] = how
+            run = graph.replay if graph is not None else (lambda v=variant: layer(x, v))  # type: ignore[misc]
+            dist.barrier()
+            times = time_replays(run, args.iters, args.repeats)
+            wait_or_die(rank, f"decode T={t} {variant} (timed)", args.hang_s, layer.diagnose)
+            res["us"] = statistics.median(times)
+            res["us_min"] = min(times)
+            if graph is not None and static_out is not None:
+                res["replay_check"] = compare(static_out, ref)
+            del graph, static_out
+        except Exception as exc:
+            res["error"] = f"{type(exc).__name__}: {exc}"
+            log(rank, f"decode T={t} {variant} FAILED: {res['error']}\n{traceback.format_exc()}")
+        checks = [res.get(k) for k in ("eager_check", "replay_check") if res.get(k)]
+        res["ok"] = (
+            "error" not in res and bool(checks) and all(c["finite"] and c["rel_err"] <= args.tol for c in checks)
+        )
+    torch.cuda.empty_cache()
+    return gather_row(rank, world, row)
+
+
+def capture(rank: int, fn: Callable[[], torch.Tensor], args: argparse.Namespace) -> tuple[Any, Any, str]:
+    """A CUDA graph of ``fn`` and its output tensor, or (None, None, why) to time it eagerly."""
+    if args.no_graph:
+        return None, None, "events (--no-graph)"
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+        graph.replay()
+        wait_or_die(rank, "first graph replay", args.hang_s)
+        return graph, out, "cuda-graph"
+    except Exception as exc:
+        log(rank, f"graph capture failed, timing eagerly: {type(exc).__name__}: {exc}")
+        torch.cuda.synchronize()
+        return None, None, f"events (capture failed: {type(exc).__name__})"
+
+
+def gather_row(rank: int, world: int, row: dict[str, Any]) -> dict[str, Any]:
+    """Every rank's row on rank 0: times are the slowest rank's, checks must pass on all ranks."""
+    rows: list[dict[str, Any]] = [{} for _ in range(world)]
+    dist.all_gather_object(rows, row)
+    merged: dict[str, Any] = {k: v for k, v in rows[0].items() if k != "variants"}
+    merged["recv_tokens_per_rank"] = [r.get("recv_tokens") for r in rows]
+    merged["variants"] = {}
+    for variant in rows[0]["variants"]:
+        per_rank = [r["variants"][variant] for r in rows]
+        v: dict[str, Any] = {"ok": all(p.get("ok") for p in per_rank), "per_rank": per_rank}
+        if all("us" in p for p in per_rank):
+            v["us"] = max(p["us"] for p in per_rank)
+        v["timing"] = per_rank[0].get("timing", "-")
+        errs = [
+            c["rel_err"] for p in per_rank for c in (p.get(k) for k in ("eager_check", "replay_check", "check")) if c
+        ]
+        v["rel_err"] = max(errs) if errs else None
+        diffs = [p["max_abs_diff_vs_none"] for p in per_rank if "max_abs_diff_vs_none" in p]
+        v["max_abs_diff_vs_none"] = max(diffs) if diffs else None
+        errors = [f"rank {i}: {p['error']}" for i, p in enumerate(per_rank) if "error" in p]
+        if errors:
+            v["error"] = "; ".join(errors)
+        merged["variants"][variant] = v
+    base = merged["variants"].get("none", {}).get("us")
+    merged["saving_pct"] = {
+        k: round(100.0 * (base - v["us"]) / base, 2)
+        for k, v in merged["variants"].items()
+        if k != "none" and base and "us" in v
+    }
+    return merged
+
+
+def print_decode_row(r: dict[str, Any]) -> None:
+    if r["tokens_per_rank"] == DECODE_TOKENS[0] or not getattr(print_decode_row, "header", False):
+        print(f"\n{'T/rank':>6} {'csms':>4} | {'none us':>9} {'shared us':>9} {'full us':>9} | "
+              f"{'shared %':>8} {'full %':>7} | {'rel err (max)':>13} {'full-none':>9} | ok  timing")  # fmt: skip
+        print_decode_row.header = True  # type: ignore[attr-defined]
+    v = r["variants"]
+
+    def us(k: str) -> str:
+        return f"{v[k]['us']:9.1f}" if "us" in v.get(k, {}) else f"{'-':>9}"
+
+    errs = [x["rel_err"] for x in v.values() if x.get("rel_err") is not None]
+    diff = v.get("full", {}).get("max_abs_diff_vs_none")
+    print(
+        f"{r['tokens_per_rank']:>6} {r['combine_sms']:>4} | {us('none')} {us('shared')} {us('full')} | "
+        f"{r['saving_pct'].get('shared', float('nan')):8.1f} {r['saving_pct'].get('full', float('nan')):7.1f} | "
+        f"{max(errs) if errs else float('nan'):13.2e} {diff if diff is not None else float('nan'):9.2e} | "
+        f"{'yes' if all(x['ok'] for x in v.values()) else 'NO '} {v['none'].get('timing', '-')}",
+        flush=True,
+    )
+    for k, x in v.items():
+        if "error" in x:
+            print(f"       {k}: {x['error']}", flush=True)
+
+
+# %%
+# Prefill: DeepEP normal dispatch/combine, two-batch overlap
+# -----------------------------------------------------------
+
+
+class PrefillLayer:
+    """Attention stand-in, router, DeepEP normal dispatch, experts, shared expert, DeepEP normal combine."""
+
+    def __init__(
+        self, buffer: Any, w: Weights, experts: Experts, attn_width: int, idx_dtype: torch.dtype, seed: int
+    ) -> None:
+        self.buffer, self.w, self.experts, self.idx_dtype = buffer, w, experts, idx_dtype
+        gen = torch.Generator(device="cuda")
+        gen.manual_seed(seed + 99)
+        self.wa = (torch.randn(HIDDEN, attn_width, generator=gen, device="cuda") / math.sqrt(HIDDEN)).to(torch.bfloat16)
+        self.wb = (torch.randn(attn_width, HIDDEN, generator=gen, device="cuda") / math.sqrt(attn_width)).to(
+            torch.bfloat16
+        )
+        self.stash: dict[str, Any] = {}
+
+    def attention(self, x: torch.Tensor) -> dict[str, Any]:
+        """The stand-in (two bf16 GEMMs), the router and the FP8 cast of the tokens to dispatch.
+
+        ``ready`` is an event right after this micro-batch's work: its dispatch waits for that only,
+        not for whatever is enqueued on the compute stream after it (the other micro-batch)."""
+        y = (x @ self.wa) @ self.wb
+        topk_idx, topk_w = route(y, self.w, self.idx_dtype)
+        return {"y": y, "topk_idx": topk_idx, "topk_w": topk_w, "yq": quant_1x128(y), "ready": self.buffer.capture()}
+
+    def dispatch(self, a: dict[str, Any], overlap: bool) -> tuple[Any, ...]:
+        """DeepEP normal dispatch (blocks the CPU until the receive counts are known); with
+        ``overlap`` on DeepEP's stream after ``a["ready"]``, returning its event (as sglang does)."""
+        prev = a["ready"] if overlap else None
+        per_rank, per_rdma, per_expert, in_rank, layout_done = self.buffer.get_dispatch_layout(
+            a["topk_idx"],
+            self.w.num_experts,
+            previous_event=prev,
+            async_finish=overlap,
+            allocate_on_comm_stream=overlap,
+        )
+        recv_x, recv_idx, recv_w, counts, handle, event = self.buffer.dispatch(
+            a["yq"], topk_idx=a["topk_idx"], topk_weights=a["topk_w"], num_tokens_per_rank=per_rank,
+            num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            previous_event=layout_done if overlap else None, async_finish=overlap, allocate_on_comm_stream=overlap,
+        )  # fmt: skip
+        return recv_x, recv_idx, recv_w, counts, handle, event
+
+    def compute_experts(self, recv: tuple[Any, ...], y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weighted expert outputs per received token, and the shared expert of this rank's tokens."""
+        (rq, rs), recv_idx, recv_w, counts, _, event = recv
+        if event is not None and getattr(event, "event", None) is not None:
+            event.current_stream_wait()
+        return self.routed(rq, rs, recv_idx, recv_w, counts), self.experts.shared(y)
+
+    def routed(
+        self, rq: torch.Tensor, rs: torch.Tensor, recv_idx: torch.Tensor, recv_w: torch.Tensor, counts: list[int]
+    ) -> torch.Tensor:
+        """Pairs (token, local expert) sorted by expert into the masked layout, the grouped GEMMs,
+        then a weighted scatter-add back to the received tokens."""
+        r, k = recv_idx.shape
+        out = torch.zeros(r, HIDDEN, dtype=torch.float32, device=rq.device)
+        pairs = sum(counts)
+        if pairs == 0:
+            return out.to(torch.bfloat16)
+        num_local, m_max = self.w.num_local, max(counts)
+        key = torch.where(recv_idx < 0, num_local, recv_idx).flatten()
+        order = torch.sort(key, stable=True).indices[:pairs]  # the valid pairs, expert by expert
+        expert = key[order]
+        counts_t = torch.tensor(counts, dtype=torch.int32, device=rq.device)
+        starts = torch.cumsum(counts_t, 0) - counts_t
+        pos = torch.arange(pairs, device=rq.device) - starts[expert]
+        tok = order // k
+        a = torch.empty(num_local, m_max, HIDDEN, dtype=torch.uint8, device=rq.device)
+        a_s = torch.ones(num_local, m_max, HIDDEN // BLOCK, dtype=torch.float32, device=rq.device)
+        a[expert, pos] = as_bytes(rq)[tok]
+        a_s[expert, pos] = rs[tok]
+        a = a.view(FP8)
+        em = max(1, pairs // num_local)
+        h = self.experts.up(a, a_s, counts_t, em)
+        aq, as_ = act_quant(h, counts_t)
+        d, _ = self.experts.down(aq, as_, counts_t, em)
+        out.index_add_(0, tok, d[expert, pos].float() * recv_w.flatten()[order][:, None])
+        return out.to(torch.bfloat16)
+
+    def combine(self, routed: torch.Tensor, handle: Any, overlap: bool) -> tuple[torch.Tensor, Any]:
+        prev = self.buffer.capture() if overlap else None
+        combined, _, event = self.buffer.combine(
+            routed, handle, previous_event=prev, async_finish=overlap, allocate_on_comm_stream=overlap
+        )
+        return combined, event
+
+    def whole(self, x: torch.Tensor, layers: int) -> torch.Tensor:
+        """No overlap: the whole batch, each step waiting for the one before."""
+        for i in range(layers):
+            a = self.attention(x)
+            recv = self.dispatch(a, overlap=False)
+            routed, shared = self.compute_experts(recv, a["y"])
+            combined, _ = self.combine(routed, recv[4], overlap=False)
+            x = combined + shared
+            if i == 0:
+                self.stash.update(y=a["y"], topk_idx=a["topk_idx"], topk_w=a["topk_w"], out=x)
+        return x
+
+    def tbo(self, x: torch.Tensor, layers: int) -> torch.Tensor:
+        """Two micro-batches; order: attn A, attn B, dispatch A, experts A, dispatch B, combine A,
+        experts B, combine B (which overlaps the next layer's attention A)."""
+        half = x.shape[0] // 2
+        xa, xb = x[:half], x[half:]
+        pending: list[Any] = [None, None]
+
+        def finish(i: int, x_in: torch.Tensor) -> torch.Tensor:
+            if pending[i] is None:
+                return x_in
+            combined, event, shared = pending[i]
+            event.current_stream_wait()
+            return combined + shared
+
+        for _ in range(layers):
+            xa = finish(0, xa)
+            aa = self.attention(xa)
+            xb = finish(1, xb)
+            ab = self.attention(xb)
+            da = self.dispatch(aa, overlap=True)  # runs beside attention B
+            ra, sa = self.compute_experts(da, aa["y"])
+            db = self.dispatch(ab, overlap=True)  # runs beside experts A
+            ca, ea = self.combine(ra, da[4], overlap=True)  # waits for experts A only, runs beside experts B
+            pending[0] = (ca, ea, sa)
+            rb, sb = self.compute_experts(db, ab["y"])
+            cb, eb = self.combine(rb, db[4], overlap=True)  # runs beside the next layer's attention A
+            pending[1] = (cb, eb, sb)
+        return torch.cat([finish(0, xa), finish(1, xb)])
+
+
+def run_tbo(rank: int, world: int, args: argparse.Namespace, report: dict[str, Any]) -> None:
+    import deep_ep
+
+    dev = torch.device("cuda", rank)
+    w = Weights(args.num_experts, rank, world, args.seed, dev)
+    ex = Experts(w, args.up_gemm, torch.cuda.get_device_properties(dev).multi_processor_count)
+    idx_dtype = getattr(deep_ep, "topk_idx_t", torch.int64)
+    group = dist.new_group(list(range(world)))
+    hidden_bytes = HIDDEN * 2  # the combine sends bf16, the larger of the two
+    num_nvl_bytes = max(
+        cfg.get_nvl_buffer_size_hint(hidden_bytes, world)
+        for cfg in (deep_ep.Buffer.get_dispatch_config(world), deep_ep.Buffer.get_combine_config(world))
+    )
+    log(rank, f"DeepEP normal buffer: {num_nvl_bytes / 2**20:.0f} MiB NVLink, {w.num_local} local experts")
+    buffer = deep_ep.Buffer(group, num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=0, explicitly_destroy=True)
+    layer = PrefillLayer(buffer, w, ex, args.attn_width, idx_dtype, args.seed)
+    rows: list[dict[str, Any]] = []
+    report["tbo"] = rows
+    try:
+        for t in args.tokens:
+            rows.append(tbo_one(rank, world, layer, t, args))
+            if rank == 0:
+                print_tbo_row(rows[-1])
+                write_report(args.json, report)
+    finally:
+        dist.barrier()
+        try:
+            buffer.destroy()
+        except Exception as exc:
+            log(rank, f"buffer.destroy(): {type(exc).__name__}: {exc}")
+
+
+def tbo_one(rank: int, world: int, layer: PrefillLayer, t: int, args: argparse.Namespace) -> dict[str, Any]:
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(args.seed + 31 * t + rank)
+    x = torch.randn(t, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
+    row: dict[str, Any] = {"tokens_per_rank": t, "layers": args.layers, "variants": {}}
+    outs: dict[str, torch.Tensor] = {}
+    runs = {"none": lambda: layer.whole(x, args.layers), "tbo": lambda: layer.tbo(x, args.layers)}
+    for name, fn in runs.items():
+        res: dict[str, Any] = {"timing": "events"}
+        row["variants"][name] = res
+        try:
+            out = fn()
+            wait_or_die(rank, f"prefill T={t} {name} (warm-up)", args.hang_s)
+            outs[name] = out
+            if name == "none":
+                n = min(args.ref_tokens, t)
+                s = layer.stash
+                ref = reference_layer(s["y"][:n], s["topk_idx"][:n], s["topk_w"][:n], layer.w)
+                res["check"] = compare(s["out"][:n], ref)
+                res["check"]["tokens"] = n
+            else:
+                res["check"] = compare(out, outs["none"])
+                res["check"]["against"] = "none"
+            dist.barrier()
+            times = time_replays(lambda f=fn: f(), 1, args.tbo_repeats)  # type: ignore[misc]
+            wait_or_die(rank, f"prefill T={t} {name} (timed)", args.hang_s)
+            res["us"] = statistics.median(times) / args.layers
+            res["us_min"] = min(times) / args.layers
+        except Exception as exc:
+            res["error"] = f"{type(exc).__name__}: {exc}"
+            log(rank, f"prefill T={t} {name} FAILED: {res['error']}\n{traceback.format_exc()}")
+        c = res.get("check")
+        res["ok"] = "error" not in res and bool(c) and c["finite"] and c["rel_err"] <= args.tol
+    layer.stash.clear()
+    torch.cuda.empty_cache()
+    return gather_row(rank, world, row)
+
+
+def print_tbo_row(r: dict[str, Any]) -> None:
+    if not getattr(print_tbo_row, "header", False):
+        print(f"\n{'T/rank':>6} {'layers':>6} | {'none us/layer':>13} {'tbo us/layer':>12} | {'saving %':>8} | "
+              f"{'rel err (max)':>13} | ok")  # fmt: skip
+        print_tbo_row.header = True  # type: ignore[attr-defined]
+    v = r["variants"]
+
+    def us(k: str) -> str:
+        return f"{v[k]['us']:13.1f}" if "us" in v.get(k, {}) else f"{'-':>13}"
+
+    errs = [x["rel_err"] for x in v.values() if x.get("rel_err") is not None]
+    print(
+        f"{r['tokens_per_rank']:>6} {r['layers']:>6} | {us('none')} {us('tbo')[1:]} | "
+        f"{r['saving_pct'].get('tbo', float('nan')):8.1f} | {max(errs) if errs else float('nan'):13.2e} | "
+        f"{'yes' if all(x['ok'] for x in v.values()) else 'NO'}",
+        flush=True,
+    )
+    for k, x in v.items():
+        if "error" in x:
+            print(f"       {k}: {x['error']}", flush=True)
+
+
+# %%
+# Checks before the layer runs
+# ----------------------------
+
+
+def self_check(rank: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Our GEMM at the layer's shapes (the down GEMM with sglang-layout signals, in 64- and 128-row
+    tiles) and the SiLU-and-mul kernel, against torch on a small problem. A failing up GEMM makes
+    the layer use torch for it."""
+    out: dict[str, Any] = {}
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(args.seed + 5)
+    e, m_max = 4, 256
+    masked = torch.tensor([64, 17, 0, 200], dtype=torch.int32, device="cuda")
+    rows = torch.arange(m_max, device="cuda")[None, :] < masked[:, None]
+    shapes = (("up", 2 * MOE_INTER, HIDDEN, 64, False), ("down", HIDDEN, MOE_INTER, 64, True),
+              ("down_tall", HIDDEN, MOE_INTER, 200, True))  # fmt: skip
+    for name, n, k, expected_m, signals in shapes:
+        try:
+            a, a_s = quant_1x128(torch.randn(e, m_max, k, generator=gen, device="cuda"))
+            wq, ws = zip(*(fp8_weight(gen, n, k, torch.device("cuda")) for _ in range(e)), strict=True)
+            b, b_s = stack_fp8(list(wq)), torch.stack(ws)
+            d = torch.zeros(e, m_max, n, dtype=torch.bfloat16, device="cuda")
+            signal = torch.zeros(e * triton.cdiv(m_max, 64), dtype=torch.int32, device="cuda") if signals else None
+            ret = sg.fp8_m_grouped_gemm_nt_masked(
+                (a, a_s), (b, b_s), d, masked, expected_m, enable_overlap=signals, signal=signal, signal_layout="sglang"
+            )
+            ref = sg.reference_masked_grouped_gemm(a, b, masked, a_s, b_s, dtype=torch.float32)
+            sel = rows[:, :, None].expand_as(ref)
+            err = float((d.float()[sel] - ref[sel]).norm() / ref[sel].norm())
+            res: dict[str, Any] = {"rel_err": err, "ok": err < 1e-2}
+            if signal is not None:
+                block_m, threshold = ret
+                blocks = triton.cdiv(m_max, block_m)  # counter of (expert, row block) at e * blocks + row_block
+                got = signal[: e * blocks].view(e, blocks).cpu()
+                active = (torch.arange(blocks)[None, :] * block_m < masked.cpu()[:, None]).to(torch.int32)
+                res.update(block_m=block_m, threshold=threshold, signals_ok=bool(torch.equal(got, active * threshold)))
+                res["ok"] = res["ok"] and res["signals_ok"]
+            out[name] = res
+        except Exception as exc:
+            out[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            log(rank, f"self-check {name} GEMM failed:\n{traceback.format_exc()}")
+    try:
+        h = torch.randn(e, m_max, 2 * MOE_INTER, generator=gen, device="cuda").to(torch.bfloat16)
+        q, s = silu_mul_quant(h, masked)
+        rq, rs = silu_mul_quant_torch(h)
+        got_act, want_act = dequant_1x128(q, s)[rows], dequant_1x128(rq, rs)[rows]
+        err = float((got_act - want_act).norm() / want_act.norm())
+        out["silu_mul_quant"] = {"rel_err": err, "ok": err < 1e-2}
+    except Exception as exc:
+        out["silu_mul_quant"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        log(rank, f"self-check silu_mul_quant failed:\n{traceback.format_exc()}")
+    return out
+
+
+# %%
+# Report
+# ------
+
+
+def write_report(path: str | None, report: dict[str, Any]) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(path).with_suffix(".tmp")
+        tmp.write_text(json.dumps(report, indent=1, default=str))
+        tmp.replace(path)
+
+
+def deepep_info() -> dict[str, Any]:
+    import deep_ep
+
+    info: dict[str, Any] = {"file": deep_ep.__file__}
+    for candidate in (Path(deep_ep.__file__).parents[1] / "REVISION", REPO / ".gpu_bundle" / "deepep-src" / "REVISION"):
+        if candidate.is_file():
+            info["revision"] = candidate.read_text().strip()
+            break
+    params, _ = status.deepep_method_params("low_latency_combine")
+    info["low_latency_combine_params"] = params
+    info["signal_layout"] = status.layout_for_params(params or [])
+    return info
+
+
+# %%
+# Processes
+# ---------
+
+
+def worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))  # fmt: skip
+    report: dict[str, Any] = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(rank),
+        "num_gpus": world,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "kernels_from": KERNELS_FROM,
+        "mode": args.mode,
+        "config": {k: v for k, v in vars(args).items() if k != "json"},
+        "tolerance": f"relative L2 error <= {args.tol} against the torch reference (decode, prefill no-overlap), "
+        f"against no overlap (tbo); outputs finite",
+        "complete": False,
+    }
+    try:
+        report["deep_ep"] = deepep_info()
+        if rank == 0:
+            log(rank, f"DeepEP: {report['deep_ep']}")
+        checks = self_check(rank, args)
+        report["self_check"] = checks
+        log(rank, f"self-check: {checks}")
+        if args.up_gemm == "ours" and not checks.get("up", {}).get("ok"):
+            log(rank, "our GEMM failed the up/gate shape check: the up/gate GEMM falls back to torch")
+            args.up_gemm = "torch"
+        if not checks.get("silu_mul_quant", {}).get("ok"):
+            log(rank, "the SiLU-and-mul kernel failed its check: torch computes it (over whole buffers)")
+            ACT_IMPL["name"] = "torch"
+        flags = torch.tensor([int(args.up_gemm == "torch"), int(ACT_IMPL["name"] == "torch")], device="cuda")
+        dist.all_reduce(flags)  # every rank must run the same implementations
+        if int(flags[0]):
+            args.up_gemm = "torch"
+        if int(flags[1]):
+            ACT_IMPL["name"] = "torch"
+        report["up_gemm"], report["silu_mul_quant"] = args.up_gemm, ACT_IMPL["name"]
+        if args.mode == "decode":
+            run_decode(rank, world, args, report)
+        else:
+            run_tbo(rank, world, args, report)
+        report["complete"] = True
+    except Exception as exc:
+        report["error"] = f"{type(exc).__name__}: {exc}"
+        log(rank, f"FAILED: {report['error']}\n{traceback.format_exc()}")
+        raise
+    finally:
+        if rank == 0:
+            write_report(args.json, report)
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--mode", choices=("decode", "tbo"), default="decode")
+    p.add_argument("--tokens", type=lambda s: [int(v) for v in s.split(",")], default=None,
+                   help="tokens per rank, comma-separated (decode: 8,16,32,64,128; tbo: 4096,16384)")  # fmt: skip
+    p.add_argument("--num-experts", type=int, default=256)
+    p.add_argument("--gpus", type=int, default=0, help="processes, one per GPU (default: all visible)")
+    p.add_argument("--combine-sms", type=lambda s: [int(v) for v in s.split(",")], default=[3],
+                   help="SMs for DeepEP's combine-send in full SBO (sglang's Hopper default: 3)")  # fmt: skip
+    p.add_argument("--up-gemm", choices=("ours", "torch"), default="ours",
+                   help="up/gate GEMM: our masked FP8 kernel, or torch on dequantized bf16 weights")  # fmt: skip
+    p.add_argument("--iters", type=int, default=20, help="decode: graph replays per timing")
+    p.add_argument("--repeats", type=int, default=15, help="decode: timings (median)")
+    p.add_argument("--tbo-repeats", type=int, default=5, help="tbo: timings of --layers layers (median)")
+    p.add_argument("--layers", type=int, default=3, help="tbo: chained layers per timing")
+    p.add_argument("--attn-width", type=int, default=24576, help="tbo: inner width of the attention stand-in")
+    p.add_argument("--ref-tokens", type=int, default=64, help="tbo: tokens per rank checked against the reference")
+    p.add_argument("--tol", type=float, default=2e-2)
+    p.add_argument("--no-graph", action="store_true", help="decode: time eagerly")
+    p.add_argument("--hang-s", type=float, default=60.0, help="a step not done after this long is reported as hung")
+    p.add_argument("--deadline-s", type=float, default=0, help="stop all ranks after this many seconds (0: none)")
+    p.add_argument("--port", type=int, default=27311)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    args.tokens = args.tokens or list(DECODE_TOKENS if args.mode == "decode" else TBO_TOKENS)
+    world = args.gpus or torch.cuda.device_count()
+    if world < 2:
+        raise SystemExit(f"this benchmark needs at least 2 GPUs (DeepEP across ranks); {world} visible")
+    if args.num_experts % world or args.num_experts % N_GROUP or args.num_experts // N_GROUP * TOPK_GROUP < TOP_K:
+        raise SystemExit(f"--num-experts {args.num_experts}: must divide by {world} GPUs and {N_GROUP} groups, "
+                         f"with at least {TOP_K} experts in the top {TOPK_GROUP} groups")  # fmt: skip
+    if args.mode == "decode" and max(args.tokens) > MAX_DISPATCH_TOKENS:
+        raise SystemExit(f"decode tokens per rank must be <= {MAX_DISPATCH_TOKENS} (DeepEP's dispatch budget)")
+    if world % 8:
+        # DeepEP's layered low-latency dispatch (this revision's default) sizes buffers by nodes of 8 GPUs.
+        os.environ["DEEPEP_DISABLE_LL_DISPATCH_OPT"] = "1"
+    print(
+        f"bench_moe_layer: mode {args.mode}, {world} GPUs, tokens/rank {args.tokens}, kernels from {KERNELS_FROM}",
+        flush=True,
+    )
+    ctx = mp.start_processes(worker, args=(world, args, args.port), nprocs=world, join=False, start_method="spawn")
+    start = time.monotonic()
+    try:
+        while not ctx.join(timeout=5):
+            if args.deadline_s and time.monotonic() - start > args.deadline_s:
+                print(f"bench_moe_layer: deadline of {args.deadline_s:.0f} s reached; stopping the ranks", flush=True)
+                for proc in ctx.processes:
+                    if proc.is_alive():
+                        proc.kill()
+                mark_incomplete(args.json, f"stopped at the {args.deadline_s:.0f} s deadline")
+                raise SystemExit(124)
+    except mp.ProcessExitedException as exc:
+        mark_incomplete(args.json, f"a rank exited: {exc}")
+        raise SystemExit(f"bench_moe_layer: {exc}") from None
+    except mp.ProcessRaisedException as exc:
+        mark_incomplete(args.json, "a rank raised (see its traceback above)")
+        raise SystemExit(f"bench_moe_layer: a rank raised:\n{exc}") from None
+
+
+def mark_incomplete(path: str | None, why: str) -> None:
+    if not path:
+        return
+    try:
+        report = json.loads(Path(path).read_text()) if Path(path).is_file() else {"command": " ".join(sys.argv)}
+    except ValueError:
+        report = {"command": " ".join(sys.argv)}
+    report["complete"] = False
+    report["aborted"] = why
+    write_report(path, report)
+
+
+if __name__ == "__main__":
+    main()
