@@ -142,6 +142,7 @@ def test_too_many_errors_exits_4_with_a_report(dataset: Dataset, serve: Serve, e
     result = eval_cli(server.base_url, "--num-questions", "100", "--retries", "0", "--parallel", "4")
     assert result.code == 4
     assert "questions failed after retries, more than --max-error-rate 0.05 allows (5)" in result.err
+    assert "allows (5); first error: HTTP 500 from http://127.0.0.1:" in result.err  # not an unanswered question
     assert result.report["status"] == "error" and result.report["stopped_early"] == "errors"
     # The run stopped as soon as the gate could no longer pass, not after all 100 questions.
     assert len(server.bodies) < 20
