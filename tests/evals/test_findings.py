@@ -313,3 +313,27 @@ def test_loaded_baseline_round_trip(dataset: Dataset, serve: Serve, eval_cli: An
     result = eval_cli(serve(_script(dataset, lambda i: i % 3 != 0)).base_url, "--num-questions", "30")
     base = load_baseline(_stored(result, tmp_path))
     assert base.n == 30 and base.correct == result.report["metrics"]["correct"]
+
+
+# --- 6. one connection pool sized to --parallel --------------------------------------------------
+
+
+def test_one_pool_sized_to_parallel(dataset: Dataset, serve: Serve) -> None:
+    import asyncio
+
+    from sglang_pd.deploy.evals import ClientConfig, EndpointClient, build_items, run_items
+
+    server = serve(_script(dataset, lambda i: True))
+    items = build_items(dataset.problems, num_questions=100)
+
+    async def main() -> tuple[int, int, float]:
+        async with EndpointClient(ClientConfig(base_url=server.base_url, parallel=8)) as client:
+            await client.resolve_model()
+            run = await run_items(client, items, parallel=8, progress=False)
+            connector = client.session.connector
+            assert connector is not None
+            return connector.limit, connector.limit_per_host, sum(r.correct for r in run.records) / len(items)
+
+    limit, per_host, accuracy = asyncio.run(main())
+    assert (limit, per_host, accuracy) == (8, 8, 1.0)
+    assert 1 <= len(server.peers) <= 8  # every request went over at most --parallel connections

@@ -97,6 +97,8 @@ class Gsm8kTestServer:
         # Attempts seen per question, and the request bodies (for checks on what the harness sends).
         self.attempts: Counter[str] = Counter()
         self.bodies: list[dict[str, Any]] = []
+        # The client ports requests came from (one per connection the client opened).
+        self.peers: set[Any] = set()
         self.model_lists = 0
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -131,6 +133,7 @@ class Gsm8kTestServer:
 
     def _answer(self, request: web.Request, question: str) -> web.Response | str:
         self.attempts[question] += 1
+        self.peers.add(request.transport.get_extra_info("peername") if request.transport else None)
         attempt, script = self.attempts[question], self.script
         if question in script.broken:
             return web.json_response({"error": {"message": "internal error (scripted)"}}, status=500)
