@@ -185,4 +185,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # `... | head`: the reader left early; not an error
+        sys.stderr.close()
+        sys.exit(0)
