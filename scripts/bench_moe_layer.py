@@ -491,12 +491,14 @@ class DecodeLayer:
             down, (block_m, threshold) = ex.down(
                 aq, as_, recv_count, em, signal=self.signal, num_sms=self.num_sms - self.combine_sms
             )
+            # allocated on the compute stream, which reads it after joining: no cross-stream reuse of the block
+            combined = torch.empty(x.shape[0], HIDDEN, dtype=torch.bfloat16, device=x.device)
             self.alt.wait_event(start)
             with torch.cuda.stream(self.alt):
                 combined, _, hook = self.buffer.low_latency_combine(
                     down, topk_idx, topk_w, handle, overlap=True, packed_recv_count=recv_count,
                     comp_signal=self.signal, block_m=block_m, threshold=threshold, num_sms=self.combine_sms,
-                    async_finish=False, return_recv_hook=True,
+                    async_finish=False, return_recv_hook=True, out=combined,
                 )  # fmt: skip
                 hook()
             torch.cuda.current_stream().wait_stream(self.alt)
@@ -551,6 +553,14 @@ def run_decode(rank: int, world: int, args: argparse.Namespace, report: dict[str
             log(rank, f"buffer.destroy(): {type(exc).__name__}: {exc}")
 
 
+def peers_ok(ok: bool) -> bool:
+    """True when every rank says ok; every rank calls it once per step, failed or not, so that the
+    ranks stay in step (a rank that skips a DeepEP call while its peer makes it would hang both)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device="cuda")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def decode_one(rank: int, world: int, layer: DecodeLayer, t: int, args: argparse.Namespace) -> dict[str, Any]:
     """One batch size: eager warm-up and check, graph capture, timing, check after replays."""
     gen = torch.Generator(device="cuda")
@@ -562,6 +572,7 @@ def decode_one(rank: int, world: int, layer: DecodeLayer, t: int, args: argparse
     for variant in DecodeLayer.VARIANTS:
         res: dict[str, Any] = {}
         row["variants"][variant] = res
+        warm = False
         try:
             for _ in range(2):  # warm-up: compiles, module loads, DeepEP buffer parity
                 out = layer(x, variant)
@@ -575,20 +586,28 @@ def decode_one(rank: int, world: int, layer: DecodeLayer, t: int, args: argparse
                 res["max_abs_diff_vs_none"] = float((out.float() - outputs["none"].float()).abs().max())
             if variant == "full":
                 res["block_m"], res["threshold"] = layer.last["block_m"], layer.last["threshold"]
-            graph, static_out, how = capture(rank, lambda v=variant: layer(x, v), args)  # type: ignore[misc]
-            res["timing"] = how
-            run = graph.replay if graph is not None else (lambda v=variant: layer(x, v))  # type: ignore[misc]
-            dist.barrier()
-            times = time_replays(run, args.iters, args.repeats)
-            wait_or_die(rank, f"decode T={t} {variant} (timed)", args.hang_s, layer.diagnose)
-            res["us"] = statistics.median(times)
-            res["us_min"] = min(times)
-            if graph is not None and static_out is not None:
-                res["replay_check"] = compare(static_out, ref)
-            del graph, static_out
+            warm = True
         except Exception as exc:
             res["error"] = f"{type(exc).__name__}: {exc}"
             log(rank, f"decode T={t} {variant} FAILED: {res['error']}\n{traceback.format_exc()}")
+        if not peers_ok(warm):
+            res.setdefault("error", "skipped: a peer rank failed this variant's warm-up")
+        else:
+            try:
+                graph, static_out, how = capture(rank, lambda v=variant: layer(x, v), args)  # type: ignore[misc]
+                res["timing"] = how
+                run = graph.replay if graph is not None else (lambda v=variant: layer(x, v))  # type: ignore[misc]
+                dist.barrier()
+                times = time_replays(run, args.iters, args.repeats)
+                wait_or_die(rank, f"decode T={t} {variant} (timed)", args.hang_s, layer.diagnose)
+                res["us"] = statistics.median(times)
+                res["us_min"] = min(times)
+                if graph is not None and static_out is not None:
+                    res["replay_check"] = compare(static_out, ref)
+                del graph, static_out
+            except Exception as exc:
+                res["error"] = f"{type(exc).__name__}: {exc}"
+                log(rank, f"decode T={t} {variant} FAILED: {res['error']}\n{traceback.format_exc()}")
         checks = [res.get(k) for k in ("eager_check", "replay_check") if res.get(k)]
         res["ok"] = (
             "error" not in res and bool(checks) and all(c["finite"] and c["rel_err"] <= args.tol for c in checks)
@@ -845,6 +864,7 @@ def tbo_one(rank: int, world: int, layer: PrefillLayer, t: int, args: argparse.N
     for name, fn in runs.items():
         res: dict[str, Any] = {"timing": "events"}
         row["variants"][name] = res
+        warm = False
         try:
             out = fn()
             wait_or_die(rank, f"prefill T={t} {name} (warm-up)", args.hang_s)
@@ -858,14 +878,22 @@ def tbo_one(rank: int, world: int, layer: PrefillLayer, t: int, args: argparse.N
             else:
                 res["check"] = compare(out, outs["none"])
                 res["check"]["against"] = "none"
-            dist.barrier()
-            times = time_replays(lambda f=fn: f(), 1, args.tbo_repeats)  # type: ignore[misc]
-            wait_or_die(rank, f"prefill T={t} {name} (timed)", args.hang_s)
-            res["us"] = statistics.median(times) / args.layers
-            res["us_min"] = min(times) / args.layers
+            warm = True
         except Exception as exc:
             res["error"] = f"{type(exc).__name__}: {exc}"
             log(rank, f"prefill T={t} {name} FAILED: {res['error']}\n{traceback.format_exc()}")
+        if not peers_ok(warm):
+            res.setdefault("error", "skipped: a peer rank failed this variant's warm-up")
+        else:
+            try:
+                dist.barrier()
+                times = time_replays(lambda f=fn: f(), 1, args.tbo_repeats)  # type: ignore[misc]
+                wait_or_die(rank, f"prefill T={t} {name} (timed)", args.hang_s)
+                res["us"] = statistics.median(times) / args.layers
+                res["us_min"] = min(times) / args.layers
+            except Exception as exc:
+                res["error"] = f"{type(exc).__name__}: {exc}"
+                log(rank, f"prefill T={t} {name} FAILED: {res['error']}\n{traceback.format_exc()}")
         c = res.get("check")
         res["ok"] = "error" not in res and bool(c) and c["finite"] and c["rel_err"] <= args.tol
     layer.stash.clear()
