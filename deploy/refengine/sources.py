@@ -163,8 +163,9 @@ def _convert(gguf: Path, out: Path) -> None:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    local = {"gguf_file": gguf.name, "local_files_only": True}
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **local)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **local)
     # The weights are plain float32 now: the saved config must not ask for the GGUF loader again.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
