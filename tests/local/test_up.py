@@ -93,7 +93,8 @@ def test_up_serves_chat_within_90s_and_stops_cleanly(tmp_path: Path) -> None:
         smoke = next(ln for ln in seen if ln.startswith("smoke: "))
         assert "chat completion ok" in smoke and "streamed ok" in smoke
         assert any(ln.startswith("prefill-0 | ") for ln in seen)  # logs are prefixed by role
-        body = {"model": "tiny-deepseek-v3", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8}
+        model = yaml.safe_load(PRESET.read_text())["model"]["served_name"]
+        body = {"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8}
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=30)
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
