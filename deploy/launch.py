@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from sglang_pd.deploy.contract import ENV_LWS_GROUP_SIZE, ENV_LWS_LEADER_ADDRESS, ENV_LWS_WORKER_INDEX
 from sglang_pd.deploy.sglang_args import NodeCommand, render_node
 from sglang_pd.deploy.topology import PodSettings, Topology, check_rules, load_checked_topology
 
@@ -34,9 +35,9 @@ __all__ = [
 ]
 
 # LeaderWorkerSet's per-pod environment (https://lws.sigs.k8s.io/docs/reference/labels-annotations-and-environment-variables/).
-LWS_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"
-LWS_WORKER_INDEX = "LWS_WORKER_INDEX"
-LWS_GROUP_SIZE = "LWS_GROUP_SIZE"
+LWS_LEADER_ADDRESS = ENV_LWS_LEADER_ADDRESS
+LWS_WORKER_INDEX = ENV_LWS_WORKER_INDEX
+LWS_GROUP_SIZE = ENV_LWS_GROUP_SIZE
 
 # sglang shares tensors between its processes through /dev/shm; NCCL needs more with many GPUs.
 MIN_SHM_BYTES = 16 << 30
@@ -249,7 +250,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _router_argv(args: argparse.Namespace) -> list[str]:
     extra = [a for a in args.router_args if a != "--"]
-    return [sys.executable, "-m", "sglang_pd.deploy.cli", "router", "--topology", args.topology, *extra]
+    return ["-m", "sglang_pd.deploy.cli", "router", "--topology", args.topology, *extra]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -280,6 +281,7 @@ def run(args: argparse.Namespace) -> int:
         doc = {
             "role": args.role,
             "node_rank": node_rank,
+            "python": sys.executable,  # runs argv, which starts with the module
             "argv": argv,
             "env": role_env,
             "checks": [{"name": c.name, "ok": c.ok, "required": c.required, "detail": c.detail} for c in checks],
@@ -294,7 +296,6 @@ def run(args: argparse.Namespace) -> int:
         return 1
     sys.stdout.flush()
     env = {**os.environ, **role_env}
-    if argv[0] == "python3":
-        argv = [sys.executable, *argv[1:]]
-    os.execvpe(argv[0], argv, env)
+    # Commands name a module (`-m ...`); this interpreter, the one the image installed us in, runs it.
+    os.execvpe(sys.executable, [sys.executable, *argv], env)
     return 0  # unreachable: execvpe replaces this process

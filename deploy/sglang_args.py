@@ -10,8 +10,8 @@ import json
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
 
+from sglang_pd.deploy.contract import Role
 from sglang_pd.deploy.topology import DISPATCH_BUDGET_ENV, DecodeSpec, SBOMode, Topology
 from sglang_pd.sglang_patches.status import SBO_MODE_ENV
 
@@ -25,9 +25,8 @@ __all__ = [
     "render_plan",
 ]
 
-Role = Literal["prefill", "decode"]
-
-SGLANG_ENTRY = ["python3", "-m", "sglang.launch_server"]
+# The module, not an interpreter: `launch` and `up` run it with their own Python.
+SGLANG_ENTRY = ["-m", "sglang.launch_server"]
 # torch.distributed rendezvous on the instance's leader (node rank 0) for multi-node roles.
 DIST_INIT_PORT = 5000
 # Stands for the leader's address until the launcher knows it (LeaderWorkerSet sets
@@ -49,8 +48,9 @@ class NodeCommand:
     def port(self) -> int:
         return int(self.argv[self.argv.index("--port") + 1])
 
-    def shell(self) -> str:
-        """One shell line: env assignments then the command; the leader address stays a shell variable."""
+    def shell(self, python: str = "python3") -> str:
+        """One shell line: env assignments then `python` running the command; the leader address stays a
+        shell variable."""
 
         def quote(s: str) -> str:
             if LEADER_HOST_FROM_ENV in s:
@@ -58,7 +58,7 @@ class NodeCommand:
             return shlex.quote(s)
 
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
-        cmd = " ".join(quote(a) for a in self.argv)
+        cmd = " ".join(quote(a) for a in [python, *self.argv])
         return f"{env} {cmd}" if env else cmd
 
 
@@ -74,10 +74,9 @@ def render_node(
     if not 0 <= node_rank < spec.nodes:
         raise ValueError(f"node_rank {node_rank} is outside 0..{spec.nodes - 1} for {role}.nodes={spec.nodes}")
     m = t.model
-    # On one host (the local stack) instances take consecutive ports; in a cluster each is its own pod.
-    offset = instance if t.is_local else 0
+    endpoint = t.instance_endpoints(role)[instance]
 
-    a = [*SGLANG_ENTRY, "--model-path", m.path]
+    a = [*SGLANG_ENTRY, "--model-path", t.model_path()]
     if m.served_name:
         a += ["--served-model-name", m.served_name]
     if m.trust_remote_code:
@@ -89,13 +88,13 @@ def render_node(
     a += ["--page-size", str(m.page_size)]
     if m.kv_cache_dtype != "auto":
         a += ["--kv-cache-dtype", m.kv_cache_dtype]
-    a += ["--host", "127.0.0.1" if t.is_local else "0.0.0.0", "--port", str(spec.port + offset)]
+    a += ["--host", "127.0.0.1" if t.is_local else "0.0.0.0", "--port", str(endpoint.port)]
     # Prometheus metrics (TTFT, ITL, queues, KV transfer) for the chart's PodMonitor and dashboard.
     a.append("--enable-metrics")
 
     a += ["--disaggregation-mode", role, "--disaggregation-transfer-backend", t.transfer.backend]
     if role == "prefill":
-        a += ["--disaggregation-bootstrap-port", str(t.prefill.bootstrap_port + offset)]
+        a += ["--disaggregation-bootstrap-port", str(endpoint.bootstrap_port)]
     if t.transfer.protocol == "rdma" and t.transfer.ib_devices:
         a += ["--disaggregation-ib-device", ib_device_arg(t.transfer.ib_devices)]
 

@@ -51,7 +51,7 @@ __all__ = [
     "required_startup_s",
 ]
 
-# sglang's default for SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK (REFERENCE.md §1).
+# sglang's default for SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK (sglang/srt/environ.py).
 DEFAULT_DISPATCH_TOKEN_BUDGET = 128
 # Shipped presets (`local-cpu`, ...) and model configs (deepseek-v3-config.json). A config is found
 # by file name when a topology's relative `model.config_json` is not beside it (as in a pod).
@@ -631,8 +631,9 @@ def check_rules(t: Topology, pod: PodSettings | None = None) -> RuleReport:
         _sbo_runner_rule(t, errors)
     if d.tbo.enabled:
         warnings.append(
-            "decode.tbo.enabled: two-batch overlap on decode cost 8-22% throughput in seed 000's "
-            "measurements; prefer decode.sbo and keep TBO for prefill."
+            "decode.tbo.enabled: two-batch overlap on decode cost 8-22% throughput in ATOM's measurements "
+            "(GPT-OSS-120B on 2x MI355X, ROCm/ATOM docs/TBO.md), where prefill-only TBO gained up to 17%; "
+            "prefer decode.sbo and keep TBO for prefill."
         )
 
     # Per-rank decode batch: DP attention splits running requests over attn_dp_size schedulers.

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from sglang_pd.deploy.contract import ENV_SBO_MODE
+
 __all__ = [
     "COMBINE_KWARGS_DEEPEP",
     "COMBINE_KWARGS_SGLANG",
@@ -42,8 +44,8 @@ __all__ = [
     "shared_half",
 ]
 
-#: The environment variable the renderer sets from the topology's `decode.sbo`.
-SBO_MODE_ENV = "SGLANG_PD_SBO_MODE"
+#: The environment variable the renderer sets from the topology's `decode.sbo` (deploy/contract.py).
+SBO_MODE_ENV = ENV_SBO_MODE
 #: Its values; the same words as `sglang_pd.deploy.topology.SBOMode`.
 SBO_MODES = ("off", "full", "shared-only")
 

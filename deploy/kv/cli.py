@@ -24,8 +24,8 @@ import time
 import zlib
 from contextlib import ExitStack
 from typing import Any
-from urllib.error import URLError
-from urllib.request import urlopen
+
+import httpx
 
 from .config import KVConfig
 from .engine import get_engine
@@ -82,15 +82,14 @@ def diagnose(exc: BaseException) -> str:
         )
     if isinstance(exc, BadAddress):
         return "the peer rejected an address: prefill and decode must use the same page size and KV dtype."
-    if isinstance(exc, URLError | OSError):
+    if isinstance(exc, httpx.HTTPError | OSError):
         return "the peer's control URL does not answer: start `sglang-pd kv-probe --serve` there, check host and port."
     return "see the error above."
 
 
 def _get(url: str) -> dict[str, Any]:
-    with urlopen(url, timeout=10) as r:
-        result: dict[str, Any] = json.loads(r.read())
-        return result
+    result: dict[str, Any] = httpx.get(url, timeout=10).raise_for_status().json()
+    return result
 
 
 def _probe(args: argparse.Namespace, config: KVConfig, peer_url: str) -> dict[str, Any]:
@@ -222,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
                 env = {k: v for k, v in os.environ.items() if k.startswith("SGLANG_PD_KV_")}
                 peer_url = stack.enter_context(start_peer(size, env=env)).info.http
             report = _probe(args, config, peer_url)
-        except (KVError, OSError, ValueError, RuntimeError) as exc:
+        except (KVError, OSError, httpx.HTTPError, ValueError, RuntimeError) as exc:
             report = {"checks": [], "ok": False, "error": f"{type(exc).__name__}: {exc}", "diagnosis": diagnose(exc)}
     report["checks"].append(_deepep_driver_check())
     print(json.dumps(report, indent=2) if args.format == "json" else _format_table(report))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -94,7 +95,8 @@ def test_failed_checks_stop_the_launch(capsys, monkeypatch) -> None:
 def test_router_role_passes_its_flags(capsys) -> None:
     assert main(["launch", "--role", "router", "--topology", str(R1), "--dry-run", "--", "--kubernetes"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["argv"][1:] == ["-m", "sglang_pd.deploy.cli", "router", "--topology", str(R1), "--kubernetes"]
+    assert doc["argv"] == ["-m", "sglang_pd.deploy.cli", "router", "--topology", str(R1), "--kubernetes"]
+    assert doc["python"] == sys.executable
     assert doc["checks"] == []
 
 

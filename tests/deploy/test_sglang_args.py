@@ -24,7 +24,7 @@ def r1():
 
 def test_prefill_command(r1) -> None:
     c = render_node(r1, "prefill")
-    assert c.argv[:3] == ["python3", "-m", "sglang.launch_server"]
+    assert c.argv[:2] == ["-m", "sglang.launch_server"]  # the interpreter is the launcher's
     assert flag(c.argv, "--disaggregation-mode") == "prefill"
     assert flag(c.argv, "--disaggregation-bootstrap-port") == "8998"
     assert (flag(c.argv, "--tp-size"), flag(c.argv, "--ep-size"), flag(c.argv, "--page-size")) == ("8", "8", "64")
