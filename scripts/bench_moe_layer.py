@@ -757,7 +757,8 @@ class PrefillLayer:
         key = torch.where(recv_idx < 0, num_local, recv_idx).flatten()
         order = torch.sort(key, stable=True).indices[:pairs]  # the valid pairs, expert by expert
         expert = key[order]
-        counts_t = torch.tensor(counts, dtype=torch.int32, device=rq.device)
+        # pinned and non-blocking: a pageable copy would wait for the whole compute stream (the other micro-batch)
+        counts_t = torch.tensor(counts, dtype=torch.int32).pin_memory().to(rq.device, non_blocking=True)
         starts = torch.cumsum(counts_t, 0) - counts_t
         pos = torch.arange(pairs, device=rq.device) - starts[expert]
         tok = order // k

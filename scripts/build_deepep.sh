@@ -10,7 +10,8 @@
 #         PYTHONPATH=PREFIX. A build whose source hash matches PREFIX/.source-hash is reused.
 #
 # Environment: PYTHON (default python3), MAX_JOBS (default: all cores), BUILD_DIR (default
-# /tmp/deepep-build). Prints `import deep_ep: ok ...` or the import error as its last line.
+# /tmp/deepep-build), DEEPEP_HIDDEN (e.g. 7168: build the low-latency kernels for these hidden sizes
+# only). Prints `import deep_ep: ok ...` or the import error as its last line.
 set -euo pipefail
 
 # The machine's rule: no NVLink multicast in NCCL, PyTorch or NVSHMEM.
@@ -103,11 +104,28 @@ echo "== NVSHMEM: $NVSHMEM_PKG (host library $HOST_LIB), NVSHMEM_DIR=$NVSHMEM_DI
 
 # %% Build (skipped when PREFIX already holds a build of this very source)
 HASH=$(cd "$SRC" && find . -type f \( -name '*.py' -o -name '*.cu' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.hpp' \) -print0 \
-  | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)
+  | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)-h${DEEPEP_HIDDEN:-all}
 if [ -f "$PREFIX/.source-hash" ] && [ "$(cat "$PREFIX/.source-hash")" = "$HASH" ] && compgen -G "$PREFIX/deep_ep_cpp*.so" >/dev/null; then
   echo "== reusing the build in $PREFIX (source hash $HASH)"
 else
   rm -rf "$BUILD_DIR" && mkdir -p "$BUILD_DIR" && cp -r "$SRC"/. "$BUILD_DIR"/
+  if [ -n "${DEEPEP_HIDDEN:-}" ]; then
+    # Instantiate the low-latency kernels for these hidden sizes only (upstream: eight sizes); the
+    # other sizes then fail with DeepEP's own "Unsupported hidden". Shortens the longest compile.
+    "$PY" - "$BUILD_DIR/csrc/kernels/launch.cuh" "$DEEPEP_HIDDEN" <<'PY'
+import re, sys
+path, sizes = sys.argv[1], [int(v) for v in sys.argv[2].split(",")]
+text = open(path).read()
+block = re.search(r"#define SWITCH_HIDDEN\(case_macro\)[^\n]*\n(?:[^\n]*\\\n)*[^\n]*\n", text)
+assert block and "while (false)" in block.group(0), "SWITCH_HIDDEN not found in launch.cuh"
+lines = ["#define SWITCH_HIDDEN(case_macro)", "    switch (hidden) {"]
+lines += [f"        case {h}:  case_macro({h});" for h in sizes]
+lines += ['        default:  EP_HOST_ASSERT(false and "Unsupported hidden");', "    }", "    while (false)"]
+new = " \\\n".join(lines) + "\n"
+open(path, "w").write(text[: block.start()] + new + text[block.end() :])
+print("== SWITCH_HIDDEN limited to", sizes)
+PY
+  fi
   export TORCH_CUDA_ARCH_LIST=9.0            # H100/H200/H20 only: one arch, shortest build
   export DISABLE_SM90_FEATURES=0
   export MAX_JOBS=${MAX_JOBS:-$(nproc)}
