@@ -18,6 +18,8 @@ import httpx
 import pytest
 import yaml
 
+from sglang_pd.deploy.procs import spawn
+
 PRESET = Path(__file__).resolve().parents[2] / "deploy" / "presets" / "local-cpu.yaml"
 
 
@@ -71,12 +73,9 @@ def _topology(tmp: Path) -> tuple[Path, int]:
 def test_up_serves_chat_within_90s_and_stops_cleanly(tmp_path: Path) -> None:
     topo, port = _topology(tmp_path)
     t0 = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sglang_pd.deploy.cli", "up", str(topo)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    up = spawn("up", [sys.executable, "-m", "sglang_pd.deploy.cli", "up", str(topo)],
+               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    proc = up.proc
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
     seen: list[str] = []
@@ -125,7 +124,7 @@ def test_children_die_with_a_killed_parent(tmp_path: Path) -> None:
         time.sleep(60)
         """
     )
-    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    parent = spawn("a stand-in for up", [sys.executable, "-c", script], stdout=subprocess.PIPE).proc
     assert parent.stdout is not None
     pids = [int(p) for p in parent.stdout.readline().split()]
     assert len(pids) == 2 and all(_alive(p) for p in pids)

@@ -15,6 +15,8 @@ from dataclasses import replace
 
 import httpx
 
+from sglang_pd.deploy.procs import spawn
+
 from .conftest import FAST, Cluster, wait_ready
 
 CHAT = "/v1/chat/completions"
@@ -125,17 +127,17 @@ def test_sigterm_drains_in_flight_streams(cluster_factory: Callable[..., Cluster
     cmd = [sys.executable, "-m", "sglang_pd.deploy.router.cli", "--host", "127.0.0.1", "--port", str(port),
            "--prefill", p.url, str(p.bootstrap_port), "--decode", d.url, "--policy", "round_robin",
            "--drain-timeout", "10", "--health-interval", "0.5", "--log-level", "warning"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    router = spawn("router", cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(url, timeout=20)
+        router.wait_http(url + "/readiness", timeout_s=20)
         with (
             httpx.Client(timeout=15) as client,
             client.stream("POST", url + CHAT, json={**BODY, "max_tokens": 30, "stream": True}) as resp,
         ):
             stream = resp.iter_raw()
             chunks = [next(stream)]
-            os.kill(proc.pid, signal.SIGTERM)
+            os.kill(router.pid, signal.SIGTERM)
             time.sleep(0.3)
             # New connections are refused while the stream goes on.
             try:
@@ -146,10 +148,6 @@ def test_sigterm_drains_in_flight_streams(cluster_factory: Callable[..., Cluster
             chunks += list(stream)
         body = b"".join(chunks)
         assert body.count(b" tok") == 30 and body.endswith(b"data: [DONE]\n\n")
-        assert proc.wait(timeout=10) == 0
+        assert router.proc.wait(timeout=10) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        assert proc.stderr is not None
-        proc.stderr.close()
+        router.stop(grace_s=1)
