@@ -4,7 +4,7 @@ Main port: `/generate`, `/v1/completions`, `/v1/chat/completions` (JSON or SSE),
 `/health`, `/health_generate`, `/server_info` (and `/get_server_info`), `/get_model_info`,
 `/metrics`, `/abort_request`. Bootstrap port (prefill): `/kv/claim`, `/kv/cancel`, `/health`.
 PD fields come from the body (`bootstrap_host`, `bootstrap_port`, `bootstrap_room`) or from the
-`x-override-bootstrap-{host,port,room}` headers, as in sglang.
+`x-override-bootstrap-{host,port,room}` headers, as in sglang (docs/pd-protocol.md).
 """
 
 from __future__ import annotations
