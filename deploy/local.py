@@ -24,6 +24,7 @@ from typing import TextIO
 import httpx
 
 from sglang_pd.deploy.procs import Child, http_ok, spawn
+from sglang_pd.deploy.sglang_compat import adapt_argv, installed_options
 from sglang_pd.deploy.topology import Topology, TopologyError, load_checked_topology
 
 __all__ = ["ChildSpec", "Stack", "add_arguments", "local_children", "run"]
@@ -43,6 +44,10 @@ class ChildSpec:
     argv: list[str]
     health_url: str
     env: dict[str, str] = field(default_factory=dict)
+    # Start the next child only once this one is healthy. sglang sizes its KV pool from the GPU
+    # memory free when it starts, so engines sharing a GPU must not measure it at the same time.
+    sequential: bool = False
+    ready_timeout_s: float = 900.0
 
 
 def _cli(*args: str) -> list[str]:
@@ -100,11 +105,19 @@ def sglang_children(t: Topology, *, host: str, port: int) -> list[ChildSpec]:
         raise TopologyError(
             f"{t.name}: instances span several nodes; run `sglang-pd launch` on each node (or use Helm) instead of up."
         )
+    installed = installed_options()
+    if installed is None:
+        raise TopologyError(
+            "sglang does not import here; install it (or run a CPU topology with the reference engine)."
+        )
+    version, options = installed
     children = []
     for role, cmds in render_plan(t, "127.0.0.1").items():
         for c, ep in zip(cmds, t.instance_endpoints(role), strict=True):
-            # The renderer names the module; this process's interpreter runs it.
-            children.append(ChildSpec(ep.name, [sys.executable, *c.argv], f"{ep.url}/health", c.env))
+            # The renderer names the module and writes the deployed release's flags; this
+            # process's interpreter runs it, with the flags the installed sglang accepts.
+            argv = [sys.executable, *adapt_argv(c.argv, options, version)]
+            children.append(ChildSpec(ep.name, argv, f"{ep.url}/health", c.env, sequential=True))
     return [*children, _router_child(t, host, port)]
 
 
@@ -147,6 +160,17 @@ class Stack:
             child = spawn(spec.name, spec.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=False)
             self.procs[spec.name] = child
             threading.Thread(target=self._pump, args=(child,), daemon=True).start()
+            if spec.sequential:
+                self._wait_healthy(spec)
+
+    def _wait_healthy(self, spec: ChildSpec) -> None:
+        """Block until `spec`'s child answers its health URL; a child that exits is left to wait_ready."""
+        deadline = time.monotonic() + spec.ready_timeout_s
+        child = self.procs[spec.name]
+        while child.alive() and not self.stopping.is_set() and time.monotonic() < deadline:
+            if http_ok(spec.health_url):
+                return
+            time.sleep(0.5)
 
     def exited(self) -> list[tuple[str, int]]:
         return [(n, c.proc.returncode) for n, c in self.procs.items() if not c.alive()]

@@ -1,0 +1,85 @@
+"""Rendered commands against two sglang releases' own parsers: 0.5.23 (installed) and 0.5.17 (recorded).
+
+The 0.5.17 option strings were read from `ServerArgs.add_cli_args` on the GPU machine that runs
+sglang 0.5.17 (`scripts/gpu_pd_run.sh` writes them); 0.5.23's come from the installed package.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sglang_pd.deploy.sglang_args import render_plan
+from sglang_pd.deploy.sglang_compat import (
+    EQUIVALENTS,
+    SglangVersionError,
+    adapt_argv,
+    compatibility_rows,
+    installed_options,
+)
+from sglang_pd.deploy.topology import find_topology, load_topology
+
+RECORDED_0517 = Path(__file__).parent / "data" / "sglang-0.5.17-options.json"
+OPTIONS_0517 = frozenset(json.loads(RECORDED_0517.read_text())["options"])
+PRESETS = ["deepseek-r1-h200-1p1d", "deepseek-v3-h20-3p2d", "single-h200"]
+
+
+def _argvs(preset: str) -> list[list[str]]:
+    t = load_topology(find_topology(preset))
+    return [c.argv for cmds in render_plan(t, "10.0.0.1").values() for c in cmds]
+
+
+def test_recorded_options_are_sglang_0517():
+    data = json.loads(RECORDED_0517.read_text())
+    assert data["sglang"] == "0.5.17"
+    assert "--dp-size" in OPTIONS_0517 and "--attn-dp-size" not in OPTIONS_0517
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_renders_for_0517_with_known_equivalents_only(preset):
+    for argv in _argvs(preset):
+        adapted = adapt_argv(argv, OPTIONS_0517, "0.5.17")
+        assert all(a in OPTIONS_0517 for a in adapted if a.startswith("--")), adapted
+
+
+def test_attn_dp_size_becomes_dp_size_with_dp_attention_on_0517():
+    argv = ["-m", "sglang.launch_server", "--tp-size", "16", "--attn-dp-size", "16", "--page-size", "64"]
+    expected = ["-m", "sglang.launch_server", "--tp-size", "16", "--dp-size", "16", "--enable-dp-attention"]
+    assert adapt_argv(argv, OPTIONS_0517, "0.5.17") == [*expected, "--page-size", "64"]
+
+
+def test_a_flag_without_equivalent_is_refused_with_its_name_and_the_version():
+    with pytest.raises(SglangVersionError, match=r"sglang 0\.5\.17 does not accept --enable-pd-role-switch"):
+        adapt_argv(["--enable-pd-role-switch", "--page-size", "64"], OPTIONS_0517, "0.5.17")
+
+
+def test_compatibility_rows_say_what_happens_to_each_flag():
+    rows = {r.flag: r for r in compatibility_rows(["--attn-dp-size", "16", "--page-size", "64", "--x-y"], OPTIONS_0517)}
+    assert rows["--page-size"].status == "ok"
+    assert rows["--attn-dp-size"].status == "rewritten"
+    assert rows["--attn-dp-size"].replacement == "--dp-size N --enable-dp-attention"
+    assert rows["--x-y"].status == "unsupported"
+
+
+@pytest.mark.sglang
+def test_installed_0523_takes_every_preset_unchanged():
+    installed = installed_options()
+    if installed is None:
+        pytest.skip("sglang does not import here (the `validate` extra installs it)")
+    version, options = installed
+    assert version == "0.5.23"
+    for preset in PRESETS:
+        for argv in _argvs(preset):
+            assert adapt_argv(argv, options, version) == argv
+
+
+@pytest.mark.sglang
+def test_equivalents_name_only_flags_the_installed_release_knows():
+    installed = installed_options()
+    if installed is None:
+        pytest.skip("sglang does not import here (the `validate` extra installs it)")
+    _, options = installed
+    for new in EQUIVALENTS:
+        assert new in options, f"{new} is not a flag of the deployed sglang"
