@@ -758,7 +758,8 @@ class PrefillLayer:
         order = torch.sort(key, stable=True).indices[:pairs]  # the valid pairs, expert by expert
         expert = key[order]
         # pinned and non-blocking: a pageable copy would wait for the whole compute stream (the other micro-batch)
-        counts_t = torch.tensor(counts, dtype=torch.int32).pin_memory().to(rq.device, non_blocking=True)
+        counts_t = torch.tensor(counts, dtype=torch.int32)
+        counts_t = (counts_t.pin_memory() if rq.is_cuda else counts_t).to(rq.device, non_blocking=True)
         starts = torch.cumsum(counts_t, 0) - counts_t
         pos = torch.arange(pairs, device=rq.device) - starts[expert]
         tok = order // k
@@ -771,7 +772,9 @@ class PrefillLayer:
         h = self.experts.up(a, a_s, counts_t, em)
         aq, as_ = act_quant(h, counts_t)
         d, _ = self.experts.down(aq, as_, counts_t, em)
-        out.index_add_(0, tok, d[expert, pos].float() * recv_w.flatten()[order][:, None])
+        vals = d[expert, pos].float()
+        vals.mul_(recv_w.flatten()[order][:, None])
+        out.index_add_(0, tok, vals)
         return out.to(torch.bfloat16)
 
     def combine(self, routed: torch.Tensor, handle: Any, overlap: bool) -> tuple[torch.Tensor, Any]:

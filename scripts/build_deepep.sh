@@ -129,18 +129,17 @@ PY
   export TORCH_CUDA_ARCH_LIST=9.0            # H100/H200/H20 only: one arch, shortest build
   export DISABLE_SM90_FEATURES=0
   export MAX_JOBS=${MAX_JOBS:-$(nproc)}
-  # setup.py links -lcuda: use the driver's library, else the toolkit's stub (same API, loaded at run time).
-  if ! ldconfig -p | grep -q 'libcuda\.so '; then
-    CUDA_ROOT=${CUDA_HOME:-/usr/local/cuda}
-    LIBCUDA_DIR=/tmp/deepep-libcuda && mkdir -p "$LIBCUDA_DIR"
-    if [ -e "$CUDA_ROOT/lib64/stubs/libcuda.so" ]; then
-      ln -sf "$CUDA_ROOT/lib64/stubs/libcuda.so" "$LIBCUDA_DIR/libcuda.so"
-    elif real=$(ldconfig -p | awk '/libcuda\.so\.1 / {print $NF; exit}') && [ -n "$real" ]; then
-      ln -sf "$real" "$LIBCUDA_DIR/libcuda.so"
-    fi
+  # setup.py links -lcuda: the linker gets a directory holding libcuda.so (the driver's, found through
+  # ldconfig, else the toolkit's stub: the same API, and the driver's is loaded at run time).
+  CUDA_ROOT=${CUDA_HOME:-/usr/local/cuda}
+  LIBCUDA=$(ldconfig -p 2>/dev/null | awk '/libcuda\.so / {print $NF; exit}' || true)
+  [ -z "$LIBCUDA" ] && [ -e "$CUDA_ROOT/lib64/stubs/libcuda.so" ] && LIBCUDA=$CUDA_ROOT/lib64/stubs/libcuda.so
+  [ -z "$LIBCUDA" ] && LIBCUDA=$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 / {print $NF; exit}' || true)
+  if [ -n "$LIBCUDA" ]; then
+    LIBCUDA_DIR=/tmp/deepep-libcuda && mkdir -p "$LIBCUDA_DIR" && ln -sf "$LIBCUDA" "$LIBCUDA_DIR/libcuda.so"
     export LIBRARY_PATH=$LIBCUDA_DIR${LIBRARY_PATH:+:$LIBRARY_PATH}
-    echo "== linking -lcuda through $LIBCUDA_DIR -> $(readlink "$LIBCUDA_DIR/libcuda.so" || echo 'nothing found')"
   fi
+  echo "== libcuda for linking: ${LIBCUDA:-none found (the link will fail)}"
   echo "== building in $BUILD_DIR with MAX_JOBS=$MAX_JOBS (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST)"
   start=$(date +%s)
   (cd "$BUILD_DIR" && "$PY" setup.py build_ext --inplace) >"$BUILD_DIR/build.log" 2>&1 || {
