@@ -62,8 +62,8 @@ run_bench() {
     return
   fi
   say "$name: bench_moe_layer.py $* (deadline ${deadline} s)"
-  "$PY" scripts/bench_moe_layer.py "$@" --json "$out/$name.json" --deadline-s "$deadline" --hang-s 60 >>"$log" 2>&1
-  say "$name: exit $? after $(elapsed) s in total"
+  "$PY" scripts/bench_moe_layer.py "$@" --json "$out/$name.json" --deadline-s "$deadline" --hang-s 60 2>&1 | tee -a "$log"
+  say "$name: exit ${PIPESTATUS[0]} after $(elapsed) s in total"
 }
 # In the order of the asks: the DeepSeek-V3 decode layer, prefill TBO, then the EP16 per-GPU load.
 run_bench decode_e256 170 140 --mode decode --num-experts 256 --iters 20 --repeats 10 --port 27311
