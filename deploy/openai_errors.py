@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
-__all__ = ["ApiError", "error_body", "error_dict", "error_response", "sse_error"]
+__all__ = ["ApiError", "error_body", "error_dict", "error_response", "normalize_error_body", "sse_error"]
 
 # HTTP status -> OpenAI error type, as the OpenAI API spells them.
 _TYPES: dict[int, str] = {
@@ -82,3 +82,29 @@ def error_response(status: int, message: str, **fields: Any) -> Response:
 def sse_error(status: int, message: str, *, code: str | None = None) -> bytes:
     """An SSE event carrying an OpenAI error, followed by the `[DONE]` terminator."""
     return b"data: " + error_body(status, message, code=code) + b"\n\ndata: [DONE]\n\n"
+
+
+def normalize_error_body(status: int, body: bytes) -> bytes:
+    """An engine's error answer in the one OpenAI shape: kept when it already is one, else rebuilt
+    from the message it carries (sglang answers `{"object": "error", "message": ...}` on its
+    OpenAI routes and FastAPI's `{"detail": ...}` elsewhere)."""
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        payload = None
+    if isinstance(payload, dict):
+        error = payload.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            param, code = error.get("param"), error.get("code")
+            return error_body(
+                status,
+                error["message"],
+                param=param if isinstance(param, str) else None,
+                code=str(code) if isinstance(code, str | int) and not isinstance(code, bool) else None,
+            )
+        for key in ("message", "detail", "error"):
+            value = payload.get(key)
+            if isinstance(value, str) and value:
+                return error_body(status, value, code="engine_error")
+    text = body[:500].decode("utf-8", "replace").strip() or f"The engine answered {status}."
+    return error_body(status, text, code="engine_error")

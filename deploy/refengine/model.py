@@ -93,16 +93,26 @@ class LoadedModel:
 
 
 def sample_token(logits: torch.Tensor, *, temperature: float, top_p: float, top_k: int, seed: int, step: int) -> int:
-    """Greedy when temperature is 0; otherwise temperature/top-k/top-p sampling seeded per (seed, step)."""
+    """Greedy when temperature is 0; otherwise temperature/top-k/top-p sampling seeded per (seed, step).
+
+    Numerically safe for any temperature > 0 and top_p in (0, 1]: the logits are shifted by their
+    maximum and scaled in float64, so a tiny temperature (1e-50) sharpens towards greedy instead of
+    overflowing to NaN, and the most likely token always survives top-p, so a tiny top_p (5e-324)
+    keeps one token instead of none.
+    """
     if temperature <= 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits / temperature, dim=-1)
+    scaled = (logits.double() - logits.max().double()) / temperature
+    probs = torch.softmax(scaled, dim=-1)
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
+        return int(torch.argmax(logits))
     if top_k > 0:
         kth = torch.topk(probs, min(top_k, probs.numel())).values[-1]
         probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
     if top_p < 1.0:
         sorted_p, idx = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p * sorted_p.sum()
+        keep[0] = True
         mask = torch.zeros_like(probs, dtype=torch.bool).scatter(0, idx[keep], True)
         probs = torch.where(mask, probs, torch.zeros_like(probs))
     gen = torch.Generator().manual_seed((seed * 1_000_003 + step) & 0x7FFF_FFFF_FFFF_FFFF)

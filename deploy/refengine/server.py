@@ -57,10 +57,10 @@ def _or(v: Any, default: float) -> Any:
 def _params(body: dict[str, Any], kind: Kind) -> SamplingParams:
     src = body.get("sampling_params") or {} if kind == "generate" else body
     try:
-        max_new = src.get("max_new_tokens") if kind == "generate" else None
-        max_new = (
-            max_new or src.get("max_completion_tokens") or src.get("max_tokens") or (16 if kind != "chat" else 128)
-        )
+        # The first one given wins, 0 included (a falsy 0 must not fall through to the default).
+        given = [src.get("max_new_tokens")] if kind == "generate" else []
+        given += [src.get("max_completion_tokens"), src.get("max_tokens")]
+        max_new = next((v for v in given if v is not None), 16 if kind != "chat" else 128)
         seed = src.get("seed", src.get("sampling_seed"))
         p = SamplingParams(
             max_new_tokens=int(max_new),
@@ -78,6 +78,8 @@ def _params(body: dict[str, Any], kind: Kind) -> SamplingParams:
         raise RequestFailed(f"max_tokens has value {p.max_new_tokens}; it must be at least 1.", 400)
     if not 0 < p.top_p <= 1:
         raise RequestFailed(f"top_p has value {p.top_p}; it must be in (0, 1].", 400)
+    if not 0 <= p.temperature < float("inf"):
+        raise RequestFailed(f"temperature has value {p.temperature}; it must be a finite number >= 0.", 400)
     if body.get("n", 1) not in (1, None):
         raise RequestFailed("n > 1 is not supported by the reference engine; send n=1.", 400)
     return p

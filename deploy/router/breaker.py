@@ -1,9 +1,13 @@
-"""A per-worker circuit breaker: closed → open after N consecutive failures → half-open probe."""
+"""A per-worker circuit breaker: closed → open after N consecutive failures → half-open probe.
+Every change of state is logged (warning when it opens), with the worker it guards."""
 
 from __future__ import annotations
 
 import enum
+import logging
 import time
+
+from .log import logger
 
 __all__ = ["BreakerState", "CircuitBreaker"]
 
@@ -18,7 +22,8 @@ class CircuitBreaker:
     """Counts consecutive request failures of one worker. 4xx answers are not failures: callers
     only report transport errors, timeouts and 5xx."""
 
-    def __init__(self, *, failure_threshold: int, cooldown_s: float) -> None:
+    def __init__(self, *, failure_threshold: int, cooldown_s: float, name: str = "") -> None:
+        self.name = name  # the worker it guards, for the log
         self.failure_threshold = max(1, failure_threshold)
         self.cooldown_s = cooldown_s
         self.state = BreakerState.CLOSED
@@ -42,21 +47,32 @@ class CircuitBreaker:
             return
         now = time.monotonic() if now is None else now
         if self.state is BreakerState.OPEN and now - self._opened_at >= self.cooldown_s:
-            self.state = BreakerState.HALF_OPEN
+            self._become(BreakerState.HALF_OPEN)
         if self.state is BreakerState.HALF_OPEN:
             self._probe_in_flight = True
 
     def record_success(self) -> None:
         self.failures = 0
         self._probe_in_flight = False
-        self.state = BreakerState.CLOSED
+        self._become(BreakerState.CLOSED)
 
     def record_failure(self, now: float | None = None) -> None:
         self.failures += 1
         self._probe_in_flight = False
         if self.state is BreakerState.HALF_OPEN or self.failures >= self.failure_threshold:
-            self.state = BreakerState.OPEN
+            self._become(BreakerState.OPEN)
             self._opened_at = time.monotonic() if now is None else now
+
+    def _become(self, state: BreakerState) -> None:
+        if state is self.state:
+            return
+        level = logging.WARNING if state is BreakerState.OPEN else logging.INFO
+        logger.log(
+            level,
+            f"circuit breaker {self.state.name.lower()} -> {state.name.lower()}",
+            extra={"worker": self.name, "failures": self.failures, "cooldown_s": self.cooldown_s},
+        )
+        self.state = state
 
     def __repr__(self) -> str:
         return f"CircuitBreaker(state={self.state.name}, failures={self.failures})"

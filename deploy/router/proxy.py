@@ -16,7 +16,7 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import Receive
 
-from ..openai_errors import ApiError
+from ..openai_errors import ApiError, normalize_error_body
 from .config import RouterConfig
 from .exceptions import ClientGone, NoHealthyWorker, UpstreamError, UpstreamStatusError, UpstreamTimeout
 from .legs import Legs, PairStreamOutcome
@@ -49,14 +49,15 @@ class PDProxy:
         if reply.status < 300 and wants_input_logprobs(endpoint, payload):
             body = await self._with_prefill_logprobs(prefill_t, body, merge_logprobs)
         self._watch_prefill(prefill_t)
+        if reply.status >= 400:
+            return _refused(reply, rid)
         return Response(body, status_code=reply.status, media_type=reply.content_type, headers={"x-request-id": rid})
 
     async def stream(self, endpoint: str, payload: dict[str, Any], rid: str, receive: Receive) -> Response:
         pair, reply, prefill_t = await self._attempts(endpoint, payload, rid, self.legs.open_stream, receive)
-        if reply.stream is None:  # decode refused (4xx): answer as is
+        if reply.stream is None:  # decode refused (4xx)
             self._watch_prefill(prefill_t)
-            headers = {"x-request-id": rid}
-            return Response(reply.body, status_code=reply.status, media_type=reply.content_type, headers=headers)
+            return _refused(reply, rid)
         first = reply.body
         if wants_input_logprobs(endpoint, payload):
             first = await self._with_prefill_logprobs(prefill_t, first, merge_first_event)
@@ -200,6 +201,12 @@ class PDProxy:
             prefill_t.add_done_callback(record)
 
 
+def _refused(reply: Reply, rid: str) -> Response:
+    """An engine's own refusal (4xx), in the one OpenAI error shape."""
+    body = normalize_error_body(reply.status, reply.body)
+    return Response(body, status_code=reply.status, media_type="application/json", headers={"x-request-id": rid})
+
+
 def _cancel(*tasks: asyncio.Future[Any]) -> None:
     """Cancel unfinished legs and retrieve every outcome: a leg that turns its cancellation into
     an error (a client timeout racing the cancel) must not log "exception was never retrieved"."""
@@ -230,9 +237,17 @@ def _timeout_error(seconds: float) -> ApiError:
 
 
 def _gave_up(error: UpstreamError, attempts: int) -> ApiError:
+    # The worker's URL and the error text stay in the router's log (with the request id): the
+    # client learns what happened, not the cluster's internal addresses.
+    logger.warning(
+        "request failed on every attempt",
+        extra={"attempts": attempts, "worker": error.worker.url, "role": error.worker.role, "error": str(error)},
+    )
+    timed_out = isinstance(error, UpstreamTimeout)
+    what = "did not answer in time" if timed_out else "failed"
     return ApiError(
-        504 if isinstance(error, UpstreamTimeout) else 502,
-        f"The request failed after {attempts} attempt(s); last error: {error}. "
-        "Check the workers' health with GET /workers.",
+        504 if timed_out else 502,
+        f"The request failed after {attempts} attempt(s): the {error.worker.role} worker {what}. "
+        "Retry later; the router's log has the details under this request id.",
         code="upstream_error",
     )

@@ -75,7 +75,8 @@ class RelayResponse(Response):
         except UpstreamError as exc:
             self.finished = True
             self.outcome.failed(exc)
-            message = f"The decode worker failed mid-stream ({exc}); the answer is incomplete. Retry the request."
+            # The error text (with the worker's URL) is logged by outcome.failed, not sent.
+            message = "The decode worker failed mid-stream; the answer is incomplete. Retry the request."
             error = sse_error(502, message, code="upstream_stream_error")
             await send({"type": "http.response.body", "body": error, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})

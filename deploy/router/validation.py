@@ -1,23 +1,53 @@
 """Cheap checks of a request body before it is forwarded, so that bad input gets a 4xx from the
 router with an OpenAI-shaped error instead of reaching (or crashing) a worker.
 
-Only the fields the router itself relies on, and the ones whose wrong type would fail on every
-worker, are checked; everything else is the engine's to judge.
+Checked: the fields the router itself relies on, the ones whose wrong type would fail on every
+worker, and the sampling parameters with OpenAI's ranges (sglang's for `/generate`'s
+`sampling_params`). A request that an engine would fail on is the client's fault, so it must be
+refused here with a 400: a worker's 5xx counts against its circuit breaker, and a handful of bad
+requests must not take a healthy worker out of service.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import orjson
 
 from ..openai_errors import ApiError
 
-__all__ = ["ENDPOINTS", "batch_size", "parse_body", "routing_text", "validate"]
+__all__ = ["ENDPOINTS", "MAX_JSON_DEPTH", "ROLES", "batch_size", "parse_body", "routing_text", "validate"]
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/generate")
 
 _NUMBER = (int, float)
+
+# Nesting deeper than this is refused: orjson serialises at most 255 levels (the router re-encodes
+# bodies) and no OpenAI request needs more than a handful.
+MAX_JSON_DEPTH = 64
+
+# OpenAI's chat roles ("function" is its deprecated predecessor of "tool").
+ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
+
+# (low, high, low included, high included) of OpenAI's sampling parameters.
+_OPENAI_RANGES: dict[str, tuple[float, float, bool, bool]] = {
+    "temperature": (0.0, 2.0, True, True),
+    "top_p": (0.0, 1.0, False, True),
+    "presence_penalty": (-2.0, 2.0, True, True),
+    "frequency_penalty": (-2.0, 2.0, True, True),
+}
+# sglang's checks of `/generate`'s sampling_params (sglang/srt/sampling/sampling_params.py, verify()).
+_SGLANG_RANGES: dict[str, tuple[float, float, bool, bool]] = {
+    "temperature": (0.0, math.inf, True, False),
+    "top_p": (0.0, 1.0, False, True),
+    "min_p": (0.0, 1.0, True, True),
+    "presence_penalty": (-2.0, 2.0, True, True),
+    "frequency_penalty": (-2.0, 2.0, True, True),
+    "repetition_penalty": (0.0, 2.0, True, True),
+}
+_MAX_N = 128  # OpenAI's limit
+_MAX_TOP_LOGPROBS = 20  # chat; legacy completions allow 5
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -35,7 +65,26 @@ def parse_body(raw: bytes) -> dict[str, Any]:
             f"The request body is a JSON {type(payload).__name__}, not an object. Send a JSON object.",
             code="invalid_json",
         )
+    _check_depth(raw, payload)
     return payload
+
+
+def _check_depth(raw: bytes, payload: Any) -> None:
+    # Counting brackets runs in C: a body with fewer brackets than the limit cannot nest deeper,
+    # so the walk below only runs for the rare body full of brackets.
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        return
+    stack: list[tuple[Any, int]] = [(payload, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(
+                400,
+                f"The request body nests JSON deeper than {MAX_JSON_DEPTH} levels. Flatten it.",
+                code="invalid_json",
+            )
+        children = value.values() if isinstance(value, dict) else value
+        stack.extend((v, depth + 1) for v in children if isinstance(v, dict | list))
 
 
 def _type_error(param: str, expected: str, value: Any) -> ApiError:
@@ -75,13 +124,9 @@ def _check_common(payload: dict[str, Any]) -> None:
         value = payload.get(name)
         if value is not None and not _is_int(value):
             raise _type_error(name, "an integer", value)
-    for name in ("max_tokens", "max_completion_tokens"):
-        value = payload.get(name)
-        if value is not None and value < 0:
-            raise ApiError(400, f"'{name}' must be >= 0, got {value}.", param=name, code="invalid_value")
     n = payload.get("n")
-    if n is not None and n < 1:
-        raise ApiError(400, f"'n' must be >= 1, got {n}.", param="n", code="invalid_value")
+    if n is not None and not 1 <= n <= _MAX_N:
+        raise _range_error("n", f"between 1 and {_MAX_N}", n)
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
         value = payload.get(name)
         if value is not None and not _is_number(value):
@@ -96,6 +141,34 @@ def _check_common(payload: dict[str, Any]) -> None:
         raise _type_error("stream_options", "an object", options)
 
 
+def _range_error(param: str, expected: str, value: Any) -> ApiError:
+    return ApiError(400, f"'{param}' must be {expected}, got {_short(value)}.", param=param, code="invalid_value")
+
+
+def _check_ranges(params: dict[str, Any], ranges: dict[str, tuple[float, float, bool, bool]], prefix: str) -> None:
+    for name, (low, high, low_in, high_in) in ranges.items():
+        value = params.get(name)
+        if value is None:
+            continue
+        param = prefix + name
+        if not _is_number(value):
+            raise _type_error(param, "a number", value)
+        above = value > low if not low_in else value >= low
+        below = value < high if not high_in else value <= high
+        if not (math.isfinite(value) and above and below):
+            lo, hi = ("[" if low_in else "("), ("]" if high_in else ")")
+            raise _range_error(param, f"a number in {lo}{low:g}, {high:g}{hi}", value)
+
+
+def _check_max_tokens(payload: dict[str, Any]) -> None:
+    # OpenAI refuses max_tokens 0 on chat ("Expected a value >= 1"); on legacy completions 0 only
+    # makes sense with echo, which the router does not support, so both refuse it.
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = payload.get(name)
+        if value is not None and value < 1:
+            raise _range_error(name, "at least 1 (the number of tokens to generate)", value)
+
+
 def _check_chat(payload: dict[str, Any]) -> None:
     if "messages" not in payload:
         raise _missing("messages", "a non-empty list of {role, content} objects")
@@ -108,9 +181,23 @@ def _check_chat(payload: dict[str, Any]) -> None:
         role = message.get("role")
         if not isinstance(role, str):
             raise _type_error(f"messages[{i}].role", "a string", role)
+        if role not in ROLES:
+            raise _range_error(f"messages[{i}].role", f"one of {', '.join(sorted(ROLES))}", role)
         content = message.get("content")
         if content is not None and not isinstance(content, str | list):
             raise _type_error(f"messages[{i}].content", "a string or a list of content parts", content)
+    _check_max_tokens(payload)
+    _check_ranges(payload, _OPENAI_RANGES, "")
+    logprobs, top = payload.get("logprobs"), payload.get("top_logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise _type_error("logprobs", "a boolean", logprobs)
+    if top is not None:
+        if not _is_int(top):
+            raise _type_error("top_logprobs", "an integer", top)
+        if not 0 <= top <= _MAX_TOP_LOGPROBS:
+            raise _range_error("top_logprobs", f"between 0 and {_MAX_TOP_LOGPROBS}", top)
+        if not logprobs:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true.", param="top_logprobs", code="invalid_value")
 
 
 def _is_prompt(value: Any) -> bool:
@@ -128,6 +215,14 @@ def _check_completions(payload: dict[str, Any]) -> None:
         raise _missing("prompt", "a string, a list of strings, or token ids")
     if not _is_prompt(payload["prompt"]):
         raise _type_error("prompt", "a string, a list of strings, or token ids", payload["prompt"])
+    _check_max_tokens(payload)
+    _check_ranges(payload, _OPENAI_RANGES, "")
+    logprobs = payload.get("logprobs")
+    if logprobs is not None:
+        if not _is_int(logprobs):
+            raise _type_error("logprobs", "an integer (the number of top logprobs per token)", logprobs)
+        if not 0 <= logprobs <= 5:
+            raise _range_error("logprobs", "between 0 and 5", logprobs)
 
 
 def _check_generate(payload: dict[str, Any]) -> None:
@@ -143,9 +238,31 @@ def _check_generate(payload: dict[str, Any]) -> None:
     params = payload.get("sampling_params")
     if params is not None and not isinstance(params, dict | list):
         raise _type_error("sampling_params", "an object", params)
+    for i, one in enumerate(params if isinstance(params, list) else [params] if params else []):
+        prefix = f"sampling_params[{i}]." if isinstance(params, list) else "sampling_params."
+        if not isinstance(one, dict):
+            raise _type_error(prefix.rstrip("."), "an object", one)
+        _check_sampling_params(one, prefix)
     logprob = payload.get("return_logprob")
     if logprob is not None and not isinstance(logprob, bool | list):
         raise _type_error("return_logprob", "a boolean", logprob)
+
+
+def _check_sampling_params(params: dict[str, Any], prefix: str) -> None:
+    _check_ranges(params, _SGLANG_RANGES, prefix)
+    for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
+        value = params.get(name)
+        if value is not None and not _is_int(value):
+            raise _type_error(prefix + name, "an integer", value)
+    max_new = params.get("max_new_tokens")
+    if max_new is not None and max_new < 0:  # sglang: 0 runs the prefill only
+        raise _range_error(prefix + "max_new_tokens", ">= 0", max_new)
+    top_k = params.get("top_k")
+    if top_k is not None and top_k < 1 and top_k != -1:
+        raise _range_error(prefix + "top_k", "-1 (all tokens) or at least 1", top_k)
+    n = params.get("n")
+    if n is not None and not 1 <= n <= _MAX_N:
+        raise _range_error(prefix + "n", f"between 1 and {_MAX_N}", n)
 
 
 _CHECKS = {

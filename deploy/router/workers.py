@@ -121,7 +121,9 @@ class WorkerRegistry:
             url=norm,
             role=role,
             breaker=CircuitBreaker(
-                failure_threshold=self._breaker_failure_threshold, cooldown_s=self._breaker_cooldown_s
+                failure_threshold=self._breaker_failure_threshold,
+                cooldown_s=self._breaker_cooldown_s,
+                name=f"{role} {norm}",
             ),
             bootstrap_port=int(bootstrap_port) if bootstrap_port is not None else None,
             source=source,
