@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-queued-requests", type=int, default=None)
     limits.add_argument("--queue-timeout", type=float, default=None, metavar="SECONDS")
     limits.add_argument("--max-body-bytes", type=int, default=None)
+    limits.add_argument("--max-header-bytes", type=int, default=None, help="whole request head; beyond: 431")
+    limits.add_argument("--max-header-count", type=int, default=None, help="header fields; beyond: 431")
+    limits.add_argument("--max-request-line-bytes", type=int, default=None, help="the URL; beyond: 414")
     limits.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS")
     limits.add_argument("--connect-timeout", type=float, default=None, metavar="SECONDS")
     limits.add_argument("--stream-idle-timeout", type=float, default=None, metavar="SECONDS")
@@ -96,6 +99,9 @@ _FLAG_TO_FIELD = {
     "max_queued_requests": "max_queued_requests",
     "queue_timeout": "queue_timeout_s",
     "max_body_bytes": "max_body_bytes",
+    "max_header_bytes": "max_header_bytes",
+    "max_header_count": "max_header_count",
+    "max_request_line_bytes": "max_request_line_bytes",
     "request_timeout": "request_timeout_s",
     "connect_timeout": "connect_timeout_s",
     "stream_idle_timeout": "stream_idle_timeout_s",

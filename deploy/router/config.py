@@ -62,6 +62,10 @@ class RouterConfig:
     max_queued_requests: int = _SPEC.max_queued_requests
     queue_timeout_s: float = _SPEC.queue_timeout_s
     max_body_bytes: int = 32 * 1024 * 1024
+    # The request head, checked while it arrives (before auth): 414 / 431 beyond these.
+    max_request_line_bytes: int = 8 * 1024
+    max_header_bytes: int = 64 * 1024
+    max_header_count: int = 100
     # Timeouts towards workers. request_timeout_s bounds a whole non-streaming request and the
     # time to a stream's first byte; stream_idle_timeout_s bounds the gap between two chunks.
     connect_timeout_s: float = 3.0

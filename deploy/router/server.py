@@ -11,6 +11,7 @@ from typing import Any
 import uvicorn
 
 from .app import RouterApp
+from .head_limits import HeadLimits, limited_protocol
 from .log import configure_logging, logger
 
 __all__ = ["RouterServer", "serve"]
@@ -37,7 +38,14 @@ def uvicorn_config(app: RouterApp, **overrides: Any) -> uvicorn.Config:
         "host": cfg.host,
         "port": cfg.port,
         "loop": "uvloop",
-        "http": "httptools",
+        # httptools, with limits on the request head enforced while it is parsed (head_limits).
+        "http": limited_protocol(
+            HeadLimits(
+                max_request_line_bytes=cfg.max_request_line_bytes,
+                max_head_bytes=cfg.max_header_bytes,
+                max_header_count=cfg.max_header_count,
+            )
+        ),
         "lifespan": "on",
         "access_log": False,
         # The router logs request ids, not client addresses: skip X-Forwarded-* rewriting.
