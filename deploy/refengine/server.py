@@ -129,7 +129,9 @@ class _Formatter:
     def _openai_finish(self) -> str | None:
         if self.finish is None:
             return None
-        return {"length": "length", "stop": "stop", "abort": "abort"}.get(self.finish["type"], "stop")
+        # OpenAI's values only: an aborted answer was cut short, which OpenAI calls "length"
+        # (the router maps sglang's "abort" the same way; see deploy/router/relay.py).
+        return {"length": "length", "stop": "stop", "abort": "length"}.get(self.finish["type"], "stop")
 
     def usage(self) -> dict[str, int]:
         n = len(self.ids)

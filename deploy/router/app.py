@@ -32,6 +32,7 @@ from .middleware import AdmissionMiddleware, AuthMiddleware, BodyLimitMiddleware
 from .pairs import PairPicker
 from .policies import make_policy
 from .proxy import PDProxy
+from .relay import RelayResponse
 from .transport import HttpWorkerClient, WorkerClient
 from .validation import ENDPOINTS, parse_body, validate
 from .workers import WorkerRegistry
@@ -129,7 +130,9 @@ class RouterApp:
         try:
             await response(scope, receive, send)  # a relayed stream returns once it has ended
         finally:
-            self._observe(endpoint, response.status_code, started, rid)
+            # A stream the client left is a 499 (nginx's "client closed request"), not a 200.
+            status = 499 if isinstance(response, RelayResponse) and response.abandoned else response.status_code
+            self._observe(endpoint, status, started, rid)
 
     @property
     def draining(self) -> bool:

@@ -23,7 +23,7 @@ from .legs import Legs, PairStreamOutcome
 from .log import logger
 from .logprobs import merge_first_event, merge_logprobs, wants_input_logprobs
 from .pairs import Pair, PairPicker
-from .relay import RelayResponse, wait_disconnect
+from .relay import RelayResponse, openai_finish_reasons, wait_disconnect
 from .transport import Reply
 from .workers import Worker
 
@@ -51,6 +51,8 @@ class PDProxy:
         self._watch_prefill(prefill_t)
         if reply.status >= 400:
             return _refused(reply, rid)
+        if endpoint != "/generate":
+            body = openai_finish_reasons(body)
         return Response(body, status_code=reply.status, media_type=reply.content_type, headers={"x-request-id": rid})
 
     async def stream(self, endpoint: str, payload: dict[str, Any], rid: str, receive: Receive) -> Response:
@@ -62,7 +64,7 @@ class PDProxy:
         if wants_input_logprobs(endpoint, payload):
             first = await self._with_prefill_logprobs(prefill_t, first, merge_first_event)
         self._watch_prefill(prefill_t)
-        return RelayResponse(reply, first, PairStreamOutcome(self.legs, pair), rid=rid)
+        return RelayResponse(reply, first, PairStreamOutcome(self.legs, pair), rid=rid, openai=endpoint != "/generate")
 
     async def _attempts(
         self, endpoint: str, payload: dict[str, Any], rid: str, open_decode: OpenLeg, receive: Receive

@@ -9,6 +9,7 @@ it), or `abandoned` (the client went away, or sending to it failed).
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Protocol
 
 from starlette.responses import Response
@@ -18,7 +19,22 @@ from ..openai_errors import sse_error
 from .exceptions import UpstreamError
 from .transport import Body, Reply
 
-__all__ = ["RelayResponse", "StreamOutcome", "wait_disconnect"]
+__all__ = ["RelayResponse", "StreamOutcome", "openai_finish_reasons", "wait_disconnect"]
+
+# sglang's OpenAI routes report an aborted request (aborted by /abort_request, by the scheduler
+# under memory pressure, or for a prompt over the context) as `finish_reason: "abort"`, which is not
+# one of OpenAI's values (stop, length, content_filter, tool_calls, function_call) and which strict
+# clients refuse. It becomes "length": the one OpenAI value that says the answer was cut short;
+# "stop" would tell the client the answer is complete. Done on bytes, and only when the chunk holds
+# the word, so the common chunk costs one `in` test.
+_ABORT = re.compile(rb'("finish_reason"\s*:\s*)"abort"')
+
+
+def openai_finish_reasons(chunk: bytes) -> bytes:
+    """`chunk` (JSON or SSE of an OpenAI route) with sglang's "abort" finish reason mapped to OpenAI's."""
+    if b'"abort"' not in chunk:
+        return chunk
+    return _ABORT.sub(rb'\1"length"', chunk)
 
 
 class StreamOutcome(Protocol):
@@ -37,7 +53,7 @@ class RelayResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, reply: Reply, first: bytes, outcome: StreamOutcome, *, rid: str) -> None:
+    def __init__(self, reply: Reply, first: bytes, outcome: StreamOutcome, *, rid: str, openai: bool = True) -> None:
         assert reply.stream is not None, "RelayResponse needs an open stream (WorkerClient.open_stream)"
         # Like StreamingResponse: no body attribute, so no Content-Length header.
         self.status_code = reply.status
@@ -45,9 +61,11 @@ class RelayResponse(Response):
         self.background = None
         self.init_headers({"x-request-id": rid, "cache-control": "no-cache", "x-accel-buffering": "no"})
         self.stream: Body = reply.stream
-        self.first = first
+        self.first = openai_finish_reasons(first) if openai else first
+        self.openai = openai  # an OpenAI route: finish reasons are mapped to OpenAI's values
         self.outcome = outcome
         self.finished = False
+        self.abandoned = False  # the client left mid-stream: logged and counted as 499
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         relay = asyncio.ensure_future(self._relay(send))
@@ -69,6 +87,8 @@ class RelayResponse(Response):
             await send({"type": "http.response.body", "body": self.first, "more_body": True})
         try:
             while chunk := await self.stream.next_chunk():
+                if self.openai:
+                    chunk = openai_finish_reasons(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             self.finished = True
             self.outcome.completed()
@@ -87,6 +107,7 @@ class RelayResponse(Response):
             self.stream.release()
         else:
             self.stream.close()
+            self.abandoned = True
             self.outcome.abandoned()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -17,6 +18,12 @@ from .types import Role, WorkerURL
 __all__ = ["Worker", "WorkerRegistry", "normalize_url"]
 
 
+# A DNS name (RFC 1123 labels) or an IPv4 address, or an IPv6 address (urlsplit strips its brackets).
+_HOST = re.compile(
+    r"^(?:[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?$|^[0-9A-Fa-f:.]+(?:%[A-Za-z0-9]+)?$"
+)
+
+
 def normalize_url(url: str) -> WorkerURL:
     """`host:port` or `http(s)://host:port[/]` → `http(s)://host:port`; raises on anything else."""
     raw = url.strip()
@@ -29,10 +36,14 @@ def normalize_url(url: str) -> WorkerURL:
         raise WorkerRegistrationError(
             f"Worker URL {url!r} has a path, query or credentials. Use http://HOST:PORT only."
         )
+    if not _HOST.match(parts.hostname):
+        raise WorkerRegistrationError(f"Worker URL {url!r} has no valid host name or IP address. Use http://HOST:PORT.")
     try:
         port = parts.port
     except ValueError as exc:
         raise WorkerRegistrationError(f"Worker URL {url!r} has an invalid port.") from exc
+    if port == 0:
+        raise WorkerRegistrationError(f"Worker URL {url!r} has port 0. Use the worker's HTTP port.")
     netloc = parts.hostname if ":" not in parts.hostname else f"[{parts.hostname}]"
     if port is not None:
         netloc += f":{port}"

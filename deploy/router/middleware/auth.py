@@ -1,4 +1,7 @@
-"""Bearer-token checks: client API keys for the OpenAI endpoints, a separate admin key for /workers."""
+"""Bearer-token checks: client API keys for the OpenAI endpoints, a separate admin key for /workers.
+
+/workers needs the admin key whenever any key is configured; with no key at all (a dev setup)
+only its GET is open."""
 
 from __future__ import annotations
 
@@ -17,8 +20,8 @@ _BAD_KEY = (
 )
 _BAD_ADMIN_KEY = "Invalid or missing admin key. Send 'Authorization: Bearer <admin key>' (--admin-key)."
 _NO_ADMIN = (
-    "Changing workers at run time is disabled because no admin key is configured. "
-    "Start the router with --admin-key to enable POST and DELETE /workers."
+    "The /workers admin API is disabled because no admin key is configured. "
+    "Start the router with --admin-key to enable it."
 )
 
 
@@ -44,7 +47,9 @@ class AuthMiddleware:
                 if not _matches(_bearer(scope), (self.admin_key,)):
                     await _deny(send, 401, self._bad_admin)
                     return
-            elif scope["method"] not in ("GET", "HEAD"):
+            elif self.api_keys or scope["method"] not in ("GET", "HEAD"):
+                # With client keys configured the router is not open, so neither is its worker
+                # list (internal addresses); with no key at all it is a dev setup and GET is fine.
                 await _deny(send, 403, self._no_admin)
                 return
         elif self.api_keys and not _matches(_bearer(scope), self.api_keys):
