@@ -143,8 +143,11 @@ def test_memlock_without_the_capability_warns_but_does_not_stop_the_pod(monkeypa
     assert "no CAP_IPC_LOCK" in check.detail and "add the IPC_LOCK capability" in check.detail
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
     monkeypatch.setattr(launch, "pod_checks", lambda t, role: [check])
-    monkeypatch.setattr(launch.os, "execvpe", lambda *a: None)
+    started: list[tuple] = []
+    for name in ("execve", "execvpe"):  # the launcher replaces itself with sglang: record it instead
+        monkeypatch.setattr(launch.os, name, lambda *a: started.append(a))
     assert main(["launch", "--role", "prefill", "--topology", str(R1)]) == 0
+    assert len(started) == 1  # the warning did not stop the start
     assert "pod check memlock: WARNING: locked-memory limit 65536 bytes and no CAP_IPC_LOCK" in capsys.readouterr().err
 
 
