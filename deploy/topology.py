@@ -236,8 +236,6 @@ class TransferSpec(_Strict):
     )
 
 
-
-
 class RouterSpec(_Strict):
     """The OpenAI-facing PD router."""
 
