@@ -30,25 +30,84 @@ import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)] + ["manylinux2014_x86_64", "manylinux1_x86_64"]
+PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)] + [
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+]
 
 SGLANG = ["sglang==0.5.17", "sglang-kernel==0.4.5", "mooncake-transfer-engine==0.3.13.post1", "transformers==5.12.1"]
 # What sglang 0.5.17 imports on the way to serving a DeepSeek-V3 model that the GPU machine's image
 # lacks (its image has torch, triton, numpy, aiohttp, requests, psutil, prometheus_client, uvloop,
 # huggingface_hub, safetensors, sentencepiece, tiktoken, scipy, einops, ...).
-DEPS = """
-fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection msgspec pyzmq orjson
-pybase64 partial_json_parser setproctitle dill ipython pexpect ptyprocess prompt_toolkit wcwidth traitlets
-matplotlib-inline decorator stack_data asttokens executing pure_eval ipython_pygments_lexers
-compressed-tensors gguf openai==2.6.1 httpx httpcore h11 anyio sniffio distro jiter docstring_parser
-interegular python-multipart easydict blobfile pycryptodomex xxhash zstandard watchfiles xgrammar==0.2.1
-pyyaml openai-harmony==0.0.4 nvidia-cuda-runtime-cu12
-""".split()
+DEPS = [
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "pydantic",
+    "pydantic-core",
+    "annotated-types",
+    "typing-inspection",
+    "msgspec",
+    "pyzmq",
+    "orjson",
+    "pybase64",
+    "partial_json_parser",
+    "setproctitle",
+    "dill",
+    "ipython",
+    "pexpect",
+    "ptyprocess",
+    "prompt_toolkit",
+    "wcwidth",
+    "traitlets",
+    "matplotlib-inline",
+    "decorator",
+    "stack_data",
+    "asttokens",
+    "executing",
+    "pure_eval",
+    "ipython_pygments_lexers",
+    "compressed-tensors",
+    "gguf",
+    "openai==2.6.1",
+    "httpx",
+    "httpcore",
+    "h11",
+    "anyio",
+    "sniffio",
+    "distro",
+    "jiter",
+    "docstring_parser",
+    "interegular",
+    "python-multipart",
+    "easydict",
+    "blobfile",
+    "pycryptodomex",
+    "xxhash",
+    "zstandard",
+    "watchfiles",
+    "xgrammar==0.2.1",
+    "pyyaml",
+    "openai-harmony==0.0.4",
+    "nvidia-cuda-runtime-cu12",
+]
 # transformers 5.12.1 wants tokenizers <= 0.23.0; xgrammar imports tvm_ffi; fastapi imports opentelemetry.
 SEPARATE_WHEELS = [
-    "tokenizers==0.22.2", "apache-tvm-ffi==0.1.11", "opentelemetry-api", "annotated-doc",
-    "click", "loguru", "httptools", "nvidia-ml-py", "jsonschema", "jsonschema-specifications", "referencing", "rpds-py",
-    "soundfile", "cffi", "pycparser",
+    "tokenizers==0.22.2",
+    "apache-tvm-ffi==0.1.11",
+    "opentelemetry-api",
+    "annotated-doc",
+    "click",
+    "loguru",
+    "httptools",
+    "nvidia-ml-py",
+    "jsonschema",
+    "jsonschema-specifications",
+    "referencing",
+    "rpds-py",
+    "soundfile",
+    "cffi",
+    "pycparser",
 ]
 
 # Parts of the wheels that the smoke preset never loads, dropped to fit the 64 MiB carry.
@@ -78,8 +137,21 @@ STRIP = ["xgrammar/*.so", "zstandard/*.so", "xxhash/*.so", "yaml/*.so", "openai_
 
 
 def download(names: list[str], dest: Path) -> None:
-    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-           "--python-version", "3.12", "--implementation", "cp", "-d", str(dest)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        "3.12",
+        "--implementation",
+        "cp",
+        "-d",
+        str(dest),
+    ]
     for p in PLATFORMS:
         cmd += ["--platform", p]
     subprocess.run([*cmd, *names], check=True)
@@ -90,7 +162,9 @@ def system_libraries(dest: Path) -> None:
     libs = ["/lib/x86_64-linux-gnu/libcurl.so.4", "/lib/x86_64-linux-gnu/libmlx5.so.1"]
     ldd = subprocess.run(["ldd", libs[0]], capture_output=True, text=True, check=True).stdout
     skip = ("libc.so", "libm.so", "libpthread", "libdl.so", "librt.so", "ld-linux")
-    libs += [w.split()[2] for w in ldd.splitlines() if "=>" in w and len(w.split()) > 2 and not any(s in w for s in skip)]
+    libs += [
+        w.split()[2] for w in ldd.splitlines() if "=>" in w and len(w.split()) > 2 and not any(s in w for s in skip)
+    ]
     for lib in libs:
         shutil.copy(Path(lib).resolve(), dest / Path(lib).name)
 

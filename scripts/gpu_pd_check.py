@@ -49,7 +49,23 @@ def prompts() -> list[str]:
 
     The long ones cross the preset's KV page (16 tokens) and its prefill chunk (256 tokens).
     """
-    words = "the quick brown fox jumps over a lazy dog while seven wise owls count stars ".split()
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "a",
+        "lazy",
+        "dog",
+        "while",
+        "seven",
+        "wise",
+        "owls",
+        "count",
+        "stars",
+    ]
     out = []
     for i, n in enumerate([3, 8, 15, 17, 33, 64, 100, 150, 255, 257, 300, 400, 512, 700, 900, 1100, 5, 40, 260, 1500]):
         text = f"Prompt {i}:"
@@ -103,10 +119,9 @@ def wait_http(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None =
     while time.monotonic() - t0 < timeout_s:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(url, timeout=5) as r:
-                if r.status == 200:
-                    return time.monotonic() - t0
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=5) as r:
+            if r.status == 200:
+                return time.monotonic() - t0
         time.sleep(1)
     raise TimeoutError(f"{url} did not answer 200 within {timeout_s:.0f} s")
 
@@ -264,7 +279,13 @@ async def kill_mid_stream(base: str, victim: subprocess.Popen[bytes], n: int = 8
     started = asyncio.Event()
 
     async def one(i: int) -> None:
-        body = {"model": "tiny-deepseek-v3", "prompt": f"kill {i}", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        body = {
+            "model": "tiny-deepseek-v3",
+            "prompt": f"kill {i}",
+            "max_tokens": 4000,
+            "ignore_eos": True,
+            "stream": True,
+        }
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
             try:
                 async with s.post(f"{base}/v1/completions", json=body) as r:
@@ -274,7 +295,7 @@ async def kill_mid_stream(base: str, victim: subprocess.Popen[bytes], n: int = 8
                         if b'"error"' in raw:
                             saw_error = True
                     outcomes.append("error event" if saw_error else "clean end")
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 outcomes.append("HUNG (60 s)")
             except aiohttp.ClientError as exc:
                 outcomes.append(f"connection error: {type(exc).__name__}")
@@ -305,8 +326,15 @@ def rendered_commands() -> dict[str, Any]:
 def single_server_argv(plan: dict[str, Any]) -> list[str]:
     """The decode command without its PD flags: the same model and kernels as one plain server."""
     argv = list(plan["roles"]["decode"][0]["argv"])
-    drop_with_value = {"--disaggregation-mode", "--disaggregation-transfer-backend", "--disaggregation-bootstrap-port",
-                       "--disaggregation-ib-device", "--port", "--base-gpu-id", "--mem-fraction-static"}
+    drop_with_value = {
+        "--disaggregation-mode",
+        "--disaggregation-transfer-backend",
+        "--disaggregation-bootstrap-port",
+        "--disaggregation-ib-device",
+        "--port",
+        "--base-gpu-id",
+        "--mem-fraction-static",
+    }
     clean: list[str] = []
     skip = False
     for a in argv:
@@ -351,8 +379,11 @@ def stage_pd(stack: Stack, report: dict[str, Any], ref: dict[str, list[Any]] | N
             same = [a == b for a, b in zip(ref[key], got[key], strict=True)]
             pd[f"identical_{key}"] = f"{sum(same)}/{len(same)}"
         pd["first_mismatch"] = next(
-            ({"prompt": i, "single": ref["generate_ids"][i], "pd": got["generate_ids"][i]}
-             for i in range(len(got["generate_ids"])) if ref["generate_ids"][i] != got["generate_ids"][i]),
+            (
+                {"prompt": i, "single": ref["generate_ids"][i], "pd": got["generate_ids"][i]}
+                for i in range(len(got["generate_ids"]))
+                if ref["generate_ids"][i] != got["generate_ids"][i]
+            ),
             None,
         )
     pd["openai"] = check_openai_client()
@@ -430,11 +461,31 @@ def check_openai_client() -> dict[str, Any]:
 
 def run_gsm8k(out: Path, data: Path) -> dict[str, Any]:
     report = out / "gsm8k.json"
-    argv = [sys.executable, "-m", "sglang_pd.deploy.cli", "eval", "gsm8k", "--base-url", f"{ROUTER}/v1",
-            "--data", str(data), "--num-questions", "20", "--max-tokens", "64", "--output", str(report), "--quiet"]
+    argv = [
+        sys.executable,
+        "-m",
+        "sglang_pd.deploy.cli",
+        "eval",
+        "gsm8k",
+        "--base-url",
+        f"{ROUTER}/v1",
+        "--data",
+        str(data),
+        "--num-questions",
+        "20",
+        "--max-tokens",
+        "64",
+        "--output",
+        str(report),
+        "--quiet",
+    ]
     p = subprocess.run(argv, capture_output=True, text=True, timeout=600)
-    result: dict[str, Any] = {"argv": argv[1:], "exit_code": p.returncode, "stdout_tail": p.stdout[-1500:],
-                              "stderr_tail": p.stderr[-1500:]}
+    result: dict[str, Any] = {
+        "argv": argv[1:],
+        "exit_code": p.returncode,
+        "stdout_tail": p.stdout[-1500:],
+        "stderr_tail": p.stderr[-1500:],
+    }
     if report.exists():
         data_ = json.loads(report.read_text())
         result["report_keys"] = sorted(data_)
@@ -453,8 +504,11 @@ def main() -> int:
     stages = args.stages.split(",")
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "argv": sys.argv}
     with contextlib.suppress(Exception):
-        report["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
-                                        "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+        report["gpu"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
     stack = Stack(args.out)
     ref = None
     try:
@@ -465,8 +519,9 @@ def main() -> int:
                 elif stage == "pd":
                     stage_pd(stack, report, ref, args.gsm8k_data)
                 elif stage == "doctor":
-                    p = subprocess.run([sys.executable, "-m", "sglang_pd.deploy.cli", "doctor"], capture_output=True,
-                                       text=True)
+                    p = subprocess.run(
+                        [sys.executable, "-m", "sglang_pd.deploy.cli", "doctor"], capture_output=True, text=True
+                    )
                     report["doctor"] = {"exit_code": p.returncode, "output": p.stdout + p.stderr}
             except Exception:
                 report.setdefault("errors", {})[stage] = traceback.format_exc()
