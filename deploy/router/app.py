@@ -81,6 +81,7 @@ class RouterApp:
             interval_s=config.health_interval_s,
             failure_threshold=config.health_failure_threshold,
             success_threshold=config.health_success_threshold,
+            stall_s=config.stream_stall_s,
         )
         self.discovery = (
             KubernetesDiscovery(self.registry, config.kubernetes, list_pods=discovery_list_pods)

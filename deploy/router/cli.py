@@ -74,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     health.add_argument("--health-timeout", type=float, default=None, metavar="SECONDS")
     health.add_argument("--health-failure-threshold", type=int, default=None)
     health.add_argument("--health-success-threshold", type=int, default=None)
+    health.add_argument(
+        "--stream-stall", type=float, default=None, metavar="SECONDS", help="eject a worker whose streams stall; 0: off"
+    )
     health.add_argument("--breaker-failure-threshold", type=int, default=None)
     health.add_argument("--breaker-cooldown", type=float, default=None, metavar="SECONDS")
 
@@ -110,6 +113,7 @@ _FLAG_TO_FIELD = {
     "health_timeout": "health_timeout_s",
     "health_failure_threshold": "health_failure_threshold",
     "health_success_threshold": "health_success_threshold",
+    "stream_stall": "stream_stall_s",
     "breaker_failure_threshold": "breaker_failure_threshold",
     "breaker_cooldown": "breaker_cooldown_s",
     "drain_timeout": "drain_timeout_s",

@@ -74,11 +74,14 @@ class RouterConfig:
     max_retries: int = 2
     retry_backoff_s: float = 0.05
     retry_max_backoff_s: float = 1.0
-    # Health checks and the per-worker circuit breaker.
-    health_interval_s: float = 5.0
-    health_timeout_s: float = 2.0
-    health_failure_threshold: int = 2
+    # Health checks, the stall watchdog and the per-worker circuit breaker. One failed probe
+    # ejects a worker and the next passing one readmits it: a frozen worker is out within
+    # interval + timeout (1.5 s), a falsely ejected one back within an interval.
+    health_interval_s: float = 0.5
+    health_timeout_s: float = 1.0
+    health_failure_threshold: int = 1
     health_success_threshold: int = 1
+    stream_stall_s: float = 5.0  # open streams without bytes this long eject the worker; 0: off
     breaker_failure_threshold: int = 3
     breaker_cooldown_s: float = 10.0
     # Security. API keys guard the inference endpoints and /v1/models; the admin key guards

@@ -1,11 +1,21 @@
-"""Periodic health checks. A worker turns unhealthy after `failure_threshold` failed checks in a
-row and healthy again after `success_threshold` passed ones; a new worker is checked at once. A
-passing check also refreshes what the worker reports about itself (DP size, models)."""
+"""Periodic health checks and the stall watchdog.
+
+A worker turns unhealthy after `failure_threshold` failed checks in a row and healthy again after
+`success_threshold` passed ones; a new worker is checked at once. A passing check also refreshes
+what the worker reports about itself (DP size, models). A worker coming back from unhealthy also
+gets its circuit breaker closed: the probe has just shown it answers, and keeping it out for the
+rest of a breaker cooldown would turn away traffic it can take.
+
+The watchdog ejects (marks unhealthy) a worker with relayed streams open that has sent no bytes on
+any of them for `stall_s`: a frozen engine (SIGSTOP, a hung GPU) keeps its connections open, so
+nothing else notices until a probe times out. The next passing probe readmits it.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
 import orjson
@@ -29,23 +39,29 @@ class HealthChecker:
         interval_s: float,
         failure_threshold: int,
         success_threshold: int,
+        stall_s: float = 0.0,
     ) -> None:
+        """`stall_s`: eject a worker whose open streams got no bytes for this long (0: off)."""
         self.registry = registry
         self.metrics = metrics
         self.client = client  # shared with the proxy: closed by its owner, not here
         self.interval_s = interval_s
         self.failure_threshold = max(1, failure_threshold)
         self.success_threshold = max(1, success_threshold)
+        self.stall_s = stall_s
         self._task: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[None]] = set()
         registry.subscribe(self._on_change)
 
     async def start(self) -> None:
         await self.check_all()
         self._task = asyncio.create_task(self._loop())
+        if self.stall_s > 0:
+            self._watchdog = asyncio.create_task(self._watch_streams())
 
     async def aclose(self) -> None:
-        for task in [self._task, *self._pending]:
+        for task in [self._task, self._watchdog, *self._pending]:
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(BaseException):
@@ -67,6 +83,24 @@ class HealthChecker:
                 await self.check_all()
             except Exception:
                 logger.exception("health check round failed")
+
+    async def _watch_streams(self) -> None:
+        period = min(0.25, self.stall_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for worker in self.registry.all():
+                if worker.healthy and worker.open_streams and now - worker.last_stream_bytes > self.stall_s:
+                    self.eject(worker, f"no bytes on its {worker.open_streams} open stream(s) for {self.stall_s:g} s")
+                    worker.last_stream_bytes = now  # a new stall window once it is readmitted
+
+    def eject(self, worker: Worker, reason: str) -> None:
+        """Take `worker` out of routing until a probe passes again."""
+        worker.healthy = False
+        worker.consecutive_health_successes = 0
+        worker.last_error = reason
+        self.metrics.worker_healthy.labels(worker.role, worker.url).set(0)
+        logger.warning("worker ejected", extra={"worker": worker.url, "role": worker.role, "error": reason})
 
     async def check_all(self) -> None:
         workers = self.registry.all()
@@ -90,6 +124,8 @@ class HealthChecker:
             if not worker.checked or worker.consecutive_health_failures >= self.failure_threshold:
                 worker.healthy = False
         worker.checked = True
+        if worker.healthy and not was_healthy and worker.breaker.state:
+            worker.breaker.record_success()  # readmitted: see the module docstring
         if self.registry.get(worker.url, worker.role) is worker:
             self.metrics.worker_healthy.labels(worker.role, worker.url).set(int(worker.healthy))
             self.metrics.breaker_state.labels(worker.role, worker.url).set(int(worker.breaker.state))

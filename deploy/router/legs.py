@@ -5,6 +5,7 @@ in-flight count, its circuit breaker, the metrics and the log; `/abort_request` 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING, Any
 
 from .exceptions import UpstreamError, UpstreamStatusError, UpstreamTimeout
@@ -54,6 +55,10 @@ class Legs:
         if reply.stream is None:  # the engine refused the request (4xx)
             self.succeeded(worker)
             self.end(worker)
+        else:
+            if not worker.open_streams:
+                worker.last_stream_bytes = time.monotonic()
+            worker.open_streams += 1
         return reply
 
     def _begin(self, worker: Worker) -> None:
@@ -105,16 +110,25 @@ class PairStreamOutcome:
         self.legs = legs
         self.pair = pair
 
+    def progressed(self) -> None:
+        self.pair.decode.last_stream_bytes = time.monotonic()
+
     def completed(self) -> None:
         self.legs.succeeded(self.pair.decode)
-        self.legs.end(self.pair.decode)
+        self._close()
 
     def failed(self, error: UpstreamError) -> None:
         self.legs.failed(error)
-        self.legs.end(self.pair.decode)
+        # The decode broke: the prefill may still hold the request (or its KV pages); free it now.
+        self.legs.abort(self.pair.prefill, self.pair.bodies.rids)
+        self._close()
 
     def abandoned(self) -> None:
         # The client is gone: stop both legs (the prefill may still be sending KV pages).
         self.legs.abort(self.pair.decode, self.pair.bodies.rids)
         self.legs.abort(self.pair.prefill, self.pair.bodies.rids)
+        self._close()
+
+    def _close(self) -> None:
+        self.pair.decode.open_streams -= 1
         self.legs.end(self.pair.decode)

@@ -38,6 +38,9 @@ def openai_finish_reasons(chunk: bytes) -> bytes:
 
 
 class StreamOutcome(Protocol):
+    def progressed(self) -> None:
+        """Bytes arrived from the worker (the stall watchdog's heartbeat)."""
+
     def completed(self) -> None:
         """The stream reached its end and the client got all of it."""
 
@@ -86,7 +89,9 @@ class RelayResponse(Response):
         if self.first:
             await send({"type": "http.response.body", "body": self.first, "more_body": True})
         try:
+            progressed = self.outcome.progressed
             while chunk := await self.stream.next_chunk():
+                progressed()
                 if self.openai:
                     chunk = openai_finish_reasons(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})

@@ -66,6 +66,10 @@ class Worker:
     consecutive_health_successes: int = 0
     last_error: str = ""
     checked: bool = False
+    # Relayed streams open on this worker, and when one of them last received bytes: a worker
+    # with open streams and no bytes for the stall time is ejected (health.HealthChecker).
+    open_streams: int = 0
+    last_stream_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         self.bootstrap_host: str = urlsplit(self.url).hostname or ""

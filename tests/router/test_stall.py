@@ -1,0 +1,104 @@
+"""P/D health coupling with real worker processes frozen by SIGSTOP: a frozen worker is ejected
+within 2 s (by a timed-out probe, or by the stall watchdog when its open streams go quiet),
+readiness follows the healthy pairs, and a resumed worker is readmitted within 1 s."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+
+from sglang_pd.deploy.router.breaker import BreakerState
+
+from .conftest import Cluster, RunningRouter
+
+CHAT = "/v1/chat/completions"
+
+
+@contextlib.contextmanager
+def frozen(worker: Any) -> Iterator[float]:
+    """SIGSTOP the worker's process; yields when it was stopped; SIGCONT on the way out."""
+    pid = worker.child.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield time.monotonic()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _wait_for(predicate: Callable[[], bool], timeout: float) -> float:
+    """Seconds until `predicate()` holds; fails after `timeout`."""
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout, "condition not reached in time"
+        time.sleep(0.01)
+    return time.monotonic() - started
+
+
+def _healthy(running: RunningRouter, url: str) -> bool:
+    worker = running.app.registry.get(url, "decode")
+    assert worker is not None
+    return worker.healthy
+
+
+def test_frozen_decode_is_ejected_by_probe_and_readmitted(cluster_factory: Callable[..., Cluster]) -> None:
+    cluster = cluster_factory(1, 2, processes=True)
+    frozen_worker, other = cluster.decodes
+    config = cluster.config(health_interval_s=0.5, health_timeout_s=1.0, health_failure_threshold=1)
+    with cluster.serve(config) as running, httpx.Client(timeout=10) as client:
+        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+        worker = running.app.registry.get(frozen_worker.url, "decode")
+        assert worker is not None
+        worker.breaker.record_failure()  # a half-counted breaker must not delay the readmission
+        with frozen(frozen_worker) as stopped:
+            _wait_for(lambda: not _healthy(running, frozen_worker.url), timeout=3.0)
+            ejected_after = time.monotonic() - stopped
+            assert ejected_after <= 2.0, ejected_after
+            for _ in range(5):  # the rest of the cluster serves at once
+                started = time.monotonic()
+                assert client.post(running.url + CHAT, json=body).status_code == 200
+                assert time.monotonic() - started < 1.0
+            assert client.get(running.url + "/readiness").status_code == 200
+        resumed = time.monotonic()
+        _wait_for(lambda: _healthy(running, frozen_worker.url), timeout=3.0)
+        readmitted_after = time.monotonic() - resumed
+        assert readmitted_after <= 1.0, readmitted_after
+        assert worker.breaker.state is BreakerState.CLOSED
+        other.configure(fail_status=503, fail_count=1000)  # the readmitted worker takes the traffic
+        for _ in range(3):
+            assert client.post(running.url + CHAT, json=body).status_code == 200
+
+
+def test_stalled_stream_ejects_the_decode_and_readiness_follows(cluster_factory: Callable[..., Cluster]) -> None:
+    cluster = cluster_factory(1, 1, processes=True)
+    decode = cluster.decodes[0]
+    decode.configure(token_delay=0.05)
+    # Probes are rare here: only the stall watchdog can eject the worker within the test.
+    config = cluster.config(health_interval_s=60.0, stream_stall_s=0.5)
+    with cluster.serve(config) as running, httpx.Client(timeout=30) as client:
+        first_chunk = threading.Event()
+
+        def stream() -> None:
+            body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100, "stream": True}
+            with contextlib.suppress(httpx.HTTPError), client.stream("POST", running.url + CHAT, json=body) as resp:
+                for _ in resp.iter_raw():
+                    first_chunk.set()
+
+        reader = threading.Thread(target=stream, daemon=True)
+        reader.start()
+        assert first_chunk.wait(10)
+        with frozen(decode) as stopped:
+            _wait_for(lambda: not _healthy(running, decode.url), timeout=3.0)
+            assert time.monotonic() - stopped <= 2.0
+            ready = client.get(running.url + "/readiness")
+            assert ready.status_code == 503 and ready.json()["error"]["code"] == "not_ready"
+            started = time.monotonic()
+            resp = client.post(running.url + CHAT, json={"messages": [{"role": "user", "content": "y"}]})
+            assert resp.status_code == 503 and time.monotonic() - started < 1.0, "refused, not left waiting"
+        reader.join(timeout=20)
