@@ -23,6 +23,7 @@ __all__ = [
     "ENV_ROUTER_API_KEYS",
     "ENV_ROUTER_WORKER_API_KEY",
     "ENV_SBO_MODE",
+    "ENV_WORKER_API_KEY",
     "LABEL_COMPONENT",
     "LABEL_INSTANCE",
     "LABEL_LWS_WORKER_INDEX",
@@ -31,6 +32,7 @@ __all__ = [
     "POLICIES",
     "PREFILL_ONLY_POLICIES",
     "ROLES",
+    "WORKER_AUTH_HEADER",
     "Role",
     "RoutingPolicy",
     "policy_problem",
@@ -96,6 +98,11 @@ def worker_selector(role: Role, release: str | None = None) -> str:
 ENV_ROUTER_API_KEYS = "SGLANG_PD_ROUTER_API_KEYS"
 ENV_ROUTER_ADMIN_KEY = "SGLANG_PD_ROUTER_ADMIN_KEY"
 ENV_ROUTER_WORKER_API_KEY = "SGLANG_PD_ROUTER_WORKER_API_KEY"
+# The key between the router and its workers: the router sends it (falling back to this name when
+# ENV_ROUTER_WORKER_API_KEY is unset), the reference engine requires it on every route, and sglang
+# takes it as `--api-key`. It travels as WORKER_AUTH_HEADER: Bearer <key>, sglang's form.
+ENV_WORKER_API_KEY = "SGLANG_PD_WORKER_API_KEY"
+WORKER_AUTH_HEADER = "authorization"
 # The decode's single-batch-overlap mode, rendered by the launcher and read by the sglang plugin.
 ENV_SBO_MODE = "SGLANG_PD_SBO_MODE"
 # What LeaderWorkerSet sets in every pod of a group (same reference as the labels above).

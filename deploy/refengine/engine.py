@@ -23,6 +23,7 @@ from typing import Any, Literal, TypeVar
 
 import httpx
 
+from sglang_pd.deploy.contract import ENV_WORKER_API_KEY, WORKER_AUTH_HEADER
 from sglang_pd.deploy.kv import KVConfig, KVError, KVTransferEngine, PagedLayout, get_engine
 
 from .exceptions import PoolExhausted, RequestFailed
@@ -132,7 +133,9 @@ class RefEngine:
         if self._http is None:
             c = self.config
             read_s = c.bootstrap_timeout_s + c.waiting_timeout_s + c.kv.timeout_s + 30
-            self._http = httpx.AsyncClient(timeout=httpx.Timeout(read_s, connect=5.0))
+            key = os.environ.get(ENV_WORKER_API_KEY, "")  # the peer's bootstrap API requires it
+            headers = {WORKER_AUTH_HEADER: f"Bearer {key}"} if key else {}
+            self._http = httpx.AsyncClient(timeout=httpx.Timeout(read_s, connect=5.0), headers=headers)
         return self._http
 
     async def close(self) -> None:

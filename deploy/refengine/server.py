@@ -10,7 +10,9 @@ PD fields come from the body (`bootstrap_host`, `bootstrap_port`, `bootstrap_roo
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -18,9 +20,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from sglang_pd.deploy.contract import DEFAULT_BOOTSTRAP_PORT
-from sglang_pd.deploy.openai_errors import error_dict, error_response
+from sglang_pd.deploy.contract import DEFAULT_BOOTSTRAP_PORT, ENV_WORKER_API_KEY, WORKER_AUTH_HEADER
+from sglang_pd.deploy.openai_errors import error_body, error_dict, error_response
 
 from .engine import Bootstrap, RefEngine, RequestContext, RequestFailed, SamplingParams, StepOutput
 from .pd import Claim, ClaimRejected
@@ -217,8 +220,40 @@ async def _until_disconnect(request: Request, work: Awaitable[Any], ctx: Request
         watcher.cancel()
 
 
-def create_app(engine: RefEngine) -> FastAPI:
+class WorkerKeyMiddleware:
+    """Every route needs `Authorization: Bearer <worker key>` (401 otherwise), /health included:
+    an engine's routes (`/abort_request` with `abort_all`, `/kv/claim`) act on other users'
+    requests, so only the router and the peer engine may call them."""
+
+    def __init__(self, app: ASGIApp, *, key: str) -> None:
+        self.app = app
+        self.expected = b"Bearer " + key.encode()
+        self.denied = error_body(
+            401,
+            f"Missing or wrong worker key. Send 'Authorization: Bearer <key>' with the key in {ENV_WORKER_API_KEY}.",
+            code="invalid_api_key",
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            sent = next((v for k, v in scope["headers"] if k == WORKER_AUTH_HEADER.encode()), b"")
+            if not hmac.compare_digest(sent, self.expected):
+                await Response(self.denied, status_code=401, media_type="application/json")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _guard(app: FastAPI, api_key: str | None) -> FastAPI:
+    key = os.environ.get(ENV_WORKER_API_KEY, "") if api_key is None else api_key
+    if key:
+        app.add_middleware(WorkerKeyMiddleware, key=key)
+    return app
+
+
+def create_app(engine: RefEngine, *, api_key: str | None = None) -> FastAPI:
+    """The engine's HTTP API; `api_key` (default: $SGLANG_PD_WORKER_API_KEY) guards every route."""
     app = FastAPI(title="sglang-pd reference engine", docs_url=None, redoc_url=None)
+    _guard(app, api_key)
 
     @app.exception_handler(RequestFailed)
     async def _failed(_: Request, exc: RequestFailed) -> Response:
@@ -365,8 +400,10 @@ def create_app(engine: RefEngine) -> FastAPI:
     return app
 
 
-def create_bootstrap_app(engine: RefEngine) -> FastAPI:
+def create_bootstrap_app(engine: RefEngine, *, api_key: str | None = None) -> FastAPI:
+    """The prefill's bootstrap API (the decode's KV claims), guarded like `create_app`."""
     app = FastAPI(title="sglang-pd reference engine bootstrap", docs_url=None, redoc_url=None)
+    _guard(app, api_key)
 
     @app.get("/health")
     async def health() -> Response:

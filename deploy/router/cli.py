@@ -89,7 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     security.add_argument("--admin-key", default=None, help=f"key for /workers (or {contract.ENV_ROUTER_ADMIN_KEY})")
     security.add_argument(
-        "--worker-api-key", default=None, help=f"key sent to workers (or {contract.ENV_ROUTER_WORKER_API_KEY})"
+        "--worker-api-key",
+        default=None,
+        help=f"key sent to workers (or {contract.ENV_ROUTER_WORKER_API_KEY}, else {contract.ENV_WORKER_API_KEY})",
     )
 
 
@@ -161,7 +163,11 @@ def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None
     api_keys += [k for k in env.get(contract.ENV_ROUTER_API_KEYS, "").split(",") if k.strip()]
     fields["api_keys"] = tuple(k.strip() for k in api_keys)
     fields["admin_key"] = args.admin_key or env.get(contract.ENV_ROUTER_ADMIN_KEY, "")
-    worker_api_key = args.worker_api_key or env.get(contract.ENV_ROUTER_WORKER_API_KEY, "")
+    worker_api_key = (
+        args.worker_api_key
+        or env.get(contract.ENV_ROUTER_WORKER_API_KEY, "")
+        or env.get(contract.ENV_WORKER_API_KEY, "")
+    )
     use_k8s = args.kubernetes or (args.topology and not prefill and not decode)
     if use_k8s:
         k8s: dict[str, Any] = {}
