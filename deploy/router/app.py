@@ -29,6 +29,7 @@ from .legs import Legs
 from .log import logger, request_id_var
 from .metrics import CONTENT_TYPE_LATEST, RouterMetrics
 from .middleware import AdmissionMiddleware, AuthMiddleware, BodyLimitMiddleware
+from .openapi import OPENAPI
 from .pairs import PairPicker
 from .policies import make_policy
 from .proxy import PDProxy
@@ -178,6 +179,7 @@ class RouterApp:
         app.add_api_route("/health", self.health_route, methods=["GET"])
         app.add_api_route("/readiness", self.readiness, methods=["GET"])
         app.add_api_route("/metrics", self.metrics_route, methods=["GET"])
+        app.add_api_route("/openapi.json", self.openapi, methods=["GET"])
         app.add_api_route("/workers", self.list_workers, methods=["GET"])
         app.add_api_route("/workers", self.add_worker, methods=["POST"])
         app.add_api_route("/workers", self.remove_worker, methods=["DELETE"])
@@ -226,6 +228,9 @@ class RouterApp:
         created = 0
         data = [{"id": m, "object": "model", "created": created, "owned_by": "sglang"} for m in self.registry.models()]
         return _json({"object": "list", "data": data})
+
+    async def openapi(self) -> Response:
+        return Response(_OPENAPI_BODY, media_type="application/json")
 
     async def health_route(self) -> Response:
         return _json({"status": "ok"})
@@ -304,6 +309,8 @@ class RouterApp:
             raise ApiError(404, f"No worker {url} is registered. See GET /workers.", param="url", code="not_found")
         return _json({"removed": [w.to_json() for w in removed]})
 
+
+_OPENAPI_BODY = orjson.dumps(OPENAPI)
 
 _NOT_ALLOWED = error_response(
     405, "This method is not allowed on this endpoint; send POST.", code="http_error", headers={"allow": "POST"}

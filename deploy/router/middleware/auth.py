@@ -14,7 +14,7 @@ from .respond import send_json
 
 __all__ = ["AuthMiddleware"]
 
-_OPEN_PATHS = frozenset({"/health", "/readiness", "/metrics"})
+_OPEN_PATHS = frozenset({"/health", "/readiness", "/metrics", "/openapi.json"})
 _BAD_KEY = (
     "Invalid or missing API key. Send 'Authorization: Bearer <key>' with a key configured on the router (--api-key)."
 )
