@@ -1,31 +1,36 @@
 """`sglang-pd up [TOPOLOGY]`: run a whole PD topology on this machine.
 
 Starts the prefill and decode engines (the reference engine on a CPU topology; sglang itself where
-CUDA and sglang are installed) and the router, as child processes with role-prefixed logs; waits
-until every one is healthy; prints the time to ready, the OpenAI base URL and a curl example; and on
-Ctrl-C, SIGTERM or any child's exit stops every child (their whole process groups; children also
-die with this process: `procs.py`).
+CUDA and sglang are installed) and the router, as child processes, after checking that none of
+their ports is taken (the holder is named); prints a line as each component starts and becomes
+healthy; writes each engine's log to a file in a run folder (printed; the router logs to the
+console); prints the time to ready, the OpenAI base URL and a curl example. On Ctrl-C or SIGTERM
+the router is stopped first with its drain time, then the engines; any child's exit stops every
+child (their whole process groups; children also die with this process: `procs.py`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import IO, Any, TextIO
 
 import httpx
 
-from sglang_pd.deploy.procs import Child, http_ok, spawn
+from sglang_pd.deploy.contract import Role
+from sglang_pd.deploy.procs import Child, http_ok, port_in_use, spawn
 from sglang_pd.deploy.sglang_compat import adapt_argv, installed_options
-from sglang_pd.deploy.topology import Topology, TopologyError, load_checked_topology
+from sglang_pd.deploy.topology import InstanceEndpoint, Topology, TopologyError, load_checked_topology
 
 __all__ = ["ChildSpec", "Stack", "add_arguments", "local_children", "run"]
 
@@ -48,6 +53,15 @@ class ChildSpec:
     # memory free when it starts, so engines sharing a GPU must not measure it at the same time.
     sequential: bool = False
     ready_timeout_s: float = 900.0
+    ports: tuple[int, ...] = ()  # what it binds, checked free before anything starts
+    host: str = "127.0.0.1"
+    log_to_file: bool = True  # engines log to the run folder; the router to the console
+    stop_grace_s: float = 10.0  # SIGTERM, then this long before SIGKILL
+    drains: bool = False  # stopped first, and the others only once it has exited (the router)
+
+
+# The router's drain time on SIGTERM (RouterConfig.drain_timeout_s), and the extra it gets to exit.
+ROUTER_DRAIN_S = 30.0
 
 
 def _cli(*args: str) -> list[str]:
@@ -67,30 +81,97 @@ def _model_arg(t: Topology) -> list[str]:
     return ["--model", str(local)]
 
 
-def local_children(t: Topology, *, host: str, port: int) -> list[ChildSpec]:
+def parse_ports(text: str) -> dict[str, int]:
+    """`--ports prefill-0=31000,prefill-0.bootstrap=31998,decode-0=31001` → {name: port}."""
+    out: dict[str, int] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or not value.isdigit() or not 0 < int(value) < 65536:
+            raise TopologyError(
+                f"--ports: {item!r} is not NAME=PORT (e.g. prefill-0=31000, prefill-0.bootstrap=31998, decode-0=31001)."
+            )
+        out[name.strip()] = int(value)
+    return out
+
+
+def endpoints(t: Topology, overrides: dict[str, int] | None = None) -> dict[str, list[InstanceEndpoint]]:
+    """The topology's instance endpoints by role, with `--ports` overrides applied; an override
+    naming no component is an error that lists the names."""
+    overrides = dict(overrides or {})
+    out: dict[str, list[InstanceEndpoint]] = {}
+    roles: tuple[Role, Role] = ("prefill", "decode")
+    for role in roles:
+        eps = []
+        for ep in t.instance_endpoints(role):
+            changes: dict[str, Any] = {}
+            if ep.name in overrides:
+                changes["port"] = overrides.pop(ep.name)
+            if f"{ep.name}.bootstrap" in overrides:
+                changes["bootstrap_port"] = overrides.pop(f"{ep.name}.bootstrap")
+            eps.append(dataclasses.replace(ep, **changes))
+        out[role] = eps
+    if overrides:
+        names = [ep.name for eps in out.values() for ep in eps]
+        names += [f"{ep.name}.bootstrap" for ep in out["prefill"]]
+        raise TopologyError(f"--ports names {', '.join(overrides)}; this topology's components are {', '.join(names)}.")
+    return out
+
+
+def local_children(t: Topology, *, host: str, port: int, ports: dict[str, int] | None = None) -> list[ChildSpec]:
     """The reference-engine stack of a CPU topology: engines, then the router."""
     common = [*_model_arg(t), "--served-model-name", t.model.name, "--page-size", str(t.model.page_size)]
+    eps = endpoints(t, ports)
     children = []
-    for ep in t.instance_endpoints("prefill"):
+    for ep in eps["prefill"]:
         mrr = str(t.prefill.max_running_requests or 64)
         argv = _cli("engine", "--role", "prefill", "--port", str(ep.port), "--bootstrap-port", str(ep.bootstrap_port))
-        children.append(ChildSpec(ep.name, [*argv, *common, "--max-running-requests", mrr], f"{ep.url}/health"))
-    for ep in t.instance_endpoints("decode"):
+        bound = (ep.port, ep.bootstrap_port or 0)
+        children.append(
+            ChildSpec(ep.name, [*argv, *common, "--max-running-requests", mrr], f"{ep.url}/health", ports=bound)
+        )
+    for ep in eps["decode"]:
         mrr = str(t.decode.max_running_requests or 64)
         argv = _cli("engine", "--role", "decode", "--port", str(ep.port), *common, "--max-running-requests", mrr)
-        children.append(ChildSpec(ep.name, argv, f"{ep.url}/health"))
-    return [*children, _router_child(t, host, port)]
+        children.append(ChildSpec(ep.name, argv, f"{ep.url}/health", ports=(ep.port,)))
+    return [*children, _router_child(t, host, port, eps)]
 
 
-def _router_child(t: Topology, host: str, port: int) -> ChildSpec:
-    """The router in front of the topology's instances on this host."""
+def _router_child(t: Topology, host: str, port: int, eps: dict[str, list[InstanceEndpoint]] | None = None) -> ChildSpec:
+    """The router in front of the topology's instances on this host, with the topology's router
+    settings (policies, admission, timeouts)."""
+    eps = eps or endpoints(t)
+    r = t.router
     router = _cli("router", "--host", host, "--port", str(port))
-    router += ["--prefill-policy", t.router.prefill_policy, "--decode-policy", t.router.decode_policy]
-    for ep in t.instance_endpoints("prefill"):
+    router += ["--prefill-policy", r.prefill_policy, "--decode-policy", r.decode_policy]
+    router += ["--max-concurrent-requests", str(r.max_concurrent_requests)]
+    router += ["--max-queued-requests", str(r.max_queued_requests)]
+    router += ["--queue-timeout", f"{r.queue_timeout_s:g}", "--request-timeout", f"{r.request_timeout_s:g}"]
+    router += ["--drain-timeout", f"{ROUTER_DRAIN_S:g}"]
+    for ep in eps["prefill"]:
         router += ["--prefill", ep.url, str(ep.bootstrap_port)]
-    for ep in t.instance_endpoints("decode"):
+    for ep in eps["decode"]:
         router += ["--decode", ep.url]
-    return ChildSpec("router", router, f"http://{_client_host(host)}:{port}/readiness")
+    return ChildSpec(
+        "router",
+        router,
+        f"http://{_client_host(host)}:{port}/readiness",
+        ports=(port,),
+        host=host,
+        log_to_file=False,
+        stop_grace_s=ROUTER_DRAIN_S + 5,
+        drains=True,
+    )
+
+
+def busy_ports(specs: list[ChildSpec]) -> list[str]:
+    """One line per port a child would bind that is taken now, naming the holder."""
+    problems = []
+    for spec in specs:
+        for port in spec.ports:
+            holder = port_in_use(spec.host, port) if port else None
+            if holder is not None:
+                problems.append(f"port {port} ({spec.name}) is in use by {holder}")
+    return problems
 
 
 def _client_host(host: str) -> str:
@@ -117,7 +198,8 @@ def sglang_children(t: Topology, *, host: str, port: int) -> list[ChildSpec]:
             # The renderer names the module and writes the deployed release's flags; this
             # process's interpreter runs it, with the flags the installed sglang accepts.
             argv = [sys.executable, *adapt_argv(c.argv, options, version)]
-            children.append(ChildSpec(ep.name, argv, f"{ep.url}/health", c.env, sequential=True))
+            bound = (ep.port, ep.bootstrap_port or 0)
+            children.append(ChildSpec(ep.name, argv, f"{ep.url}/health", c.env, sequential=True, ports=bound))
     return [*children, _router_child(t, host, port)]
 
 
@@ -137,12 +219,17 @@ def _sglang_available() -> bool:
 class Stack:
     """The running children: start, prefix their logs, wait for health, stop them all."""
 
-    def __init__(self, specs: list[ChildSpec], *, out: TextIO | None = None) -> None:
+    def __init__(self, specs: list[ChildSpec], *, out: TextIO | None = None, log_dir: Path | None = None) -> None:
+        """`log_dir`: where children with `log_to_file` write `<name>.log` (None: all to `out`)."""
         self.specs = specs
         self.procs: dict[str, Child] = {}
         self._out = out or sys.stdout
         self._print_lock = threading.Lock()
         self.stopping = threading.Event()
+        self.log_dir = log_dir
+        self.logs: dict[str, Path] = {}
+        self._files: list[IO[bytes]] = []
+        self._started: dict[str, float] = {}
 
     def _echo(self, line: str) -> None:
         with self._print_lock:
@@ -155,13 +242,33 @@ class Stack:
             self._echo(f"{child.name:<{width}} | {raw.decode(errors='replace').rstrip()}")
 
     def start(self) -> None:
-        for spec in self.specs:
+        for i, spec in enumerate(self.specs, 1):
             env = {**spec.env, "PYTHONUNBUFFERED": "1"}
-            child = spawn(spec.name, spec.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=False)
+            ports = "/".join(str(p) for p in spec.ports if p)
+            where = f" on port {ports}" if ports else ""
+            if self.log_dir is not None and spec.log_to_file:
+                log = self.logs[spec.name] = self.log_dir / f"{spec.name}.log"
+                sink = log.open("wb")
+                self._files.append(sink)
+                child = spawn(spec.name, spec.argv, env=env, stdout=sink, stderr=subprocess.STDOUT, text=False)
+                self._echo(f"[{i}/{len(self.specs)}] {spec.name}: starting{where} (log: {log})")
+            else:
+                child = spawn(
+                    spec.name, spec.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=False
+                )
+                threading.Thread(target=self._pump, args=(child,), daemon=True).start()
+                self._echo(f"[{i}/{len(self.specs)}] {spec.name}: starting{where}")
             self.procs[spec.name] = child
-            threading.Thread(target=self._pump, args=(child,), daemon=True).start()
+            self._started[spec.name] = time.monotonic()
             if spec.sequential:
                 self._wait_healthy(spec)
+
+    def log_tail(self, name: str, lines: int = 20) -> str:
+        """The last lines of a child's log file ('' when it logs to the console)."""
+        path = self.logs.get(name)
+        if path is None or not path.exists():
+            return ""
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
     def _wait_healthy(self, spec: ChildSpec) -> None:
         """Block until `spec`'s child answers its health URL; a child that exits is left to wait_ready."""
@@ -179,34 +286,64 @@ class Stack:
         """Poll every child's health URL until all answer 200; raise RuntimeError naming the laggard."""
         deadline = time.monotonic() + timeout_s
         pending = {s.name: s.health_url for s in self.specs}
+        last_note = time.monotonic()
         while pending:
             if self.stopping.is_set():
                 raise RuntimeError("Stopped before the stack was ready.")
             dead = self.exited()
             if dead:
                 name, rc = dead[0]
-                raise RuntimeError(f"{name} exited with code {rc} before it was ready; see its log lines above.")
+                tail = self.log_tail(name)
+                where = f"the end of {self.logs[name]}:\n{tail}" if tail else "its log lines above"
+                raise RuntimeError(f"{name} exited with code {rc} before it was ready; see {where}")
             for name, url in list(pending.items()):
                 if http_ok(url):
                     del pending[name]
+                    took = time.monotonic() - self._started.get(name, time.monotonic())
+                    self._echo(f"{name}: healthy after {took:.1f} s")
+            if pending and time.monotonic() - last_note >= 5:
+                last_note = time.monotonic()
+                self._echo(f"waiting for {', '.join(pending)} ...")
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"{', '.join(pending)} not healthy after {timeout_s:.0f} s ({', '.join(pending.values())})."
                 )
             time.sleep(0.25)
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every child's process group, then SIGKILL what is left after `grace_s`."""
+    def stop(self, grace_s: float | None = None) -> None:
+        """Stop the children in two waves: first those that `drain` (the router, which finishes its
+        in-flight requests while the engines still serve them), then the rest. A wave gets SIGTERM,
+        then SIGKILL after its children's `stop_grace_s` (or `grace_s`)."""
         self.stopping.set()
-        for child in reversed(list(self.procs.values())):
-            if child.alive():
+        by_name = {s.name: s for s in self.specs}
+        started = list(reversed(list(self.procs.items())))
+        waves = [
+            [(n, c) for n, c in started if n in by_name and by_name[n].drains],
+            [(n, c) for n, c in started if n not in by_name or not by_name[n].drains],
+        ]
+        for wave in waves:
+            graces = [
+                grace_s if grace_s is not None else by_name[n].stop_grace_s if n in by_name else 10.0 for n, _ in wave
+            ]
+            live = [c for _, c in wave if c.alive()]
+            if not live:
+                continue
+            if any(by_name[n].drains for n, _ in wave if n in by_name):
+                self._echo(f"stopping {', '.join(c.name for c in live)} (up to {max(graces):g} s to drain) ...")
+            for child in live:
                 child.signal_group(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for child in self.procs.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            deadline = time.monotonic() + max(graces)
+            for child in live:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         for child in self.procs.values():
             child.reap()  # the group may hold grandchildren even once the leader is gone
+        for sink in self._files:
+            sink.close()
+
+
+def _grace(spec: ChildSpec | None) -> float:
+    return 10.0 if spec is None else spec.stop_grace_s
 
 
 SMOKE_QUESTION = "What is the capital of France?"
@@ -262,6 +399,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"topology YAML or preset name (default {DEFAULT_TOPOLOGY})",
     )
     parser.add_argument("--port", type=int, default=None, help="the router's port (default: the topology's)")
+    parser.add_argument(
+        "--ports",
+        default="",
+        metavar="NAME=PORT,...",
+        help="engine ports instead of the topology's: prefill-0=31000,prefill-0.bootstrap=31998,decode-0=31001",
+    )
+    parser.add_argument(
+        "--log-dir",
+        default=None,
+        metavar="DIR",
+        help="where the engines' logs go (default: <tmp>/sglang-pd-runs/<topology>-<UTC time>)",
+    )
     parser.add_argument("--host", default=None, help="the router's address (default: the topology's)")
     parser.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS")
     parser.add_argument("--no-smoke", action="store_true", help="skip the chat requests sent once ready")
@@ -281,7 +430,17 @@ def run(args: argparse.Namespace) -> int:
     engine = args.engine
     if engine == "auto":
         engine = "reference" if t.is_local or not _sglang_available() else "sglang"
+    try:
+        overrides = parse_ports(args.ports)
+    except TopologyError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INVALID
     if engine == "sglang":
+        if overrides:
+            print(
+                "error: --ports applies to the reference engine; set sglang's ports in the topology.", file=sys.stderr
+            )
+            return EXIT_INVALID
         specs = sglang_children(t, host=host, port=port)
     elif not t.is_local:
         print(
@@ -291,9 +450,22 @@ def run(args: argparse.Namespace) -> int:
         )
         return EXIT_INVALID
     else:
-        specs = local_children(t, host=host, port=port)
+        try:
+            specs = local_children(t, host=host, port=port, ports=overrides)
+        except TopologyError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_INVALID
+    busy = busy_ports(specs)
+    if busy:
+        print("error: " + "; ".join(busy) + ". Stop it, or move this stack with --port / --ports.", file=sys.stderr)
+        return EXIT_INVALID
 
-    stack = Stack(specs)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    runs = Path(tempfile.gettempdir()) / "sglang-pd-runs"
+    log_dir = Path(args.log_dir) if args.log_dir else runs / f"{t.name}-{stamp}"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"engine logs: {log_dir}", flush=True)
+    stack = Stack(specs, log_dir=log_dir)
     received: list[int] = []
 
     def on_signal(signum: int, _frame: object) -> None:

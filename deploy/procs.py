@@ -13,14 +13,16 @@ import ctypes
 import os
 import selectors
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import IO, Any
 
 import httpx
 
-__all__ = ["Child", "http_ok", "spawn"]
+__all__ = ["Child", "http_ok", "port_in_use", "spawn"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -134,3 +136,40 @@ def spawn(
         preexec_fn=_die_with_parent,
     )
     return Child(name, proc)
+
+
+def port_in_use(host: str, port: int) -> str | None:
+    """None when `host:port` can be bound now; else who holds it ("pid 123: python -m ...", or
+    "another process" where /proc does not say)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        # As uvicorn binds: SO_REUSEADDR, so a port in TIME_WAIT is free, a listening one is not.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+            return None
+        except OSError:
+            pass
+    return _listener(port) or "another process"
+
+
+def _listener(port: int) -> str | None:
+    """The process listening on TCP `port`, from /proc (Linux): its socket inode, then the fd."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                    inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return None
+    for proc in os.scandir("/proc"):
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in os.scandir(f"/proc/{proc.name}/fd"):
+                if os.readlink(fd.path) in inodes:
+                    cmd = Path(f"/proc/{proc.name}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+                    return f"pid {proc.name}: {cmd[:200]}"
+    return None

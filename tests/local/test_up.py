@@ -73,7 +73,8 @@ def _topology(tmp: Path) -> tuple[Path, int]:
 def test_up_serves_chat_within_90s_and_stops_cleanly(tmp_path: Path) -> None:
     topo, port = _topology(tmp_path)
     t0 = time.monotonic()
-    up = spawn("up", [sys.executable, "-m", "sglang_pd.deploy.cli", "up", str(topo)],
+    logs = tmp_path / "logs"
+    up = spawn("up", [sys.executable, "-m", "sglang_pd.deploy.cli", "up", str(topo), "--log-dir", str(logs)],
                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
     proc = up.proc
     lines: queue.Queue[str] = queue.Queue()
@@ -91,7 +92,14 @@ def test_up_serves_chat_within_90s_and_stops_cleanly(tmp_path: Path) -> None:
         # `up` itself proves the stack answers, plain and streamed, before it says so.
         smoke = next(ln for ln in seen if ln.startswith("smoke: "))
         assert "chat completion ok" in smoke and "streamed ok" in smoke
-        assert any(ln.startswith("prefill-0 | ") for ln in seen)  # logs are prefixed by role
+        # A line per component as it starts and as it turns healthy; engines log to files, the
+        # router to the console.
+        for name in ("prefill-0", "decode-0", "router"):
+            assert any(ln.startswith("[") and f"] {name}: starting" in ln for ln in seen), name
+            assert any(ln.startswith(f"{name}: healthy after ") for ln in seen), name
+        assert f"engine logs: {logs}\n" in seen
+        assert (logs / "prefill-0.log").stat().st_size > 0 and (logs / "decode-0.log").stat().st_size > 0
+        assert not any(ln.startswith("prefill-0 | ") for ln in seen)
         model = yaml.safe_load(PRESET.read_text())["model"]["served_name"]
         body = {"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8}
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=30)
@@ -118,7 +126,8 @@ def test_children_die_with_a_killed_parent(tmp_path: Path) -> None:
         """
         import sys, time
         from sglang_pd.deploy.local import ChildSpec, Stack
-        stack = Stack([ChildSpec(f"sleep-{i}", ["sleep", "60"], "http://127.0.0.1:1/") for i in range(2)])
+        specs = [ChildSpec(f"sleep-{i}", ["sleep", "60"], "http://127.0.0.1:1/") for i in range(2)]
+        stack = Stack(specs, out=sys.stderr)
         stack.start()
         print(" ".join(str(p.pid) for p in stack.procs.values()), flush=True)
         time.sleep(60)
