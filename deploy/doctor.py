@@ -180,7 +180,21 @@ def collect(check_targets: bool = True) -> dict[str, Any]:
         "deepep_driver": deepep_driver(),
         "hook_targets": None if targets is None else {k: v or "ok" for k, v in targets.items()},
         "sbo": _sbo_modes(gpu["capability"], plugin, targets),
+        "sglang_flags": _preset_flags() if check_targets else None,
     }
+
+
+def _preset_flags() -> dict[str, Any] | None:
+    """The installed sglang against every flag the shipped presets render (None: no sglang here)."""
+    from sglang_pd.deploy.sglang_args import render_plan
+    from sglang_pd.deploy.sglang_compat import flag_report
+    from sglang_pd.deploy.topology import PRESETS_DIR, load_topology
+
+    argvs = []
+    for path in sorted(PRESETS_DIR.glob("*.yaml")):
+        t = load_topology(path)
+        argvs += [c.argv for cmds in render_plan(t).values() for c in cmds]
+    return flag_report(argvs)
 
 
 def format_table(doc: dict[str, Any]) -> str:
@@ -205,6 +219,10 @@ def format_table(doc: dict[str, Any]) -> str:
             rows.append((f"  hook {name}", state))
     for mode, v in doc["sbo"].items():
         rows.append((f"SBO {mode}", f"yes ({v['by']})" if v["ok"] else f"no: {v['reason']}"))
+    if doc.get("sglang_flags"):
+        from sglang_pd.deploy.sglang_compat import flag_summary
+
+        rows.append(("sglang flags (presets)", flag_summary(doc["sglang_flags"])))
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"{a.ljust(width)}  {b}" for a, b in rows)
 

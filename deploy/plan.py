@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from sglang_pd.deploy.sglang_args import NodeCommand, Role, render_plan
+from sglang_pd.deploy.sglang_compat import flag_summary
 from sglang_pd.deploy.topology import RuleReport, SBOMode, Topology
 
 __all__ = ["EXIT_CHECK_UNAVAILABLE", "EXIT_INVALID", "EXIT_OK", "Plan", "build_plan", "check_plan", "format_plan"]
@@ -31,6 +32,7 @@ class Plan:
     rules: RuleReport
     commands: dict[Role, list[NodeCommand]]
     sglang_checks: list[dict[str, Any]] | None = None  # filled by `plan --check` when sglang is importable
+    sglang_flags: dict[str, Any] | None = None  # `plan --check`: the installed sglang against the rendered flags
 
     @property
     def nodes(self) -> dict[str, int]:
@@ -55,6 +57,7 @@ def check_plan(p: Plan) -> tuple[Plan, int, str | None]:
     """
     from sglang_pd.deploy.doctor import sbo_topology_warnings
     from sglang_pd.deploy.sglang_check import SglangUnavailable, check_with_sglang
+    from sglang_pd.deploy.sglang_compat import flag_report
 
     t = p.topology
     # SBO asked for on a GPU type this build cannot serve it on (warnings, not errors).
@@ -65,7 +68,8 @@ def check_plan(p: Plan) -> tuple[Plan, int, str | None]:
         checks = check_with_sglang(t)
     except SglangUnavailable as exc:
         return p, EXIT_CHECK_UNAVAILABLE, str(exc)
-    p = replace(p, sglang_checks=[c.as_dict() for c in checks])
+    flags = flag_report(c.argv for cmds in p.commands.values() for c in cmds)
+    p = replace(p, sglang_checks=[c.as_dict() for c in checks], sglang_flags=flags)
     return p, (EXIT_OK if all(c.passed for c in checks) else EXIT_INVALID), None
 
 
@@ -95,6 +99,8 @@ def plan_document(p: Plan) -> dict[str, Any]:
     }
     if p.sglang_checks is not None:
         doc["sglang_check"] = p.sglang_checks
+    if p.sglang_flags is not None:
+        doc["sglang_flags"] = p.sglang_flags
     return doc
 
 
@@ -154,6 +160,8 @@ def _table(p: Plan) -> str:
                 continue
             lines.append(f"  {where}: {'ok' if chk['ok'] else 'NOT AS ASKED'}; {_effective_line(chk['effective'])}")
             lines += [f"    - {problem}" for problem in chk["problems"]]
+    if p.sglang_flags is not None:
+        lines += ["", f"sglang flags: {flag_summary(p.sglang_flags)}"]
     return "\n".join(lines)
 
 

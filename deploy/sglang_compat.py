@@ -21,6 +21,8 @@ __all__ = [
     "SglangVersionError",
     "adapt_argv",
     "compatibility_rows",
+    "flag_report",
+    "flag_summary",
     "installed_options",
 ]
 
@@ -125,3 +127,38 @@ def adapt_argv(argv: list[str], options: frozenset[str], version: str = "install
             "setting that renders it from the topology."
         )
     return out
+
+
+def flag_report(argvs: Iterable[list[str]]) -> dict[str, object] | None:
+    """What the installed sglang makes of the rendered flags: the version table `plan --check` and
+    `doctor` print. None when sglang does not import here."""
+    installed = installed_options()
+    if installed is None:
+        return None
+    version, options = installed
+    rows: dict[str, FlagRow] = {}
+    for argv in argvs:
+        for row in compatibility_rows(argv, options):
+            rows.setdefault(row.flag, row)
+    return {
+        "installed": version,
+        "rendered_for": DEPLOYED_VERSION,
+        "flags": len(rows),
+        "rewritten": {r.flag: r.replacement for r in rows.values() if r.status == "rewritten"},
+        "unsupported": sorted(r.flag for r in rows.values() if r.status == "unsupported"),
+    }
+
+
+def flag_summary(report: dict[str, object]) -> str:
+    """One line for a table: the installed release against the flags rendered for the deployed one."""
+    rewritten = report["rewritten"]
+    unsupported = report["unsupported"]
+    assert isinstance(rewritten, dict) and isinstance(unsupported, list)
+    parts = [f"installed sglang {report['installed']}, {report['flags']} flags rendered for {report['rendered_for']}"]
+    if rewritten:
+        parts.append("rewritten: " + ", ".join(f"{k} -> {v}" for k, v in rewritten.items()))
+    if unsupported:
+        parts.append("NOT ACCEPTED: " + ", ".join(unsupported))
+    if not rewritten and not unsupported:
+        parts.append("all as rendered")
+    return "; ".join(parts)

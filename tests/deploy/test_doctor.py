@@ -26,7 +26,9 @@ def sm90(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_json_report_on_this_machine(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", "--format", "json", "--skip-targets"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert set(doc) == {"versions", "gpu", "kernel", "deepep_combine", "plugin", "deepep_driver", "hook_targets", "sbo"}
+    keys = {"versions", "gpu", "kernel", "deepep_combine", "plugin", "deepep_driver", "hook_targets", "sbo"}
+    assert set(doc) == keys | {"sglang_flags"}
+    assert doc["sglang_flags"] is None  # --skip-targets imports no sglang
     assert set(doc["versions"]) == set(doctor.DISTRIBUTIONS)
     assert doc["versions"]["sglang-pd"] is not None
     assert set(doc["sbo"]) == {"full", "shared-only"}

@@ -85,3 +85,32 @@ def test_equivalents_name_only_flags_the_installed_release_knows(installed):
     _, options = installed
     for new in EQUIVALENTS:
         assert new in options, f"{new} is not a flag of the deployed sglang"
+
+
+def test_flag_report_against_0517_names_the_rewritten_flag(monkeypatch):
+    import sglang_pd.deploy.sglang_compat as compat
+
+    monkeypatch.setattr(compat, "installed_options", lambda: ("0.5.17", OPTIONS_0517))
+    report = compat.flag_report(_argvs("deepseek-r1-h200-1p1d"))
+    assert report is not None
+    assert report["installed"] == "0.5.17" and report["rendered_for"] == "0.5.23"
+    assert report["rewritten"] == {"--attn-dp-size": "--dp-size N --enable-dp-attention"}
+    assert report["unsupported"] == []
+    assert "--attn-dp-size -> --dp-size N --enable-dp-attention" in compat.flag_summary(report)
+
+
+@pytest.mark.sglang
+def test_plan_check_reports_the_installed_sglang_against_the_rendered_flags(installed):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "sglang_pd.deploy.cli", "plan", "single-h200", "--check", "--format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    flags = json.loads(out.stdout)["sglang_flags"]
+    assert flags["installed"] == installed[0]
+    assert flags["unsupported"] == [] and flags["rewritten"] == {}
