@@ -1,7 +1,7 @@
 """Check rendered commands with sglang's own argument resolver, on a machine without GPUs.
 
 sglang validates its arguments in `ServerArgs.resolve_once()` and `check_server_args()`.
-Those run on a CPU machine given a few workarounds (REFERENCE.md §1); they are applied to a
+Those run on a CPU machine given a few workarounds (docs/upstream-facts.md); they are applied to a
 *copy* of each command here, never to what is deployed:
 
 - `--model-path` points at a temporary directory holding only the model's config.json

@@ -10,7 +10,7 @@ __all__ = ["DEFAULT_KV_CONFIG", "ENV_PREFIX", "MAX_BATCH_ITEMS", "KVConfig"]
 
 ENV_PREFIX = "SGLANG_PD_KV_"
 # Mooncake's TCP lane refuses (-1) batches of more than about 1024 items per peer, and a refused
-# batch can poison later ones to that peer (REFERENCE.md §3).
+# batch can poison later ones to that peer (docs/upstream-facts.md).
 MAX_BATCH_ITEMS = 1024
 PROTOCOLS = ("tcp", "rdma")
 

@@ -51,7 +51,7 @@ def test_every_known_mooncake_code_is_mapped() -> None:
 
 
 def test_dead_peer_code_is_peer_unreachable() -> None:
-    # send_probe answers -102 for a dead peer (REFERENCE.md §3).
+    # send_probe answers -102 for a dead peer (docs/upstream-facts.md).
     assert isinstance(error_for_code(-102, op="send_probe"), PeerUnreachable)
 
 
