@@ -5,13 +5,15 @@ CUDA and sglang are installed) and the router, as child processes, after checkin
 their ports is taken (the holder is named); prints a line as each component starts and becomes
 healthy; writes each engine's log to a file in a run folder (printed; the router logs to the
 console); prints the time to ready, the OpenAI base URL and a curl example. On Ctrl-C or SIGTERM
-the router is stopped first with its drain time, then the engines; any child's exit stops every
-child (their whole process groups; children also die with this process: `procs.py`).
+the router is stopped first with its drain time, then the engines (their whole process groups;
+children also die with this process: `procs.py`). A child that dies once the stack is up is
+restarted with a doubling back-off while the others keep running.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import json
@@ -62,6 +64,7 @@ class ChildSpec:
 
 # The router's drain time on SIGTERM (RouterConfig.drain_timeout_s), and the extra it gets to exit.
 ROUTER_DRAIN_S = 30.0
+MAX_RESTART_BACKOFF_S = 30.0  # a child that keeps dying is retried at most this far apart
 
 
 def _cli(*args: str) -> list[str]:
@@ -219,8 +222,16 @@ def _sglang_available() -> bool:
 class Stack:
     """The running children: start, prefix their logs, wait for health, stop them all."""
 
-    def __init__(self, specs: list[ChildSpec], *, out: TextIO | None = None, log_dir: Path | None = None) -> None:
-        """`log_dir`: where children with `log_to_file` write `<name>.log` (None: all to `out`)."""
+    def __init__(
+        self,
+        specs: list[ChildSpec],
+        *,
+        out: TextIO | None = None,
+        log_dir: Path | None = None,
+        restart_backoff_s: float = 1.0,
+    ) -> None:
+        """`log_dir`: where children with `log_to_file` write `<name>.log` (None: all to `out`);
+        `restart_backoff_s`: the first wait before `supervise` restarts a child that exited."""
         self.specs = specs
         self.procs: dict[str, Child] = {}
         self._out = out or sys.stdout
@@ -230,6 +241,10 @@ class Stack:
         self.logs: dict[str, Path] = {}
         self._files: list[IO[bytes]] = []
         self._started: dict[str, float] = {}
+        self.restart_backoff_s = restart_backoff_s
+        self._backoff: dict[str, float] = {}
+        self._restart_at: dict[str, float] = {}
+        self.restarts: collections.Counter[str] = collections.Counter()
 
     def _echo(self, line: str) -> None:
         with self._print_lock:
@@ -243,25 +258,52 @@ class Stack:
 
     def start(self) -> None:
         for i, spec in enumerate(self.specs, 1):
-            env = {**spec.env, "PYTHONUNBUFFERED": "1"}
-            ports = "/".join(str(p) for p in spec.ports if p)
-            where = f" on port {ports}" if ports else ""
-            if self.log_dir is not None and spec.log_to_file:
-                log = self.logs[spec.name] = self.log_dir / f"{spec.name}.log"
-                sink = log.open("wb")
-                self._files.append(sink)
-                child = spawn(spec.name, spec.argv, env=env, stdout=sink, stderr=subprocess.STDOUT, text=False)
-                self._echo(f"[{i}/{len(self.specs)}] {spec.name}: starting{where} (log: {log})")
-            else:
-                child = spawn(
-                    spec.name, spec.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=False
-                )
-                threading.Thread(target=self._pump, args=(child,), daemon=True).start()
-                self._echo(f"[{i}/{len(self.specs)}] {spec.name}: starting{where}")
-            self.procs[spec.name] = child
-            self._started[spec.name] = time.monotonic()
+            self._launch(spec, f"[{i}/{len(self.specs)}] {spec.name}: starting")
             if spec.sequential:
                 self._wait_healthy(spec)
+
+    def _launch(self, spec: ChildSpec, note: str, *, append: bool = False) -> None:
+        env = {**spec.env, "PYTHONUNBUFFERED": "1"}
+        ports = "/".join(str(p) for p in spec.ports if p)
+        note += f" on port {ports}" if ports else ""
+        if self.log_dir is not None and spec.log_to_file:
+            log = self.logs[spec.name] = self.log_dir / f"{spec.name}.log"
+            sink = log.open("ab" if append else "wb")
+            self._files.append(sink)
+            child = spawn(spec.name, spec.argv, env=env, stdout=sink, stderr=subprocess.STDOUT, text=False)
+            note += f" (log: {log})"
+        else:
+            child = spawn(spec.name, spec.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=False)
+            threading.Thread(target=self._pump, args=(child,), daemon=True).start()
+        self._echo(note)
+        self.procs[spec.name] = child
+        self._started[spec.name] = time.monotonic()
+
+    def supervise(self) -> None:
+        """Restart children that exited, each after a back-off that doubles per restart (up to
+        `MAX_RESTART_BACKOFF_S`). Meanwhile the rest keeps running: the router answers 503 while
+        no pair is healthy and routes again once the restarted engine is."""
+        now = time.monotonic()
+        for spec in self.specs:
+            child = self.procs.get(spec.name)
+            if child is None or child.alive() or self.stopping.is_set():
+                continue
+            due = self._restart_at.get(spec.name)
+            if due is None:
+                delay = self._backoff.get(spec.name, self.restart_backoff_s)
+                self._backoff[spec.name] = min(delay * 2, MAX_RESTART_BACKOFF_S)
+                self._restart_at[spec.name] = now + delay
+                where = (
+                    f"; the end of {self.logs[spec.name]}:\n{self.log_tail(spec.name)}"
+                    if spec.name in self.logs
+                    else ""
+                )
+                self._echo(f"{spec.name}: exited with code {child.proc.returncode}; restarting in {delay:g} s{where}")
+            elif now >= due:
+                del self._restart_at[spec.name]
+                child.reap()
+                self.restarts[spec.name] += 1
+                self._launch(spec, f"{spec.name}: restarting (restart {self.restarts[spec.name]})", append=True)
 
     def log_tail(self, name: str, lines: int = 20) -> str:
         """The last lines of a child's log file ('' when it logs to the console)."""
@@ -496,11 +538,7 @@ def run(args: argparse.Namespace) -> int:
                 return EXIT_FAILED
         print(f"try: curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'", flush=True)
         while not stack.stopping.wait(0.5):
-            dead = stack.exited()
-            if dead:
-                name, rc = dead[0]
-                print(f"error: {name} exited with code {rc}; stopping the stack.", file=sys.stderr)
-                return EXIT_FAILED
+            stack.supervise()
         return EXIT_OK
     finally:
         stack.stop()

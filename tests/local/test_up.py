@@ -111,6 +111,26 @@ def test_up_serves_chat_within_90s_and_stops_cleanly(tmp_path: Path) -> None:
         assert time.monotonic() - t0 < 90
         children = _descendants(proc.pid)
         assert len(children) >= 3  # prefill, decode, router
+
+        # A dead engine is restarted; the router answers 503 meanwhile and serves again after.
+        decode = next(p for p in children if b"--role\x00decode" in Path(f"/proc/{p}/cmdline").read_bytes())
+        os.kill(decode, signal.SIGKILL)
+        t1 = time.monotonic()
+        while True:
+            assert time.monotonic() - t1 < 90, "no answer after the decode engine was restarted"
+            try:
+                r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=30)
+                if r.status_code == 200:
+                    break
+                assert r.status_code in (502, 503), r.text
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        while not lines.empty():
+            seen.append(lines.get())
+        assert any(ln.startswith("decode-0: exited with code") for ln in seen), "".join(seen[-20:])
+        assert any(ln.startswith("decode-0: restarting (restart 1)") for ln in seen), "".join(seen[-20:])
+        children = _descendants(proc.pid)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)

@@ -4,6 +4,7 @@ the router drains before the engines get SIGTERM."""
 
 from __future__ import annotations
 
+import io
 import itertools
 import os
 import socket
@@ -102,3 +103,20 @@ def test_stop_drains_the_router_before_the_engines(tmp_path: Path) -> None:
     events = dict(line.split() for line in marks.read_text().splitlines())
     assert float(events["engine-term"]) >= float(events["router-exit"]), events
     assert all(not c.alive() for c in stack.procs.values())
+
+
+def test_a_dead_child_is_restarted_with_a_doubling_back_off(tmp_path: Path) -> None:
+    out = io.StringIO()
+    spec = ChildSpec("flaky", [sys.executable, "-c", "import sys; sys.exit(3)"], "http://127.0.0.1:1/")
+    stack = Stack([spec], out=out, log_dir=tmp_path, restart_backoff_s=0.1)
+    stack.start()
+    deadline = time.monotonic() + 3
+    while stack.restarts["flaky"] < 3 and time.monotonic() < deadline:
+        stack.supervise()
+        time.sleep(0.02)
+    stack.stop()
+    text = out.getvalue()
+    assert stack.restarts["flaky"] >= 3, text
+    for delay in ("0.1", "0.2", "0.4"):
+        assert f"flaky: exited with code 3; restarting in {delay} s" in text, text
+    assert "flaky: restarting (restart 3)" in text
