@@ -85,7 +85,38 @@ def _params(body: dict[str, Any], kind: Kind) -> SamplingParams:
         raise RequestFailed(f"temperature has value {p.temperature}; it must be a finite number >= 0.", 400)
     if body.get("n", 1) not in (1, None):
         raise RequestFailed("n > 1 is not supported by the reference engine; send n=1.", 400)
+    if kind != "generate":
+        _refuse_unsupported(body)
     return p
+
+
+# OpenAI fields sglang honours but the reference engine does not: refused with a 400 naming the
+# field, rather than silently answered as if they were not there. (field, is it asked for?)
+_UNSUPPORTED: tuple[tuple[str, Any], ...] = (
+    ("logprobs", lambda v: bool(v)),
+    ("top_logprobs", lambda v: bool(v)),
+    ("tools", lambda v: bool(v)),
+    ("tool_choice", lambda v: v not in (None, "none", "auto")),
+    ("response_format", lambda v: isinstance(v, dict) and v.get("type") not in (None, "text")),
+    ("echo", lambda v: bool(v)),
+    ("suffix", lambda v: bool(v)),
+    ("best_of", lambda v: v not in (None, 1)),
+    ("logit_bias", lambda v: bool(v)),
+)
+
+
+class UnsupportedParameter(RequestFailed):
+    """An OpenAI field the reference engine does not implement (a 400 naming it)."""
+
+    def __init__(self, param: str) -> None:
+        super().__init__(f"'{param}' is not supported by the reference engine (sglang supports it); leave it out.", 400)
+        self.param = param
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for name, asked in _UNSUPPORTED:
+        if asked(body.get(name)):
+            raise UnsupportedParameter(name)
 
 
 def _prompt_ids(engine: RefEngine, body: dict[str, Any], kind: Kind) -> list[int]:
@@ -257,7 +288,7 @@ def create_app(engine: RefEngine, *, api_key: str | None = None) -> FastAPI:
 
     @app.exception_handler(RequestFailed)
     async def _failed(_: Request, exc: RequestFailed) -> Response:
-        return error_response(exc.status, str(exc))
+        return error_response(exc.status, str(exc), param=getattr(exc, "param", None))
 
     async def serve(request: Request, kind: Kind) -> Response:
         try:

@@ -168,6 +168,21 @@ def test_reference_engines_survive_extreme_sampling(tmp_path: Path) -> None:
             # n=3 is in OpenAI's range but the reference engine refuses it: its 400, reshaped.
             resp = client.post(CHAT, json=_chat(n=3))
             assert_openai_error(resp, 400)
+            # Fields sglang honours and the reference engine does not: a 400 naming them, not ignored.
+            unsupported = [
+                (CHAT, {"logprobs": True, "top_logprobs": 2}, "logprobs"),
+                (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+                (COMPLETIONS, {"echo": True}, "echo"),
+                (COMPLETIONS, {"suffix": "end"}, "suffix"),
+                (COMPLETIONS, {"best_of": 2}, "best_of"),
+            ]
+            for path, extra, param in unsupported:
+                base = _chat() if path == CHAT else {"prompt": "hi", "max_tokens": 2}
+                assert_openai_error(client.post(path, json={**base, **extra}), 400, param=param)
+            assert (
+                client.post(CHAT, json=_chat(response_format={"type": "text"}, tool_choice="none")).status_code == 200
+            )
             assert client.get("/readiness").status_code == 200
             workers = client.get("/workers").json()
             assert all(w["breaker"] == "closed" for w in workers["prefill"] + workers["decode"]), workers
