@@ -102,3 +102,43 @@ def test_stalled_stream_ejects_the_decode_and_readiness_follows(cluster_factory:
             resp = client.post(running.url + CHAT, json={"messages": [{"role": "user", "content": "y"}]})
             assert resp.status_code == 503 and time.monotonic() - started < 1.0, "refused, not left waiting"
         reader.join(timeout=20)
+
+
+def _abort_delay(cluster: Cluster, running: RunningRouter, rid: str, target: Any) -> tuple[float, int]:
+    """Send chat request `rid`; seconds until `target` got /abort_request for it, and the status."""
+    result: dict[str, int] = {}
+
+    def send() -> None:
+        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+        result["status"] = httpx.post(
+            running.url + CHAT, json=body, headers={"x-request-id": rid}, timeout=20
+        ).status_code
+
+    thread = threading.Thread(target=send)
+    started = time.monotonic()
+    thread.start()
+    _wait_for(lambda: rid in target.aborts, timeout=5.0)
+    delay = time.monotonic() - started
+    thread.join(timeout=20)
+    return delay, result["status"]
+
+
+def test_a_failed_leg_aborts_the_other_at_once(cluster_factory: Callable[..., Cluster]) -> None:
+    # Prefill fails: the decode, waiting for a KV hand-off that will never come, is aborted at
+    # once instead of waiting out its handshake (10 s here).
+    cluster = cluster_factory(1, 1, handshake_timeout=10.0)
+    decode = cluster.decodes[0]
+    with cluster.serve(cluster.config(max_retries=0)) as running:
+        cluster.prefills[0].configure(fail_status=500, fail_count=1)
+        delay, status = _abort_delay(cluster, running, "pf-fails", decode)
+        assert delay < 0.5 and status == 502, (delay, status)
+
+    # Decode fails while the prefill is still working: the prefill is aborted within the grace
+    # the router gives a dying prefill to report first (0.1 s).
+    cluster = cluster_factory(1, 2, prefill_delay=3.0)
+    prefill = cluster.prefills[0]
+    with cluster.serve(cluster.config(max_retries=0)) as running:
+        for d in cluster.decodes:
+            d.configure(fail_status=500, fail_count=1)
+        delay, status = _abort_delay(cluster, running, "dc-fails", prefill)
+        assert delay < 0.5 and status == 502, (delay, status)
