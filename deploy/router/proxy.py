@@ -24,6 +24,7 @@ from .log import logger
 from .logprobs import merge_first_event, merge_logprobs, wants_input_logprobs
 from .pairs import Pair, PairPicker
 from .relay import RelayResponse, openai_finish_reasons, wait_disconnect
+from .tasks import cancel_legs, finished_ok
 from .transport import Reply
 from .workers import Worker
 
@@ -98,7 +99,7 @@ class PDProxy:
                 try:
                     outcome = await self._race(pair, prefill_t, decode_t, disconnect, deadline)
                 except BaseException:
-                    _cancel(prefill_t, decode_t)
+                    cancel_legs(prefill_t, decode_t)
                     self._abort_unfinished(pair, decode_t)
                     raise
                 if isinstance(outcome, Reply):
@@ -140,9 +141,9 @@ class PDProxy:
                 pending.discard(prefill_t)
                 exc = prefill_t.exception()
                 if exc is not None or prefill_t.result().status >= 400:
-                    if _finished_ok(decode_t):
+                    if finished_ok(decode_t):
                         return decode_t.result()  # decode answered; prefill's failure no longer matters
-                    _cancel(decode_t)
+                    cancel_legs(decode_t)
                     self.legs.abort(pair.decode, rids)
                     if isinstance(exc, UpstreamError):
                         self.legs.failed(exc)
@@ -155,14 +156,14 @@ class PDProxy:
                 if exc is None:
                     reply = decode_t.result()
                     if reply.status >= 400 and not prefill_t.done():
-                        _cancel(prefill_t)
+                        cancel_legs(prefill_t)
                         self.legs.abort(pair.prefill, rids)
                     return reply
                 if isinstance(exc, UpstreamStatusError) and not prefill_t.done():
                     await asyncio.wait({prefill_t}, timeout=_BLAME_GRACE_S)
                 prefill_exc = prefill_t.exception() if prefill_t.done() and not prefill_t.cancelled() else None
                 if not prefill_t.done():
-                    _cancel(prefill_t)
+                    cancel_legs(prefill_t)
                     self.legs.abort(pair.prefill, rids)
                 if not isinstance(exc, UpstreamError):
                     raise exc
@@ -176,7 +177,7 @@ class PDProxy:
         # a finished prefill too, since the decode may still be pulling its KV cache.
         self.legs.abort(pair.prefill, pair.bodies.rids)
         self.legs.abort(pair.decode, pair.bodies.rids)
-        if _finished_ok(decode_t) and (opened := decode_t.result().stream) is not None:
+        if finished_ok(decode_t) and (opened := decode_t.result().stream) is not None:
             opened.close()
             self.legs.end(pair.decode)
 
@@ -207,26 +208,6 @@ def _refused(reply: Reply, rid: str) -> Response:
     """An engine's own refusal (4xx), in the one OpenAI error shape."""
     body = normalize_error_body(reply.status, reply.body)
     return Response(body, status_code=reply.status, media_type="application/json", headers={"x-request-id": rid})
-
-
-def _cancel(*tasks: asyncio.Future[Any]) -> None:
-    """Cancel unfinished legs and retrieve every outcome: a leg that turns its cancellation into
-    an error (a client timeout racing the cancel) must not log "exception was never retrieved"."""
-    for task in tasks:
-        if not task.done():
-            task.cancel()
-            task.add_done_callback(_consume)
-        else:
-            _consume(task)
-
-
-def _consume(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()
-
-
-def _finished_ok(task: asyncio.Future[Any]) -> bool:
-    return task.done() and not task.cancelled() and task.exception() is None
 
 
 def _timeout_error(seconds: float) -> ApiError:
