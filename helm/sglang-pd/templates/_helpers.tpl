@@ -106,7 +106,7 @@ Templates read it through "sglang-pd.topologyView"; the ConfigMap holds it verba
 {{- $file := printf "files/presets/%s.yaml" .Values.preset -}}
 {{- $text := .Files.Get $file -}}
 {{- if not $text -}}
-{{- fail (printf "\nVALUES VALIDATION:\npreset: %q is not a shipped preset (files/presets/*.yaml). Choose deepseek-r1-h200-1p1d, deepseek-v3-h20-3p2d or local-cpu, or set topology." .Values.preset) -}}
+{{- fail (printf "\nVALUES VALIDATION:\npreset: %q is not a shipped preset (files/presets/*.yaml). Choose deepseek-r1-h200-1p1d, deepseek-v3-h20-3p2d, local-cpu, local-cpu-mla or single-h200, or set topology." .Values.preset) -}}
 {{- end -}}
 {{- $text | fromYaml | toYaml -}}
 {{- end -}}
