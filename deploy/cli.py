@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 
+from sglang_pd.deploy.argtypes import positive_int
 from sglang_pd.deploy.topology import TopologyError, load_checked_topology
 
 __all__ = ["main"]
@@ -54,16 +55,6 @@ DELEGATED = {
 }
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
-
-
 def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     """The parser; only the chosen delegated `verb` has its module imported (keeps `plan` fast)."""
     parser = argparse.ArgumentParser(
@@ -85,10 +76,10 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         action="store_true",
         help="predict prefill tok/s and TTFT, decode ITL and tok/s, the P:D ratio and the KV fit (docs/estimate.md)",
     )
-    p.add_argument("--input-len", type=_positive, default=4096, metavar="N", help="prompt tokens (default 4096)")
-    p.add_argument("--output-len", type=_positive, default=1536, metavar="M", help="generated tokens (default 1536)")
+    p.add_argument("--input-len", type=positive_int, default=4096, metavar="N", help="prompt tokens (default 4096)")
+    p.add_argument("--output-len", type=positive_int, default=1536, metavar="M", help="generated tokens (default 1536)")
     p.add_argument(
-        "--decode-batch", type=_positive, metavar="B", help="requests per decode rank (default: the topology's)"
+        "--decode-batch", type=positive_int, metavar="B", help="requests per decode rank (default: the topology's)"
     )
     p.set_defaults(func=_cmd_plan)
 

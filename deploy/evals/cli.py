@@ -31,6 +31,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..argtypes import fraction, positive_float, positive_int
 from .client import ClientConfig, RetryPolicy
 from .errors import DataUnavailable, EvalError, UsageError
 from .gate import DEFAULT_CONFIDENCE, DEFAULT_INTERVAL, DEFAULT_MAX_DROP
@@ -53,35 +54,7 @@ EXIT_OK, EXIT_GATE_FAILED, EXIT_USAGE, EXIT_DATA, EXIT_ENDPOINT = 0, 1, 2, 3, 4
 
 
 def _num_questions(value: str) -> int | None:
-    if value == "all":
-        return None
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'all', not {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'all', not {value!r}")
-    return n
-
-
-def _fraction(value: str) -> float:
-    try:
-        x = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], not {value!r}") from None
-    if not 0.0 <= x <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], not {value!r}")
-    return x
-
-
-def _positive(value: str) -> float:
-    try:
-        x = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, not {value!r}") from None
-    if x <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, not {value!r}")
-    return x
+    return None if value == "all" else positive_int(value)
 
 
 def _add_gsm8k(p: argparse.ArgumentParser) -> None:
@@ -113,8 +86,8 @@ def _add_gsm8k(p: argparse.ArgumentParser) -> None:
     runp.add_argument("--parallel", type=int, default=128, help="concurrent requests (default: 128)")
     runp.add_argument("--retries", type=int, default=3, help="retries of a transient failure (default: 3)")
     runp.add_argument("--retry-backoff", type=float, default=1.0, metavar="SECONDS", help="first backoff (default 1)")
-    runp.add_argument("--request-timeout", type=_positive, default=300.0, metavar="SECONDS", help="default: 300")
-    runp.add_argument("--connect-timeout", type=_positive, default=10.0, metavar="SECONDS", help="default: 10")
+    runp.add_argument("--request-timeout", type=positive_float, default=300.0, metavar="SECONDS", help="default: 300")
+    runp.add_argument("--connect-timeout", type=positive_float, default=10.0, metavar="SECONDS", help="default: 10")
     runp.add_argument(
         "--wait-ready",
         type=float,
@@ -123,7 +96,7 @@ def _add_gsm8k(p: argparse.ArgumentParser) -> None:
         help="keep retrying an unreachable endpoint or one that lists no model yet this long (default: 0)",
     )
     runp.add_argument(
-        "--timeout", type=_positive, default=None, metavar="SECONDS", help="limit on the whole run (exit 4 past it)"
+        "--timeout", type=positive_float, default=None, metavar="SECONDS", help="limit on the whole run (exit 4 after)"
     )
     for flag, default, what in (
         ("--max-error-rate", DEFAULT_MAX_ERROR_RATE, "questions that failed after retries"),
@@ -131,12 +104,12 @@ def _add_gsm8k(p: argparse.ArgumentParser) -> None:
         ("--max-invalid-rate", DEFAULT_MAX_INVALID_RATE, "questions that got a malformed response"),
         ("--max-truncation-rate", DEFAULT_MAX_TRUNCATION_RATE, "answers cut at --max-tokens"),
     ):
-        runp.add_argument(flag, type=_fraction, default=default, help=f"most {what}, a fraction (default: {default})")
+        runp.add_argument(flag, type=fraction, default=default, help=f"most {what}, a fraction (default: {default})")
     runp.add_argument("--output", type=Path, default=None, help="write the JSON report here")
     runp.add_argument("--quiet", action="store_true", help="no progress bar")
 
     gate = p.add_argument_group("gate (exit 1 when a rule fails)")
-    gate.add_argument("--min-accuracy", type=_fraction, default=None, help="fail below this accuracy")
+    gate.add_argument("--min-accuracy", type=fraction, default=None, help="fail below this accuracy")
     gate.add_argument("--baseline", type=Path, default=None, help="an earlier passing report to compare with, paired")
     gate.add_argument(
         "--baseline-optional",
@@ -145,7 +118,7 @@ def _add_gsm8k(p: argparse.ArgumentParser) -> None:
     )
     gate.add_argument(
         "--max-drop",
-        type=_fraction,
+        type=fraction,
         default=DEFAULT_MAX_DROP,
         help=f"fail unless the drop from --baseline is shown to be below this (default: {DEFAULT_MAX_DROP})",
     )

@@ -292,7 +292,7 @@ def test_plan_estimate_refuses_other_formats_and_bad_lengths(capsys: pytest.Capt
     with pytest.raises(SystemExit) as exc:
         main(["plan", "deepseek-v3-h20-3p2d", "--estimate", "--decode-batch", "0"])
     assert exc.value.code == 2
-    assert "must be >= 1" in capsys.readouterr().err
+    assert "expected a whole number >= 1" in capsys.readouterr().err
 
 
 def test_estimate_error_is_a_topology_error() -> None:
