@@ -4,8 +4,10 @@
 #
 #   bash scripts/build_deepep.sh [SRC] [PREFIX]     (from the repository root)
 #
-# SRC     DeepEP source (default: .gpu_bundle/deepep-src, else .gpu_bundle_deepep); its REVISION
-#         file says which upstream commit it is and which combine-signal API it has.
+# SRC     DeepEP source (default: .gpu_bundle/deepep-src, else .gpu_bundle_deepep), not committed:
+#         github.com/deepseek-ai/DeepEP branch antgroup-opt at 76f027117d76 (DeepEP PR #483), whose
+#         low_latency_combine takes sglang's sm_90 comp_signal/block_m/threshold/num_sms; its
+#         REVISION file records the commit.
 # PREFIX  where `deep_ep` and `deep_ep_cpp*.so` are installed (default /tmp/deepep); use it with
 #         PYTHONPATH=PREFIX. A build whose source hash matches PREFIX/.source-hash is reused.
 #
@@ -14,7 +16,7 @@
 # only). Prints `import deep_ep: ok ...` or the import error as its last line.
 set -euo pipefail
 
-# The machine's rule: no NVLink multicast in NCCL, PyTorch or NVSHMEM.
+# NVLink multicast stays off in NCCL, PyTorch and NVSHMEM: on a shared host it can take GPUs out of service.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 PY=${PYTHON:-python3}
