@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from sglang_pd.deploy.sglang_compat import FlagReport, flag_report, flag_summary
 from sglang_pd.deploy.topology import SBOMode, Topology
 
 __all__ = ["add_arguments", "collect", "deepep_driver", "format_table", "run", "sbo_topology_warnings"]
@@ -184,10 +185,9 @@ def collect(check_targets: bool = True) -> dict[str, Any]:
     }
 
 
-def _preset_flags() -> dict[str, Any] | None:
+def _preset_flags() -> FlagReport | None:
     """The installed sglang against every flag the shipped presets render (None: no sglang here)."""
     from sglang_pd.deploy.sglang_args import render_plan
-    from sglang_pd.deploy.sglang_compat import flag_report
     from sglang_pd.deploy.topology import PRESETS_DIR, load_topology
 
     argvs = []
@@ -220,8 +220,6 @@ def format_table(doc: dict[str, Any]) -> str:
     for mode, v in doc["sbo"].items():
         rows.append((f"SBO {mode}", f"yes ({v['by']})" if v["ok"] else f"no: {v['reason']}"))
     if doc.get("sglang_flags"):
-        from sglang_pd.deploy.sglang_compat import flag_summary
-
         rows.append(("sglang flags (presets)", flag_summary(doc["sglang_flags"])))
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"{a.ljust(width)}  {b}" for a, b in rows)

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from sglang_pd.deploy.sglang_args import NodeCommand, Role, render_plan
-from sglang_pd.deploy.sglang_compat import flag_summary
+from sglang_pd.deploy.sglang_compat import FlagReport, flag_summary
 from sglang_pd.deploy.topology import RuleReport, SBOMode, Topology
 
 __all__ = ["EXIT_CHECK_UNAVAILABLE", "EXIT_INVALID", "EXIT_OK", "Plan", "build_plan", "check_plan", "format_plan"]
@@ -32,7 +32,7 @@ class Plan:
     rules: RuleReport
     commands: dict[Role, list[NodeCommand]]
     sglang_checks: list[dict[str, Any]] | None = None  # filled by `plan --check` when sglang is importable
-    sglang_flags: dict[str, Any] | None = None  # `plan --check`: the installed sglang against the rendered flags
+    sglang_flags: FlagReport | None = None  # `plan --check`: the installed sglang against the rendered flags
 
     @property
     def nodes(self) -> dict[str, int]:

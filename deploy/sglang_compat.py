@@ -14,9 +14,11 @@ import argparse
 import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TypedDict
 
 __all__ = [
     "EQUIVALENTS",
+    "FlagReport",
     "FlagRow",
     "SglangVersionError",
     "adapt_argv",
@@ -36,9 +38,7 @@ class SglangVersionError(ValueError):
 @dataclass(frozen=True)
 class _Equivalent:
     older: tuple[str, ...]  # option strings the older form needs from the parser
-    rewrite: Callable[[str | None], list[str]]  # the flag's value -> the older form
-    takes_value: bool = True
-    note: str = ""
+    rewrite: Callable[[str], list[str]]  # the flag's value -> the older form
 
 
 # Newer flag -> how releases without it say the same thing (each checked against the parsers of sglang
@@ -47,8 +47,7 @@ EQUIVALENTS: dict[str, _Equivalent] = {
     # 0.5.23 spells DP attention `--attn-dp-size N`; 0.5.17 knows only `--dp-size N --enable-dp-attention`.
     "--attn-dp-size": _Equivalent(
         ("--dp-size", "--enable-dp-attention"),
-        lambda v: ["--dp-size", str(v), "--enable-dp-attention"],
-        note="DP attention size",
+        lambda v: ["--dp-size", v, "--enable-dp-attention"],
     ),
 }
 
@@ -62,13 +61,9 @@ class FlagRow:
     replacement: str = ""
 
 
+@functools.cache
 def installed_options() -> tuple[str, frozenset[str]] | None:
     """(version, option strings) of the importable sglang, or None when sglang does not import."""
-    return _installed_options()
-
-
-@functools.cache
-def _installed_options() -> tuple[str, frozenset[str]] | None:
     try:
         import sglang
         from sglang.srt.server_args import ServerArgs
@@ -117,9 +112,8 @@ def adapt_argv(argv: list[str], options: frozenset[str], version: str = "install
             out.append(arg)
             i += 1
             continue
-        value = argv[i + 1] if eq.takes_value and i + 1 < len(argv) else None
-        out += eq.rewrite(value)
-        i += 2 if eq.takes_value else 1
+        out += eq.rewrite(argv[i + 1] if i + 1 < len(argv) else "")
+        i += 2
     if missing:
         raise SglangVersionError(
             f"the installed sglang {version} does not accept {', '.join(missing)} (rendered for sglang "
@@ -129,7 +123,17 @@ def adapt_argv(argv: list[str], options: frozenset[str], version: str = "install
     return out
 
 
-def flag_report(argvs: Iterable[list[str]]) -> dict[str, object] | None:
+class FlagReport(TypedDict):
+    """The installed sglang against the rendered flags (JSON in `plan --check` and `doctor`)."""
+
+    installed: str
+    rendered_for: str
+    flags: int
+    rewritten: dict[str, str]  # flag -> its older form
+    unsupported: list[str]
+
+
+def flag_report(argvs: Iterable[list[str]]) -> FlagReport | None:
     """What the installed sglang makes of the rendered flags: the version table `plan --check` and
     `doctor` print. None when sglang does not import here."""
     installed = installed_options()
@@ -140,20 +144,18 @@ def flag_report(argvs: Iterable[list[str]]) -> dict[str, object] | None:
     for argv in argvs:
         for row in compatibility_rows(argv, options):
             rows.setdefault(row.flag, row)
-    return {
-        "installed": version,
-        "rendered_for": DEPLOYED_VERSION,
-        "flags": len(rows),
-        "rewritten": {r.flag: r.replacement for r in rows.values() if r.status == "rewritten"},
-        "unsupported": sorted(r.flag for r in rows.values() if r.status == "unsupported"),
-    }
+    return FlagReport(
+        installed=version,
+        rendered_for=DEPLOYED_VERSION,
+        flags=len(rows),
+        rewritten={r.flag: r.replacement for r in rows.values() if r.status == "rewritten"},
+        unsupported=sorted(r.flag for r in rows.values() if r.status == "unsupported"),
+    )
 
 
-def flag_summary(report: dict[str, object]) -> str:
+def flag_summary(report: FlagReport) -> str:
     """One line for a table: the installed release against the flags rendered for the deployed one."""
-    rewritten = report["rewritten"]
-    unsupported = report["unsupported"]
-    assert isinstance(rewritten, dict) and isinstance(unsupported, list)
+    rewritten, unsupported = report["rewritten"], report["unsupported"]
     parts = [f"installed sglang {report['installed']}, {report['flags']} flags rendered for {report['rendered_for']}"]
     if rewritten:
         parts.append("rewritten: " + ", ".join(f"{k} -> {v}" for k, v in rewritten.items()))

@@ -537,7 +537,7 @@ def run_decode(rank: int, world: int, args: argparse.Namespace, report: dict[str
     log(rank, "DeepEP buffer ready")
     rows: list[dict[str, Any]] = []
     report["decode"] = rows
-    try:
+    with destroyed_at_exit(buffer, rank):
         for combine_sms in args.combine_sms:
             layer = DecodeLayer(buffer, w, ex, world, combine_sms, idx_dtype)
             for t in args.tokens:
@@ -545,6 +545,14 @@ def run_decode(rank: int, world: int, args: argparse.Namespace, report: dict[str
                 if rank == 0:
                     print_decode_row(rows[-1])
                     write_report(args.json, report)
+
+
+@contextlib.contextmanager
+def destroyed_at_exit(buffer: Any, rank: int) -> Any:
+    """Every rank reaches the barrier, then frees its DeepEP buffer (explicitly_destroy=True), even
+    when a step failed; a failed free is logged, not raised over the step's own error."""
+    try:
+        yield buffer
     finally:
         dist.barrier()
         try:
@@ -844,18 +852,12 @@ def run_tbo(rank: int, world: int, args: argparse.Namespace, report: dict[str, A
     layer = PrefillLayer(buffer, w, ex, args.attn_width, idx_dtype, args.seed)
     rows: list[dict[str, Any]] = []
     report["tbo"] = rows
-    try:
+    with destroyed_at_exit(buffer, rank):
         for t in args.tokens:
             rows.append(tbo_one(rank, world, layer, t, args))
             if rank == 0:
                 print_tbo_row(rows[-1])
                 write_report(args.json, report)
-    finally:
-        dist.barrier()
-        try:
-            buffer.destroy()
-        except Exception as exc:
-            log(rank, f"buffer.destroy(): {type(exc).__name__}: {exc}")
 
 
 def tbo_one(rank: int, world: int, layer: PrefillLayer, t: int, args: argparse.Namespace) -> dict[str, Any]:

@@ -30,11 +30,13 @@ import subprocess
 import sys
 import time
 import traceback
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import httpx
+
+from sglang_pd.deploy.procs import Child, spawn
 
 REPO = Path(__file__).resolve().parents[1]
 TOPOLOGY = "single-h200"
@@ -82,48 +84,30 @@ def prompts() -> list[str]:
 
 
 class Stack:
-    """Child processes in their own sessions, logs under `out`, all killed on exit."""
+    """The checked processes (`deploy/procs.py` children), each logging to `<out>/<name>.log`."""
 
     def __init__(self, out: Path) -> None:
         self.out = out
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.children: dict[str, Child] = {}
 
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        log = open(self.out / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the child
-        proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True
-        )
-        self.procs[name] = proc
-        return proc
+    def start(self, name: str, argv: list[str]) -> Child:
+        with open(self.out / f"{name}.log", "wb") as log:  # the child keeps its own descriptor
+            child = spawn(name, argv, stdout=log, stderr=subprocess.STDOUT, text=False)
+        self.children[name] = child
+        return child
 
     def stop(self, name: str, sig: int = signal.SIGTERM, grace_s: float = 20.0) -> None:
-        proc = self.procs.pop(name, None)
-        if proc is None or proc.poll() is not None:
+        child = self.children.pop(name, None)
+        if child is None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        child.signal_group(sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.proc.wait(grace_s)
+        child.reap()
 
     def stop_all(self) -> None:
-        for name in list(self.procs):
+        for name in list(self.children):
             self.stop(name)
-
-
-def wait_http(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> float:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
-        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=5) as r:
-            if r.status == 200:
-                return time.monotonic() - t0
-        time.sleep(1)
-    raise TimeoutError(f"{url} did not answer 200 within {timeout_s:.0f} s")
 
 
 # --------------------------------------------------------------------------------------------
@@ -237,8 +221,7 @@ async def latency(base: str, concurrency: int, *, prompt_len: int = 512, max_tok
 
 def metric(base: str, name: str) -> float | None:
     """One sglang Prometheus gauge, summed over its label sets (None when absent)."""
-    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as r:
-        text = r.read().decode()
+    text = httpx.get(f"{base}/metrics", timeout=10).text
     values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
     return sum(values) if values else None
 
@@ -273,7 +256,7 @@ async def disconnect_after_first_chunk(base: str, n: int, concurrency: int = 50)
     return got
 
 
-async def kill_mid_stream(base: str, victim: subprocess.Popen[bytes], n: int = 8) -> list[str]:
+async def kill_mid_stream(base: str, victim_pgid: int, n: int = 8) -> list[str]:
     """Start n long streams, SIGKILL the decode server after their first chunks; each must end."""
     outcomes: list[str] = []
     started = asyncio.Event()
@@ -303,7 +286,7 @@ async def kill_mid_stream(base: str, victim: subprocess.Popen[bytes], n: int = 8
     tasks = [asyncio.create_task(one(i)) for i in range(n)]
     await asyncio.wait_for(started.wait(), 60)
     await asyncio.sleep(0.5)
-    os.killpg(victim.pid, signal.SIGKILL)
+    os.killpg(victim_pgid, signal.SIGKILL)
     await asyncio.gather(*tasks)
     return outcomes
 
@@ -345,19 +328,17 @@ def single_server_argv(plan: dict[str, Any]) -> list[str]:
             skip = True
             continue
         clean.append(a)
-    if clean[0].startswith("python") or clean[0] == "-m":
-        clean = clean[1:] if clean[0] != "-m" else clean
-    if clean[0] == "-m":
-        clean = [sys.executable, *clean]
-    return [*clean, "--port", str(SINGLE_PORT), "--mem-fraction-static", "0.3"]
+    # The renderer names the module (`-m sglang.launch_server ...`); this interpreter runs it.
+    return [sys.executable, *clean, "--port", str(SINGLE_PORT), "--mem-fraction-static", "0.3"]
 
 
 def stage_single(stack: Stack, report: dict[str, Any]) -> dict[str, list[Any]]:
     argv = single_server_argv(rendered_commands())
     report["single"] = {"argv": argv}
-    proc = stack.start("single", argv)
+    t0 = time.monotonic()
     base = f"http://127.0.0.1:{SINGLE_PORT}"
-    report["single"]["ready_s"] = wait_http(f"{base}/health", 600, proc)
+    stack.start("single", argv).wait_http(f"{base}/health", 600, interval_s=1.0)
+    report["single"]["ready_s"] = time.monotonic() - t0
     ref = asyncio.run(outputs(base))
     report["single"]["latency"] = [asyncio.run(latency(base, c)) for c in CONCURRENCIES]
     stack.stop("single")
@@ -368,8 +349,19 @@ def stage_pd(stack: Stack, report: dict[str, Any], ref: dict[str, list[Any]] | N
     pd: dict[str, Any] = {}
     report["pd"] = pd
     t0 = time.monotonic()
-    up = stack.start("up", [sys.executable, "-m", "sglang_pd.deploy.cli", "up", TOPOLOGY, "--engine", "sglang"])
-    wait_http(f"{ROUTER}/readiness", 900, up)
+    engine_logs = stack.out / "engines"
+    up = [
+        sys.executable,
+        "-m",
+        "sglang_pd.deploy.cli",
+        "up",
+        TOPOLOGY,
+        "--engine",
+        "sglang",
+        "--log-dir",
+        str(engine_logs),
+    ]
+    stack.start("up", up).wait_http(f"{ROUTER}/readiness", 900, interval_s=1.0)
     pd["ready_s"] = time.monotonic() - t0
 
     got = asyncio.run(outputs(ROUTER))
@@ -395,28 +387,21 @@ def stage_pd(stack: Stack, report: dict[str, Any], ref: dict[str, list[Any]] | N
     time.sleep(5)
     after = {r: metric(u, "sglang:num_used_tokens") for r, u in servers.items()}
     running = {r: metric(u, "sglang:num_running_reqs") for r, u in servers.items()}
-    logs = {r: (stack.out / "up.log").read_text(errors="replace") for r in servers}
+    # sglang logs every abort it receives as an access-log line of its own.
+    aborts = {r: (engine_logs / f"{r}-0.log").read_text(errors="replace").count("POST /abort_request") for r in servers}
     pd["abort"] = {
         "streams_dropped_after_first_chunk": n_streams,
         "num_used_tokens_idle": idle,
         "num_used_tokens_after_5s": after,
         "num_running_reqs_after_5s": running,
-        "abort_lines_in_logs": {r: len(re.findall(r"(?i)abort", text)) for r, text in logs.items()},
+        "abort_requests_in_logs": aborts,
     }
     if gsm8k is not None:
         pd["gsm8k"] = run_gsm8k(stack.out, gsm8k)
     decode = find_child("sglang.launch_server", "--disaggregation-mode decode")
     if decode is not None:
-        pd["decode_killed_mid_stream"] = asyncio.run(kill_mid_stream_pid(ROUTER, decode))
+        pd["decode_killed_mid_stream"] = asyncio.run(kill_mid_stream(ROUTER, os.getpgid(decode)))
     stack.stop("up", signal.SIGINT, grace_s=60)
-
-
-async def kill_mid_stream_pid(base: str, pid: int) -> list[str]:
-    class _P:
-        def __init__(self, pid: int) -> None:
-            self.pid = os.getpgid(pid)
-
-    return await kill_mid_stream(base, _P(pid))  # type: ignore[arg-type]
 
 
 def find_child(*needles: str) -> int | None:
