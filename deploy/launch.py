@@ -4,7 +4,9 @@ It renders the role's command from the topology (the one renderer, `sglang_args`
 node rank and the leader's address from LeaderWorkerSet's environment, checks the topology
 against how the chart set the pod up (`PodSettings`, passed as SGLANG_PD_POD_* variables), checks
 what the pod needs (GPUs, /dev/shm, locked memory for Mooncake, IB devices it can open) and then
-execs sglang, or the router. `--dry-run` prints the exact argv and env instead.
+execs sglang, or the router. The worker key (SGLANG_PD_WORKER_API_KEY, from the chart's Secret)
+reaches sglang as `--api-key` only here, at exec time. `--dry-run` prints the exact argv (the key
+masked) and env instead.
 """
 
 from __future__ import annotations
@@ -19,7 +21,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from sglang_pd.deploy.contract import ENV_LWS_GROUP_SIZE, ENV_LWS_LEADER_ADDRESS, ENV_LWS_WORKER_INDEX
+from sglang_pd.deploy.contract import (
+    ENV_LWS_GROUP_SIZE,
+    ENV_LWS_LEADER_ADDRESS,
+    ENV_LWS_WORKER_INDEX,
+    ENV_ROUTER_WORKER_API_KEY,
+    ENV_WORKER_API_KEY,
+)
 from sglang_pd.deploy.sglang_args import NodeCommand, render_node
 from sglang_pd.deploy.topology import PodSettings, Topology, check_rules, load_checked_topology
 
@@ -32,6 +40,7 @@ __all__ = [
     "pod_settings_from_env",
     "resolve_command",
     "run",
+    "worker_key_args",
 ]
 
 # LeaderWorkerSet's per-pod environment (https://lws.sigs.k8s.io/docs/reference/labels-annotations-and-environment-variables/).
@@ -56,6 +65,16 @@ POD_ENV_PRIVILEGED = "SGLANG_PD_POD_PRIVILEGED"
 POD_ENV_MODEL_SOURCE = "SGLANG_PD_POD_MODEL_SOURCE"
 POD_ENV_STARTUP_BUDGET_S = "SGLANG_PD_POD_STARTUP_BUDGET_S"
 POD_ENV_DOWNLOAD_BYTES_PER_S = "SGLANG_PD_POD_DOWNLOAD_BYTES_PER_S"
+
+# sglang takes its API key only as a flag (ServerArgs.api_key; no environment variable reads it),
+# so the launcher appends it when it execs sglang: the key stays out of the pod spec and the
+# topology ConfigMap. `--dry-run` shows this placeholder in its place.
+API_KEY_FLAG = "--api-key"
+API_KEY_SHOWN = "${" + ENV_WORKER_API_KEY + "}"
+# sglang's multi-tokenizer mode (more than one tokenizer worker) asserts that no API key is set,
+# in each tokenizer worker (entrypoints/http_server.py); found in a role's extra_args with a key,
+# it fails here instead, before the weights load.
+TOKENIZER_WORKERS_FLAG = "--tokenizer-worker-num"
 
 
 class LaunchError(RuntimeError):
@@ -186,6 +205,59 @@ def resolve_command(t: Topology, role: str, env: Mapping[str, str]) -> NodeComma
     return render_node(t, role, node_rank=rank, leader_host=leader)
 
 
+def _worker_key(env: Mapping[str, str], name: str) -> str | None:
+    """The key in `name`, None when unset; a value no HTTP header can carry is an error."""
+    if name not in env:
+        return None
+    key = env[name]
+    if not key:
+        raise LaunchError(
+            f"{name} is set but empty: the Secret named in the chart's workerKeySecret holds no value under "
+            "workerKeySecret.key. Put the key there, or unset workerKeySecret.name to run without a worker key."
+        )
+    if key != key.strip() or any(c.isspace() or not c.isprintable() for c in key):
+        raise LaunchError(
+            f"{name} contains whitespace or control characters (a trailing newline from "
+            "`kubectl create secret --from-file`?), which an Authorization header cannot carry. Recreate the "
+            "Secret with `--from-literal=<key>=<value>` or from a file without the newline."
+        )
+    return key
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == flag:
+            return argv[i + 1] if i + 1 < len(argv) else ""
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def worker_key_args(argv: list[str], env: Mapping[str, str], role: str) -> list[str]:
+    """`--api-key KEY` for sglang from SGLANG_PD_WORKER_API_KEY, or [] when that is unset.
+
+    Raises LaunchError when the key is malformed, or the role's command already sets it or asks for
+    more than one tokenizer worker (sglang refuses a key then).
+    """
+    key = _worker_key(env, ENV_WORKER_API_KEY)
+    if key is None:
+        return []
+    if _flag_value(argv, API_KEY_FLAG) is not None:
+        raise LaunchError(
+            f"{role}.extra_args sets {API_KEY_FLAG} and {ENV_WORKER_API_KEY} is set too; keep the key in the "
+            f"Secret (the chart's workerKeySecret) and remove {API_KEY_FLAG} from {role}.extra_args, where it "
+            "would be readable in the topology ConfigMap."
+        )
+    workers = _flag_value(argv, TOKENIZER_WORKERS_FLAG)
+    if workers is not None and workers.strip() != "1":
+        raise LaunchError(
+            f"{role}.extra_args sets {TOKENIZER_WORKERS_FLAG} {workers}, and sglang refuses an API key with more "
+            f"than one tokenizer worker, but {ENV_WORKER_API_KEY} is set; remove {TOKENIZER_WORKERS_FLAG} from "
+            f"{role}.extra_args, or unset the chart's workerKeySecret.name."
+        )
+    return [API_KEY_FLAG, key]
+
+
 def _gpu_count() -> int:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES") or os.environ.get("NVIDIA_VISIBLE_DEVICES")
     if visible and visible not in ("all", "void", "none"):
@@ -255,15 +327,20 @@ def _router_argv(args: argparse.Namespace) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     t, _ = load_checked_topology(args.topology)
-    if args.role == "router":
-        node_rank, argv, role_env = 0, _router_argv(args), {}
-    else:
-        try:
+    key_args: list[str] = []
+    try:
+        if args.role == "router":
+            # The router reads its worker key from the environment itself; check it as sglang's is.
+            for name in (ENV_ROUTER_WORKER_API_KEY, ENV_WORKER_API_KEY):
+                _worker_key(os.environ, name)
+            node_rank, argv, role_env = 0, _router_argv(args), {}
+        else:
             cmd = resolve_command(t, args.role, os.environ)
-        except LaunchError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-        node_rank, argv, role_env = cmd.node_rank, cmd.argv, cmd.env
+            node_rank, argv, role_env = cmd.node_rank, cmd.argv, cmd.env
+            key_args = worker_key_args(argv, os.environ, args.role)
+    except LaunchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     try:
         pod = pod_settings_from_env(os.environ)
     except LaunchError as exc:
@@ -282,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
             "role": args.role,
             "node_rank": node_rank,
             "python": sys.executable,  # runs argv, which starts with the module
-            "argv": argv,
+            "argv": argv + ([API_KEY_FLAG, API_KEY_SHOWN] if key_args else []),
             "env": role_env,
             "checks": [{"name": c.name, "ok": c.ok, "required": c.required, "detail": c.detail} for c in checks],
         }
@@ -297,5 +374,5 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     env = {**os.environ, **role_env}
     # Commands name a module (`-m ...`); this interpreter, the one the image installed us in, runs it.
-    os.execvpe(sys.executable, [sys.executable, *argv], env)
+    os.execvpe(sys.executable, [sys.executable, *argv, *key_args], env)
     return 0  # unreachable: execvpe replaces this process

@@ -84,6 +84,18 @@ Return the router's ServiceAccount name.
 {{- end -}}
 
 {{/*
+Return the env entry of the worker key, read from workerKeySecret (set workerKeySecret.name first):
+call with (dict "name" "SGLANG_PD_WORKER_API_KEY" "context" $). The value never enters the spec.
+*/}}
+{{- define "sglang-pd.workerKeyEnv" -}}
+- name: {{ .name }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ .context.Values.workerKeySecret.name }}
+      key: {{ .context.Values.workerKeySecret.key }}
+{{- end -}}
+
+{{/*
 Return the path where every pod finds the topology.
 */}}
 {{- define "sglang-pd.topologyPath" -}}/etc/sglang-pd/topology.yaml{{- end -}}
@@ -156,6 +168,21 @@ Collect every values problem the schema cannot express, then fail once with each
 {{- $messages = append $messages (printf "%s.startupProbe.failureThreshold: %d x %ds = %ds cannot cover a cold start of this model (~%ds: %s the weights, warm-up of %vs); the probe would restart the pod forever. Raise it to >= %d, or unset it to derive it." $role (int $probe.failureThreshold) (int $probe.periodSeconds) $budget $need (ternary "download and load" "load" (eq $.Values.model.source "hub")) $.Values.startupBudget.warmupSeconds (div (add $need (int $probe.periodSeconds) -1) (int $probe.periodSeconds))) -}}
 {{- end -}}
 {{- end -}}
+{{- end -}}
+{{- end -}}
+{{- if and .Values.workerKeySecret.name (not .Values.workerKeySecret.key) -}}
+{{- $messages = append $messages (printf "workerKeySecret.key: the Secret %q is named but not the key in it that holds the worker key. Set --set workerKeySecret.key=<key in the Secret>." .Values.workerKeySecret.name) -}}
+{{- end -}}
+{{- range $where, $env := dict "env" .Values.env "prefill.env" .Values.prefill.env "decode.env" .Values.decode.env -}}
+{{- range $name := list "SGLANG_PD_WORKER_API_KEY" "SGLANG_PD_ROUTER_WORKER_API_KEY" -}}
+{{- if hasKey $env $name -}}
+{{- $messages = append $messages (printf "%s.%s: a worker key in plain values is written into the pod spec. Put it in a Secret and set --set workerKeySecret.name=<secret>,workerKeySecret.key=<key>." $where $name) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- range .Values.router.extraArgs -}}
+{{- if hasPrefix "--worker-api-key" (toString .) -}}
+{{- $messages = append $messages "router.extraArgs: --worker-api-key writes the worker key into the pod spec. Remove it and set --set workerKeySecret.name=<secret>,workerKeySecret.key=<key>." -}}
 {{- end -}}
 {{- end -}}
 {{- if and .Values.router.ingress.enabled (not .Values.router.ingress.host) -}}
@@ -350,6 +377,10 @@ spec:
               key: {{ $.Values.model.hub.tokenSecret.key }}
         {{- end }}
         {{- end }}
+        {{- if $.Values.workerKeySecret.name }}
+        # The worker key; `sglang-pd launch` passes it to sglang as --api-key when it execs it.
+        {{- include "sglang-pd.workerKeyEnv" (dict "name" "SGLANG_PD_WORKER_API_KEY" "context" $) | nindent 8 }}
+        {{- end }}
         # How this pod is set up, for `sglang-pd launch`'s check against the topology.
         - name: SGLANG_PD_POD_RDMA_MODE
           value: {{ $.Values.rdma.mode | quote }}
@@ -406,6 +437,8 @@ spec:
             {{- end }}
         {{- end }}
       {{- if .leader }}
+      # kubelet's httpGet cannot send the worker key; sglang's --api-key leaves /health open
+      # (sglang/srt/utils/auth.py, decide_request_auth: /health*, /ready* and /metrics* are exempt).
       startupProbe:
         httpGet: {path: /health, port: http}
         periodSeconds: {{ $cfg.startupProbe.periodSeconds }}
