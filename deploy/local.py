@@ -4,10 +4,11 @@ Starts the prefill and decode engines (the reference engine on a CPU topology; s
 CUDA and sglang are installed) and the router, as child processes, after checking that none of
 their ports is taken (the holder is named); prints a line as each component starts and becomes
 healthy; writes each engine's log to a file in a run folder (printed; the router logs to the
-console); prints the time to ready, the OpenAI base URL and a curl example. On Ctrl-C or SIGTERM
-the router is stopped first with its drain time, then the engines (their whole process groups;
-children also die with this process: `procs.py`). A child that dies once the stack is up is
-restarted with a doubling back-off while the others keep running.
+console), with a note after Mooncake's expected error-looking lines (kv/mooncake_logs.py); prints
+the time to ready, the OpenAI base URL and a curl example. On Ctrl-C or SIGTERM the router is
+stopped first with its drain time, then the engines (their whole process groups; children also die
+with this process: `procs.py`). A child that dies once the stack is up is restarted with a
+doubling back-off while the others keep running.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from typing import IO, Any, TextIO
 import httpx
 
 from sglang_pd.deploy.contract import Role
+from sglang_pd.deploy.kv.listeners import EXPOSURE_MARK
+from sglang_pd.deploy.kv.mooncake_logs import LogAnnotator
 from sglang_pd.deploy.procs import Child, http_ok, port_in_use, spawn
 from sglang_pd.deploy.sglang_compat import adapt_argv, installed_options
 from sglang_pd.deploy.topology import InstanceEndpoint, Topology, TopologyError, load_checked_topology
@@ -240,6 +243,7 @@ class Stack:
         self.log_dir = log_dir
         self.logs: dict[str, Path] = {}
         self._files: list[IO[bytes]] = []
+        self._file_pumps: dict[str, threading.Thread] = {}
         self._started: dict[str, float] = {}
         self.restart_backoff_s = restart_backoff_s
         self._backoff: dict[str, float] = {}
@@ -256,6 +260,22 @@ class Stack:
         for raw in iter(child.proc.stdout.readline, b""):
             self._echo(f"{child.name:<{width}} | {raw.decode(errors='replace').rstrip()}")
 
+    def _pump_to_file(self, child: Child, sink: IO[bytes]) -> None:
+        """Copy a child's output into its log file, line by line, with a note after the first of
+        each of Mooncake's expected error-looking lines; echo the KV layer's open-ports warning."""
+        assert child.proc.stdout is not None
+        annotator = LogAnnotator()
+        with contextlib.suppress(ValueError):  # stop() closed the file while a straggler wrote
+            for raw in iter(child.proc.stdout.readline, b""):
+                sink.write(raw)
+                line = raw.decode(errors="replace").rstrip()
+                note = annotator.note_for(line)
+                if note:
+                    sink.write(note.encode() + b"\n")
+                sink.flush()  # `up` and `tail -f` read the file while the child runs
+                if line.startswith(EXPOSURE_MARK):
+                    self._echo(f"{child.name}: warning: {line.removeprefix('sglang-pd: ')}")
+
     def start(self) -> None:
         for i, spec in enumerate(self.specs, 1):
             self._launch(spec, f"[{i}/{len(self.specs)}] {spec.name}: starting")
@@ -270,7 +290,10 @@ class Stack:
             log = self.logs[spec.name] = self.log_dir / f"{spec.name}.log"
             sink = log.open("ab" if append else "wb")
             self._files.append(sink)
-            child = spawn(spec.name, spec.argv, env=env, stdout=sink, stderr=subprocess.STDOUT, text=False)
+            child = spawn(spec.name, spec.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=False)
+            pump = threading.Thread(target=self._pump_to_file, args=(child, sink), daemon=True)
+            self._file_pumps[spec.name] = pump
+            pump.start()
             note += f" (log: {log})"
         else:
             child = spawn(spec.name, spec.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=False)
@@ -310,6 +333,9 @@ class Stack:
         path = self.logs.get(name)
         if path is None or not path.exists():
             return ""
+        pump = self._file_pumps.get(name)
+        if pump is not None and not self.procs[name].alive():
+            pump.join(timeout=2.0)  # its last lines are still on their way into the file
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
     def _wait_healthy(self, spec: ChildSpec) -> None:
@@ -380,6 +406,8 @@ class Stack:
                     child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         for child in self.procs.values():
             child.reap()  # the group may hold grandchildren even once the leader is gone
+        for pump in self._file_pumps.values():
+            pump.join(timeout=2.0)
         for sink in self._files:
             sink.close()
 

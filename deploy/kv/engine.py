@@ -31,6 +31,7 @@ from .exceptions import (
     error_for_code,
     map_mooncake_exceptions,
 )
+from .listeners import Listener, exposure_warning, listening_sockets
 from .metrics import TransferMetrics, TransferResult
 from .pages import PagedLayout, TransferItem, plan_page_writes, split_batches
 
@@ -63,6 +64,8 @@ class KVTransferEngine:
         self._regions: list[tuple[int, int]] = []
         self._lock = threading.Lock()
         self.session_id = ""
+        # The TCP sockets Mooncake listens on (handshake and data), once open; empty without /proc.
+        self.listeners: tuple[Listener, ...] = ()
 
     def __repr__(self) -> str:
         return f"KVTransferEngine(session_id={self.session_id!r}, state={self._state.name}, config={self.config!r})"
@@ -82,6 +85,7 @@ class KVTransferEngine:
         os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(1, math.ceil(self.config.timeout_s))))
         cls = _load_mooncake()
         te = cls()
+        before = listening_sockets()
         with map_mooncake_exceptions(op="initialize"):
             rc = te.initialize(self.config.hostname, "P2PHANDSHAKE", self.config.protocol, self.config.device)
         if rc != 0:
@@ -91,10 +95,23 @@ class KVTransferEngine:
                 + (" and that the RDMA device exists." if self.config.protocol == "rdma" else ".")
             )
         self._te = te
-        self.session_id = f"{self.config.hostname}:{te.get_rpc_port()}"
+        rpc_port = te.get_rpc_port()
+        self.session_id = f"{self.config.hostname}:{rpc_port}"
         self._state = EngineState.OPENED
         log.info("kv engine opened", extra={"session_id": self.session_id, "protocol": self.config.protocol})
+        self._note_listeners(before, rpc_port)
         return self
+
+    def _note_listeners(self, before: set[Listener] | None, rpc_port: int) -> None:
+        # What initialize() opened is Mooncake's: the engine opens before this process serves
+        # anything else (the reference engine starts its HTTP servers afterwards).
+        after = listening_sockets()
+        if before is None or after is None:
+            return  # no /proc here: nothing to report
+        self.listeners = tuple(sorted(after - before))
+        warning = exposure_warning(self.listeners, hostname=self.config.hostname, handshake_port=rpc_port)
+        if warning:
+            log.warning(warning)
 
     def _check_rdma_devices(self) -> None:
         from .exceptions import DeviceMissing
