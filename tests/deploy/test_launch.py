@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -10,7 +11,9 @@ import pytest
 
 from sglang_pd.deploy import launch
 from sglang_pd.deploy.cli import main
+from sglang_pd.deploy.contract import ENV_ROUTER_WORKER_API_KEY, ENV_WORKER_API_KEY
 from sglang_pd.deploy.launch import (
+    API_KEY_FLAG,
     CAP_IPC_LOCK,
     LaunchError,
     has_capability,
@@ -210,3 +213,85 @@ def test_pod_settings_that_break_a_rule_stop_the_launch(monkeypatch, capsys) -> 
     assert "the pod's settings do not fit the topology" in err
     assert "rdma.mode: hostNetwork mounts the host's /dev/infiniband" in err
     assert "startupProbe: a 1800 s startup budget cannot download ~684 GB" in err
+
+
+# --- the worker key: sglang gets `--api-key` from the environment at exec time ---------------------
+
+WORKER_KEY = "wk-5f0c1e9a7d3b"
+
+
+def _exec_prefill(monkeypatch, topology: Path = R1) -> tuple[int, list[list[str]]]:
+    """Run `launch --role prefill` up to the exec, recording the argv it would exec."""
+    monkeypatch.setattr(launch, "pod_checks", lambda t, role: [])
+    started: list[list[str]] = []
+    monkeypatch.setattr(launch.os, "execvpe", lambda file, argv, env: started.append(argv))
+    return main(["launch", "--role", "prefill", "--topology", str(topology)]), started
+
+
+def test_exec_adds_the_worker_key_from_the_env(monkeypatch) -> None:
+    monkeypatch.delenv(ENV_WORKER_API_KEY, raising=False)
+    rc, started = _exec_prefill(monkeypatch)
+    assert rc == 0 and API_KEY_FLAG not in started[0]
+    monkeypatch.setenv(ENV_WORKER_API_KEY, WORKER_KEY)
+    rc, started = _exec_prefill(monkeypatch)
+    assert rc == 0
+    assert started[0] == [sys.executable, *render_node(load_topology(R1), "prefill").argv, API_KEY_FLAG, WORKER_KEY]
+
+
+def test_dry_run_masks_the_worker_key(monkeypatch, capsys) -> None:
+    monkeypatch.setenv(ENV_WORKER_API_KEY, WORKER_KEY)
+    assert main(["launch", "--role", "prefill", "--topology", str(R1), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out)["argv"][-2:] == [API_KEY_FLAG, "${SGLANG_PD_WORKER_API_KEY}"]
+    assert WORKER_KEY not in out
+
+
+@pytest.mark.sglang
+def test_sglangs_parser_takes_the_key(monkeypatch) -> None:
+    server_args = pytest.importorskip("sglang.srt.server_args", reason="sglang is not installed (the `validate` extra)")
+    monkeypatch.setenv(ENV_WORKER_API_KEY, WORKER_KEY)
+    _, started = _exec_prefill(monkeypatch)
+    parser = argparse.ArgumentParser()
+    server_args.ServerArgs.add_cli_args(parser)
+    assert started[0][1:3] == ["-m", "sglang.launch_server"]
+    assert parser.parse_args(started[0][3:]).api_key == WORKER_KEY
+
+
+@pytest.mark.parametrize(
+    ("key", "message"),
+    [
+        ("", "SGLANG_PD_WORKER_API_KEY is set but empty"),
+        (WORKER_KEY + "\n", "SGLANG_PD_WORKER_API_KEY contains whitespace or control characters (a trailing newline"),
+    ],
+    ids=["empty", "trailing-newline"],
+)
+def test_a_key_no_header_can_carry_stops_the_launch(monkeypatch, capsys, key, message) -> None:
+    monkeypatch.setenv(ENV_WORKER_API_KEY, key)
+    rc, started = _exec_prefill(monkeypatch)
+    assert rc == 1 and started == []
+    assert message in capsys.readouterr().err
+    monkeypatch.delenv(ENV_WORKER_API_KEY)
+    monkeypatch.setenv(ENV_ROUTER_WORKER_API_KEY, key)  # the router pod's name, checked alike
+    assert main(["launch", "--role", "router", "--topology", str(R1), "--dry-run"]) == 1
+    assert message.replace(ENV_WORKER_API_KEY, ENV_ROUTER_WORKER_API_KEY) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--api-key", "other"], "prefill.extra_args sets --api-key and SGLANG_PD_WORKER_API_KEY is set too"),
+        (["--tokenizer-worker-num=4"], "prefill.extra_args sets --tokenizer-worker-num 4, and sglang refuses an API"),
+    ],
+    ids=["second-key", "multi-tokenizer"],
+)
+def test_extra_args_that_clash_with_the_key_stop_the_launch(
+    monkeypatch, capsys, preset_dict, write_topology, extra, message
+) -> None:
+    t = preset_dict()
+    t["prefill"]["extra_args"] = extra
+    path = write_topology(t)
+    monkeypatch.setenv(ENV_WORKER_API_KEY, WORKER_KEY)
+    rc, started = _exec_prefill(monkeypatch, path)
+    assert rc == 1 and started == [] and message in capsys.readouterr().err
+    monkeypatch.delenv(ENV_WORKER_API_KEY)  # without a key both are the topology's own business
+    assert _exec_prefill(monkeypatch, path)[0] == 0
