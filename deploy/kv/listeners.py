@@ -47,7 +47,10 @@ class Listener:
 def _address(hex_addr: str) -> str:
     # /proc prints each 32-bit word of the address in host byte order (little-endian here).
     raw = b"".join(bytes.fromhex(hex_addr[i : i + 8])[::-1] for i in range(0, len(hex_addr), 8))
-    return str(ipaddress.ip_address(raw))
+    ip = ipaddress.ip_address(raw)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return f"::ffff:{ip.ipv4_mapped}"  # as ss prints it, not ::ffff:7f00:1
+    return str(ip)
 
 
 def _socket_inodes(pid: int | str) -> set[str]:
