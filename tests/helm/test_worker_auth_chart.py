@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -46,6 +47,15 @@ def test_router_and_every_gpu_pod_read_the_key_from_the_secret(render) -> None:
         assert _env(c)[ENV_WORKER_API_KEY] == WORKER_KEY_REF
         # The command names no key: launch appends --api-key from the environment when it execs sglang.
         assert c["command"][:3] == ["sglang-pd", "launch", "--role"] and API_KEY_FLAG not in c["command"]
+
+
+def test_pods_with_the_key_pass_kubernetes_schemas(render) -> None:
+    docs = render({"workerKeySecret": SECRET})
+    kubernetes_validate.validate(one(docs, "Deployment", "-router"), "1.33.0", strict=True)
+    for role in ("-prefill", "-decode"):
+        tpl = one(docs, "LeaderWorkerSet", role)["spec"]["leaderWorkerTemplate"]["workerTemplate"]
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"}, "spec": tpl["spec"]}
+        kubernetes_validate.validate(pod, "1.33.0", strict=True)
 
 
 def test_without_the_secret_nothing_mentions_a_worker_key(chart, render) -> None:
