@@ -7,24 +7,20 @@ mapping of answers to errors (5xx, or a stream whose first event is an error, is
 `UpstreamStatusError`; 4xx is the engine's verdict and goes back to the client). A transport
 implements one primitive, `_send`, and raises the `UpstreamError` subclasses from `exceptions`.
 
-`HttpWorkerClient` is the real transport (aiohttp). Why aiohttp and not httpx here: measured on
-2 cores over loopback with one test worker, httpx 0.28 / httpcore 1.0.9 served 1046 / 483 / 177
-req/s at concurrency 1 / 16 / 64 while aiohttp 3.14 served 3412 / 5287 / 12452 req/s; httpcore's
-pool degrades with concurrency. Tests plug in an in-process transport behind the same class.
+`HttpWorkerClient` is the real transport, on the router's own small HTTP/1.1 client (`http1`, which
+says why). Tests plug in an in-process transport behind the same class.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-import aiohttp
 import orjson
 
 from .exceptions import UpstreamError, UpstreamStatusError, UpstreamTimeout, UpstreamUnreachable
+from .http1 import Answer, Http1Client
 from .log import logger
 from .workers import Worker
 
@@ -166,89 +162,71 @@ def _status_error(worker: Worker, path: str, status: int, content: bytes) -> Ups
     )
 
 
-# -- aiohttp ------------------------------------------------------------------------------------
-
-# Most specific first: aiohttp's ServerTimeoutError and ConnectionTimeoutError are both
-# ClientErrors and TimeoutErrors; a `total` timeout is a bare TimeoutError.
-_CLIENT_MAP: tuple[tuple[type[BaseException], type[UpstreamError]], ...] = (
-    (TimeoutError, UpstreamTimeout),
-    (aiohttp.ClientError, UpstreamUnreachable),
-)
+# -- HTTP/1.1 -----------------------------------------------------------------------------------
 
 
-@contextmanager
-def map_client_exceptions(worker: Worker, what: str) -> Iterator[None]:
-    """Translate aiohttp's errors raised inside the block into UpstreamError subclasses."""
-    try:
-        yield
-    except (TimeoutError, aiohttp.ClientError) as exc:
-        for source, target in _CLIENT_MAP:
-            if isinstance(exc, source):
-                detail = str(exc) or type(exc).__name__
-                raise target(f"{what} to {worker.role} worker {worker.url} failed: {detail}", worker) from exc
-        raise
+class _Http1Body:
+    """A worker's answer body read through `http1`, its errors mapped to UpstreamError."""
 
+    __slots__ = ("_answer", "_worker")
 
-class _AiohttpBody:
-    def __init__(self, resp: aiohttp.ClientResponse, worker: Worker) -> None:
-        self._resp = resp
+    def __init__(self, answer: Answer, worker: Worker) -> None:
+        self._answer = answer
         self._worker = worker
 
     async def read(self) -> bytes:
-        with map_client_exceptions(self._worker, "reading the answer"):
-            return await self._resp.read()
+        try:
+            return await self._answer.read()
+        except (OSError, TimeoutError) as exc:
+            raise _upstream_error(exc, self._worker, "reading the answer") from exc
 
     async def next_chunk(self) -> bytes:
-        with map_client_exceptions(self._worker, "streaming the answer"):
-            return await self._resp.content.readany()
+        try:
+            return await self._answer.next_chunk()
+        except (OSError, TimeoutError) as exc:
+            raise _upstream_error(exc, self._worker, "streaming the answer") from exc
 
     def release(self) -> None:
-        self._resp.release()
+        self._answer.release()
 
     def close(self) -> None:
-        self._resp.close()
+        self._answer.close()
+
+
+def _upstream_error(exc: BaseException, worker: Worker, what: str) -> UpstreamError:
+    kind = UpstreamTimeout if isinstance(exc, TimeoutError) else UpstreamUnreachable
+    detail = str(exc) or type(exc).__name__
+    return kind(f"{what} to {worker.role} worker {worker.url} failed: {detail}", worker)
 
 
 class HttpWorkerClient(WorkerClient):
-    """Workers over HTTP: one aiohttp session, keep-alive, no connection limit (admission control
-    bounds them); the session is created on first use, inside the running event loop."""
+    """Workers over HTTP/1.1 (`http1`): keep-alive pools per worker, no connection limit
+    (admission control bounds them)."""
 
-    def __init__(self, *, timeouts: Timeouts = Timeouts(), api_key: str = "", keepalive_s: float = 30.0) -> None:
+    def __init__(self, *, timeouts: Timeouts = Timeouts(), api_key: str = "", keepalive_s: float = 4.0) -> None:
         super().__init__(timeouts=timeouts, api_key=api_key)
         t = timeouts
-        self._timeouts: dict[Purpose, aiohttp.ClientTimeout] = {
-            "unary": aiohttp.ClientTimeout(total=t.request, sock_connect=t.connect),
-            "stream": aiohttp.ClientTimeout(total=None, sock_connect=t.connect, sock_read=t.stream_idle),
-            "abort": aiohttp.ClientTimeout(total=t.abort, sock_connect=min(t.connect, t.abort)),
-            "health": aiohttp.ClientTimeout(total=t.health, sock_connect=min(t.connect, t.health)),
+        # (connect, whole answer, each read) in seconds, per purpose.
+        self._limits: dict[Purpose, tuple[float, float | None, float | None]] = {
+            "unary": (t.connect, t.request, None),
+            "stream": (t.connect, None, t.stream_idle),
+            "abort": (min(t.connect, t.abort), t.abort, None),
+            "health": (min(t.connect, t.health), t.health, None),
         }
-        self._keepalive_s = keepalive_s
-        self._session: aiohttp.ClientSession | None = None
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self._keepalive_s, ttl_dns_cache=60)
-            self._session = aiohttp.ClientSession(
-                connector=connector,
-                auto_decompress=False,
-                cookie_jar=aiohttp.DummyCookieJar(),  # workers set no cookies the router should keep
-                skip_auto_headers=("User-Agent", "Accept-Encoding"),
-                trust_env=False,
-            )
-        return self._session
+        self._http = Http1Client(keepalive_s=keepalive_s)
 
     async def _send(
         self, worker: Worker, method: str, path: str, body: bytes, headers: dict[str, str], purpose: Purpose
     ) -> tuple[int, str, Body]:
-        default_type = "text/event-stream" if purpose == "stream" else "application/json"
-        with map_client_exceptions(worker, f"{method} {path}"):
-            resp = await self.session.request(
-                method, worker.url + path, data=body or None, headers=headers, timeout=self._timeouts[purpose]
+        connect_s, total_s, idle_s = self._limits[purpose]
+        try:
+            answer = await self._http.request(
+                worker.url, method, path, body, headers, connect_s=connect_s, total_s=total_s, idle_s=idle_s
             )
-        return resp.status, resp.headers.get("content-type", default_type), _AiohttpBody(resp, worker)
+        except (OSError, TimeoutError) as exc:
+            raise _upstream_error(exc, worker, f"{method} {path}") from exc
+        default_type = "text/event-stream" if purpose == "stream" else "application/json"
+        return answer.status, answer.content_type or default_type, _Http1Body(answer, worker)
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        self._http.close()
