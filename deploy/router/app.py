@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -84,6 +84,7 @@ class RouterApp:
             success_threshold=config.health_success_threshold,
             stall_s=config.stream_stall_s,
         )
+        self.legs.health = self.health  # a worker's 5xx counts against it once a probe confirms it
         self.discovery = (
             KubernetesDiscovery(self.registry, config.kubernetes, list_pods=discovery_list_pods)
             if config.kubernetes is not None
@@ -121,13 +122,11 @@ class RouterApp:
             await _NOT_ALLOWED(scope, receive, send)
             return
         started = time.perf_counter()
-        request = Request(scope, receive)
-        header_rid = request.headers.get("x-request-id")
-        rid = header_rid if header_rid and _RID.match(header_rid) else uuid.uuid4().hex
+        rid = _request_id(scope)
         try:
-            response = await self.serve(endpoint, request, rid)
+            response = await self.serve(endpoint, scope, receive, rid)
         except Exception as exc:
-            response = await _internal_error(request, exc)
+            response = await _internal_error(None, exc)
         self._ttfb[endpoint].observe(time.perf_counter() - started)
         try:
             await response(scope, receive, send)  # a relayed stream returns once it has ended
@@ -189,15 +188,15 @@ class RouterApp:
         app.add_exception_handler(Exception, _internal_error)
         return app
 
-    async def serve(self, endpoint: str, request: Request, rid: str) -> Response:
+    async def serve(self, endpoint: str, scope: Scope, receive: Receive, rid: str) -> Response:
         """Validate the body and hand it to the proxy; errors become OpenAI-shaped answers."""
         token = request_id_var.set(rid)
         try:
-            payload = parse_body(await request.body())
+            payload = parse_body(await _read_body(receive))
             validate(endpoint, payload, self.registry.models())
             if payload.get("stream"):
-                return await self.proxy.stream(endpoint, payload, rid, request.receive)
-            return await self.proxy.unary(endpoint, payload, rid, request.receive)
+                return await self.proxy.stream(endpoint, payload, rid, receive)
+            return await self.proxy.unary(endpoint, payload, rid, receive)
         except ApiError as exc:
             response = exc.response()
             response.headers["x-request-id"] = rid
@@ -312,6 +311,30 @@ class RouterApp:
 
 _OPENAPI_BODY = orjson.dumps(OPENAPI)
 
+
+def _request_id(scope: Scope) -> str:
+    """The client's X-Request-ID when it is a sane token, else a new random one."""
+    for name, value in scope["headers"]:
+        if name == b"x-request-id":
+            given = value.decode("latin-1")
+            if _RID.match(given):
+                return given
+            break
+    return os.urandom(16).hex()
+
+
+async def _read_body(receive: Receive) -> bytes:
+    """The whole request body (BodyLimitMiddleware has read it already and replays it whole)."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise ClientGone()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
 _NOT_ALLOWED = error_response(
     405, "This method is not allowed on this endpoint; send POST.", code="http_error", headers={"allow": "POST"}
 )
@@ -333,7 +356,7 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> Response
     return error_response(400, f"Invalid request: {exc.errors()}", code="invalid_request")
 
 
-async def _internal_error(_: Request, exc: Exception) -> Response:
+async def _internal_error(_: Request | None, exc: Exception) -> Response:
     logger.error("internal router error", exc_info=exc)
     return error_response(500, "Internal router error; see the router's logs for the request id.", code="internal")
 
