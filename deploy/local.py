@@ -9,6 +9,10 @@ the time to ready, the OpenAI base URL and a curl example. On Ctrl-C or SIGTERM 
 stopped first with its drain time, then the engines (their whole process groups; children also die
 with this process: `procs.py`). A child that dies once the stack is up is restarted with a
 doubling back-off while the others keep running.
+
+The worker key (SGLANG_PD_WORKER_API_KEY) reaches the children as it does in the cluster: sglang
+engines get `--api-key` from `launch.worker_key_args`, the reference engines and the router read it
+from the environment they inherit. What `up` prints or logs from a child shows the key masked.
 """
 
 from __future__ import annotations
@@ -18,23 +22,26 @@ import collections
 import contextlib
 import dataclasses
 import json
+import os
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TextIO
 
 import httpx
 
-from sglang_pd.deploy.contract import Role
+from sglang_pd.deploy.contract import WORKER_AUTH_HEADER, Role
 from sglang_pd.deploy.kv.listeners import EXPOSURE_MARK
 from sglang_pd.deploy.kv.mooncake_logs import LogAnnotator
+from sglang_pd.deploy.launch import API_KEY_SHOWN, LaunchError, worker_key_args
 from sglang_pd.deploy.procs import Child, http_ok, port_in_use, spawn
-from sglang_pd.deploy.sglang_compat import adapt_argv, installed_options
+from sglang_pd.deploy.sglang_compat import SglangVersionError, adapt_argv, installed_options
 from sglang_pd.deploy.topology import InstanceEndpoint, Topology, TopologyError, load_checked_topology
 
 __all__ = ["ChildSpec", "Stack", "add_arguments", "local_children", "run"]
@@ -63,6 +70,11 @@ class ChildSpec:
     log_to_file: bool = True  # engines log to the run folder; the router to the console
     stop_grace_s: float = 10.0  # SIGTERM, then this long before SIGKILL
     drains: bool = False  # stopped first, and the others only once it has exited (the router)
+    # Values shown masked wherever `up` echoes or logs this child's output: sglang logs its whole
+    # ServerArgs at start (`server_args=...`, api_key included; sglang/srt/entrypoints/engine.py).
+    secrets: tuple[str, ...] = ()
+    # Sent with each health probe: the worker key, which the reference engine requires on /health too.
+    health_headers: dict[str, str] = field(default_factory=dict)
 
 
 # The router's drain time on SIGTERM (RouterConfig.drain_timeout_s), and the extra it gets to exit.
@@ -123,8 +135,21 @@ def endpoints(t: Topology, overrides: dict[str, int] | None = None) -> dict[str,
     return out
 
 
-def local_children(t: Topology, *, host: str, port: int, ports: dict[str, int] | None = None) -> list[ChildSpec]:
-    """The reference-engine stack of a CPU topology: engines, then the router."""
+def local_children(
+    t: Topology,
+    *,
+    host: str,
+    port: int,
+    ports: dict[str, int] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> list[ChildSpec]:
+    """The reference-engine stack of a CPU topology: engines, then the router.
+
+    The engines read the worker key from `env` (default: this process's environment, which they
+    inherit) themselves; here it is only checked, and sent with their health probes.
+    """
+    key = worker_key(os.environ if env is None else env)
+    probe, secrets = _key_probe(key), _secrets(key)
     common = [*_model_arg(t), "--served-model-name", t.model.name, "--page-size", str(t.model.page_size)]
     eps = endpoints(t, ports)
     children = []
@@ -133,13 +158,21 @@ def local_children(t: Topology, *, host: str, port: int, ports: dict[str, int] |
         argv = _cli("engine", "--role", "prefill", "--port", str(ep.port), "--bootstrap-port", str(ep.bootstrap_port))
         bound = (ep.port, ep.bootstrap_port or 0)
         children.append(
-            ChildSpec(ep.name, [*argv, *common, "--max-running-requests", mrr], f"{ep.url}/health", ports=bound)
+            ChildSpec(
+                ep.name,
+                [*argv, *common, "--max-running-requests", mrr],
+                f"{ep.url}/health",
+                ports=bound,
+                secrets=secrets,
+                health_headers=probe,
+            )
         )
     for ep in eps["decode"]:
         mrr = str(t.decode.max_running_requests or 64)
         argv = _cli("engine", "--role", "decode", "--port", str(ep.port), *common, "--max-running-requests", mrr)
-        children.append(ChildSpec(ep.name, argv, f"{ep.url}/health", ports=(ep.port,)))
-    return [*children, _router_child(t, host, port, eps)]
+        spec = ChildSpec(ep.name, argv, f"{ep.url}/health", ports=(ep.port,), secrets=secrets, health_headers=probe)
+        children.append(spec)
+    return [*children, dataclasses.replace(_router_child(t, host, port, eps), secrets=secrets)]
 
 
 def _router_child(t: Topology, host: str, port: int, eps: dict[str, list[InstanceEndpoint]] | None = None) -> ChildSpec:
@@ -184,8 +217,33 @@ def _client_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
-def sglang_children(t: Topology, *, host: str, port: int) -> list[ChildSpec]:
-    """sglang itself from the same topology, where every instance fits this one node."""
+def worker_key(env: Mapping[str, str]) -> str | None:
+    """SGLANG_PD_WORKER_API_KEY from `env`, checked as `sglang-pd launch` checks a pod's (LaunchError
+    when empty or unsendable in a header); None when unset."""
+    key_args = worker_key_args([], env, "engine")
+    return key_args[1] if key_args else None
+
+
+def _key_probe(key: str | None) -> dict[str, str]:
+    return {WORKER_AUTH_HEADER: f"Bearer {key}"} if key else {}
+
+
+def _secrets(key: str | None) -> tuple[str, ...]:
+    return (key,) if key else ()
+
+
+def _mask(raw: bytes, secrets: tuple[str, ...]) -> bytes:
+    for secret in secrets:
+        raw = raw.replace(secret.encode(), API_KEY_SHOWN.encode())
+    return raw
+
+
+def sglang_children(t: Topology, *, host: str, port: int, env: Mapping[str, str] | None = None) -> list[ChildSpec]:
+    """sglang itself from the same topology, where every instance fits this one node.
+
+    With SGLANG_PD_WORKER_API_KEY set in `env` (default: this process's environment), each engine
+    gets `--api-key` as `sglang-pd launch` gives it in a pod (LaunchError when the key is malformed).
+    """
     from sglang_pd.deploy.sglang_args import render_plan
 
     if t.prefill.nodes > 1 or t.decode.nodes > 1:
@@ -198,15 +256,31 @@ def sglang_children(t: Topology, *, host: str, port: int) -> list[ChildSpec]:
             "sglang does not import here; install it (or run a CPU topology with the reference engine)."
         )
     version, options = installed
+    env = os.environ if env is None else env
+    key = worker_key(env)
+    probe, secrets = _key_probe(key), _secrets(key)
     children = []
     for role, cmds in render_plan(t, "127.0.0.1").items():
         for c, ep in zip(cmds, t.instance_endpoints(role), strict=True):
             # The renderer names the module and writes the deployed release's flags; this
-            # process's interpreter runs it, with the flags the installed sglang accepts.
-            argv = [sys.executable, *adapt_argv(c.argv, options, version)]
+            # process's interpreter runs it, with the flags the installed sglang accepts. The key
+            # goes after the adapted flags, so no version message can quote it.
+            key_args = worker_key_args(c.argv, env, role)
+            argv = [sys.executable, *adapt_argv(c.argv, options, version), *key_args]
             bound = (ep.port, ep.bootstrap_port or 0)
-            children.append(ChildSpec(ep.name, argv, f"{ep.url}/health", c.env, sequential=True, ports=bound))
-    return [*children, _router_child(t, host, port)]
+            children.append(
+                ChildSpec(
+                    ep.name,
+                    argv,
+                    f"{ep.url}/health",
+                    c.env,
+                    sequential=True,
+                    ports=bound,
+                    secrets=secrets,
+                    health_headers=probe,
+                )
+            )
+    return [*children, dataclasses.replace(_router_child(t, host, port), secrets=secrets)]
 
 
 def _sglang_available() -> bool:
@@ -254,19 +328,21 @@ class Stack:
         with self._print_lock:
             print(line, file=self._out, flush=True)
 
-    def _pump(self, child: Child) -> None:
+    def _pump(self, child: Child, secrets: tuple[str, ...]) -> None:
         assert child.proc.stdout is not None
         width = max(len(s.name) for s in self.specs)
         for raw in iter(child.proc.stdout.readline, b""):
-            self._echo(f"{child.name:<{width}} | {raw.decode(errors='replace').rstrip()}")
+            self._echo(f"{child.name:<{width}} | {_mask(raw, secrets).decode(errors='replace').rstrip()}")
 
-    def _pump_to_file(self, child: Child, sink: IO[bytes]) -> None:
-        """Copy a child's output into its log file, line by line, with a note after the first of
-        each of Mooncake's expected error-looking lines; echo the KV layer's open-ports warning."""
+    def _pump_to_file(self, child: Child, sink: IO[bytes], secrets: tuple[str, ...] = ()) -> None:
+        """Copy a child's output into its log file, line by line (`secrets` masked), with a note
+        after the first of each of Mooncake's expected error-looking lines; echo the KV layer's
+        open-ports warning."""
         assert child.proc.stdout is not None
         annotator = LogAnnotator()
         with contextlib.suppress(ValueError):  # stop() closed the file while a straggler wrote
             for raw in iter(child.proc.stdout.readline, b""):
+                raw = _mask(raw, secrets)
                 sink.write(raw)
                 line = raw.decode(errors="replace").rstrip()
                 note = annotator.note_for(line)
@@ -291,13 +367,13 @@ class Stack:
             sink = log.open("ab" if append else "wb")
             self._files.append(sink)
             child = spawn(spec.name, spec.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=False)
-            pump = threading.Thread(target=self._pump_to_file, args=(child, sink), daemon=True)
+            pump = threading.Thread(target=self._pump_to_file, args=(child, sink, spec.secrets), daemon=True)
             self._file_pumps[spec.name] = pump
             pump.start()
             note += f" (log: {log})"
         else:
             child = spawn(spec.name, spec.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=False)
-            threading.Thread(target=self._pump, args=(child,), daemon=True).start()
+            threading.Thread(target=self._pump, args=(child, spec.secrets), daemon=True).start()
         self._echo(note)
         self.procs[spec.name] = child
         self._started[spec.name] = time.monotonic()
@@ -343,7 +419,7 @@ class Stack:
         deadline = time.monotonic() + spec.ready_timeout_s
         child = self.procs[spec.name]
         while child.alive() and not self.stopping.is_set() and time.monotonic() < deadline:
-            if http_ok(spec.health_url):
+            if http_ok(spec.health_url, headers=spec.health_headers):
                 return
             time.sleep(0.5)
 
@@ -354,6 +430,7 @@ class Stack:
         """Poll every child's health URL until all answer 200; raise RuntimeError naming the laggard."""
         deadline = time.monotonic() + timeout_s
         pending = {s.name: s.health_url for s in self.specs}
+        probe_headers = {s.name: s.health_headers for s in self.specs}
         last_note = time.monotonic()
         while pending:
             if self.stopping.is_set():
@@ -365,7 +442,7 @@ class Stack:
                 where = f"the end of {self.logs[name]}:\n{tail}" if tail else "its log lines above"
                 raise RuntimeError(f"{name} exited with code {rc} before it was ready; see {where}")
             for name, url in list(pending.items()):
-                if http_ok(url):
+                if http_ok(url, headers=probe_headers[name]):
                     del pending[name]
                     took = time.monotonic() - self._started.get(name, time.monotonic())
                     self._echo(f"{name}: healthy after {took:.1f} s")
@@ -511,7 +588,11 @@ def run(args: argparse.Namespace) -> int:
                 "error: --ports applies to the reference engine; set sglang's ports in the topology.", file=sys.stderr
             )
             return EXIT_INVALID
-        specs = sglang_children(t, host=host, port=port)
+        try:
+            specs = sglang_children(t, host=host, port=port)
+        except (TopologyError, LaunchError, SglangVersionError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_INVALID
     elif not t.is_local:
         print(
             f"error: {t.name} is a GPU topology ({t.hardware.gpu}) and this machine has no CUDA or no sglang; "
@@ -522,7 +603,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         try:
             specs = local_children(t, host=host, port=port, ports=overrides)
-        except TopologyError as exc:
+        except (TopologyError, LaunchError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_INVALID
     busy = busy_ports(specs)

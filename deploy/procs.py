@@ -107,10 +107,10 @@ class Child:
                 stream.close()
 
 
-def http_ok(url: str, timeout_s: float = 2.0) -> bool:
-    """One readiness probe: whether `url` answers 200 now."""
+def http_ok(url: str, timeout_s: float = 2.0, headers: Mapping[str, str] | None = None) -> bool:
+    """One readiness probe: whether `url` answers 200 now (`headers`: e.g. the worker key)."""
     try:
-        return httpx.get(url, timeout=timeout_s).status_code == 200
+        return httpx.get(url, timeout=timeout_s, headers=headers).status_code == 200
     except httpx.HTTPError:
         return False
 
