@@ -1,5 +1,9 @@
 """A per-worker circuit breaker: closed → open after N consecutive failures → half-open probe.
-Every change of state is logged (warning when it opens), with the worker it guards."""
+Every change of state is logged (warning when it opens), with the worker it guards.
+
+What a failure is, is the caller's call (`legs.Legs`): a transport error or a timeout at once, a
+5xx only once a health probe of the worker confirms it (a 5xx that one request causes while the
+worker keeps serving must not turn every other client away). 4xx answers are never failures."""
 
 from __future__ import annotations
 
@@ -19,8 +23,7 @@ class BreakerState(enum.IntEnum):
 
 
 class CircuitBreaker:
-    """Counts consecutive request failures of one worker. 4xx answers are not failures: callers
-    only report transport errors, timeouts and 5xx."""
+    """Counts consecutive failures of one worker (see the module docstring for what counts)."""
 
     def __init__(self, *, failure_threshold: int, cooldown_s: float, name: str = "") -> None:
         self.name = name  # the worker it guards, for the log
@@ -55,6 +58,11 @@ class CircuitBreaker:
         self.failures = 0
         self._probe_in_flight = False
         self._become(BreakerState.CLOSED)
+
+    def release_probe(self) -> None:
+        """The half-open probe request ended with no verdict on the worker (a 5xx that a health
+        probe showed to be the request's own doing): let the next request probe instead."""
+        self._probe_in_flight = False
 
     def record_failure(self, now: float | None = None) -> None:
         self.failures += 1

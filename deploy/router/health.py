@@ -1,4 +1,4 @@
-"""Periodic health checks and the stall watchdog.
+"""Periodic health checks, the confirmation probe of a worker's 5xx, and the stall watchdog.
 
 A worker turns unhealthy after `failure_threshold` failed checks in a row and healthy again after
 `success_threshold` passed ones; a new worker is checked at once. A passing check also refreshes
@@ -6,15 +6,25 @@ what the worker reports about itself (DP size, models). A worker coming back fro
 gets its circuit breaker closed: the probe has just shown it answers, and keeping it out for the
 rest of a breaker cooldown would turn away traffic it can take.
 
+`confirm(worker)` is the check `legs.Legs` asks for when a worker answers a request with a 5xx:
+one `GET /health` right away, in the background, at most one in flight per worker (a 5xx that
+arrives meanwhile shares it), bounded by the transport's health timeout. It is booked like any
+other check, so a failed one counts towards ejection and health and breaker agree.
+
 The watchdog ejects (marks unhealthy) a worker with relayed streams open that has sent no bytes on
 any of them for `stall_s`: a frozen engine (SIGSTOP, a hung GPU) keeps its connections open, so
 nothing else notices until a probe times out. The next passing probe readmits it.
+
+Every change of a worker's health is logged: "worker became healthy", "worker became unhealthy"
+(also when a new worker fails its first check) and "worker ejected".
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import logging
 import time
 from typing import Any
 
@@ -51,7 +61,8 @@ class HealthChecker:
         self.stall_s = stall_s
         self._task: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
-        self._pending: set[asyncio.Task[None]] = set()
+        self._pending: set[asyncio.Task[Any]] = set()
+        self._confirming: dict[Worker, asyncio.Task[bool]] = {}
         registry.subscribe(self._on_change)
 
     async def start(self) -> None:
@@ -107,21 +118,47 @@ class HealthChecker:
         if workers:
             await asyncio.gather(*(self.check(w) for w in workers))
 
-    async def check(self, worker: Worker) -> None:
+    async def check(self, worker: Worker) -> bool:
+        """Probe `worker` and book the outcome; True when it passed."""
         ok, error = await self._probe(worker)
-        was_healthy = worker.healthy
+        needs_info = ok and (not worker.checked or not worker.models)
+        self._book(worker, ok, error, "periodic")
+        if needs_info:
+            await self._refresh_info(worker)
+        return ok
+
+    def confirm(self, worker: Worker) -> asyncio.Task[bool]:
+        """A check of `worker` right away, in the background (see the module docstring); the
+        task's result is True when the worker passed. A caller while one is in flight gets it."""
+        task = self._confirming.get(worker)
+        if task is None:
+            # A fresh context: the probe's log lines must not carry the request id of the
+            # request that happened to start it.
+            task = asyncio.get_running_loop().create_task(self._confirm(worker), context=contextvars.Context())
+            self._confirming[worker] = task
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
+            task.add_done_callback(lambda _: self._confirming.pop(worker, None))
+        return task
+
+    async def _confirm(self, worker: Worker) -> bool:
+        ok, error = await self._probe(worker)
+        self._book(worker, ok, error, "confirmation")
+        return ok
+
+    def _book(self, worker: Worker, ok: bool, error: str, check: str) -> None:
+        """Count a probe's outcome towards `worker`'s health, and log when that changes it."""
+        was_healthy, first = worker.healthy, not worker.checked
         if ok:
             worker.consecutive_health_failures = 0
             worker.consecutive_health_successes += 1
-            if not worker.checked or worker.consecutive_health_successes >= self.success_threshold:
+            if first or worker.consecutive_health_successes >= self.success_threshold:
                 worker.healthy = True
-            if not worker.checked or not worker.models:
-                await self._refresh_info(worker)
         else:
             worker.consecutive_health_successes = 0
             worker.consecutive_health_failures += 1
             worker.last_error = error
-            if not worker.checked or worker.consecutive_health_failures >= self.failure_threshold:
+            if first or worker.consecutive_health_failures >= self.failure_threshold:
                 worker.healthy = False
         worker.checked = True
         if worker.healthy and not was_healthy and worker.breaker.state:
@@ -129,10 +166,17 @@ class HealthChecker:
         if self.registry.get(worker.url, worker.role) is worker:
             self.metrics.worker_healthy.labels(worker.role, worker.url).set(int(worker.healthy))
             self.metrics.breaker_state.labels(worker.role, worker.url).set(int(worker.breaker.state))
-        if worker.healthy != was_healthy:
-            logger.info(
+        if worker.healthy != was_healthy or (first and not worker.healthy):
+            logger.log(
+                logging.INFO if worker.healthy else logging.WARNING,
                 "worker became " + ("healthy" if worker.healthy else "unhealthy"),
-                extra={"worker": worker.url, "role": worker.role, "error": error},
+                extra={
+                    "worker": worker.url,
+                    "role": worker.role,
+                    "error": error,
+                    "check": check,
+                    "consecutive_failures": worker.consecutive_health_failures,
+                },
             )
 
     async def _probe(self, worker: Worker) -> tuple[bool, str]:

@@ -1,31 +1,46 @@
 """One leg of a PD request (the request to one worker) and the books kept around it: the worker's
 in-flight count, its circuit breaker, the metrics and the log; `/abort_request` for legs given up.
+
+What counts against a worker's circuit breaker: a transport error (`UpstreamUnreachable`) or a
+timeout (`UpstreamTimeout`), at once; a 5xx (`UpstreamStatusError`, also an error as a stream's
+first event) only when a health probe of the worker, started at that moment and run in the
+background (`HealthChecker.confirm`), fails too. A 5xx whose worker passes the probe was caused by
+the request itself (one bad request crashing a code path of the engine that keeps serving): it is
+logged as "request-caused, not counted" and the breaker is left alone, so a few such requests
+cannot take a healthy worker out of service. The request path never waits for the probe: the
+proxy retries the request on another pair as it would anyway.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import TYPE_CHECKING, Any
 
 from .exceptions import UpstreamError, UpstreamStatusError, UpstreamTimeout
-from .log import logger
+from .log import logger, request_id_var
 from .metrics import RouterMetrics
 from .transport import Reply, WorkerClient
 from .workers import Worker
 
 if TYPE_CHECKING:
+    from .health import HealthChecker
     from .pairs import Pair
 
 __all__ = ["Legs", "PairStreamOutcome"]
 
 
 class Legs:
-    """Sends legs through a WorkerClient and keeps each worker's books."""
+    """Sends legs through a WorkerClient and keeps each worker's books.
 
-    def __init__(self, client: WorkerClient, metrics: RouterMetrics) -> None:
+    `health` confirms a worker's 5xx before it counts (see the module docstring); without one
+    (a Legs used on its own), a 5xx counts at once."""
+
+    def __init__(self, client: WorkerClient, metrics: RouterMetrics, health: HealthChecker | None = None) -> None:
         self.client = client
         self.metrics = metrics
+        self.health = health
         self._background: set[asyncio.Task[Any]] = set()
 
     async def aclose(self) -> None:
@@ -73,9 +88,11 @@ class Legs:
             worker.breaker.record_success()
             self.metrics.breaker_state.labels(worker.role, worker.url).set(0)
 
-    def failed(self, exc: UpstreamError) -> None:
+    def failed(self, exc: UpstreamError, *, rid: str = "") -> None:
+        """Book a failed leg: logged and counted in the metrics always, against the worker's
+        breaker as the module docstring says. `rid`: the request's id for the log (default: the
+        id of the request being served)."""
         worker = exc.worker
-        worker.breaker.record_failure()
         worker.last_error = str(exc)
         if isinstance(exc, UpstreamTimeout):
             kind = "timeout"
@@ -84,11 +101,39 @@ class Legs:
         else:
             kind = "unreachable"
         self.metrics.upstream_errors.labels(worker.role, kind).inc()
-        self.metrics.breaker_state.labels(worker.role, worker.url).set(int(worker.breaker.state))
         logger.warning(
             "worker leg failed",
             extra={"worker": worker.url, "role": worker.role, "error": str(exc), "kind": kind},
         )
+        if isinstance(exc, UpstreamStatusError) and self.health is not None:
+            probe = self.health.confirm(worker)
+            probe.add_done_callback(functools.partial(self._settle_status_error, exc, rid or request_id_var.get()))
+            return
+        self._count_failure(worker)
+
+    def _settle_status_error(self, exc: UpstreamStatusError, rid: str, probe: asyncio.Task[bool]) -> None:
+        """The confirmation probe of a 5xx ended: count the 5xx if the worker failed it too."""
+        if probe.cancelled():  # the router is shutting down
+            return
+        worker = exc.worker
+        error = probe.exception()
+        if error is not None:  # a router bug, not the worker's answer: count, as without a probe
+            logger.error("confirmation probe crashed", exc_info=error, extra={"worker": worker.url})
+        confirmed = error is not None or not probe.result()
+        self.metrics.upstream_status_errors.labels(worker.role, "true" if confirmed else "false").inc()
+        extra = {"worker": worker.url, "role": worker.role, "request_id": rid, "status": exc.status}
+        if confirmed:
+            logger.warning("worker 5xx confirmed by a failed health probe, counted", extra=extra)
+            self._count_failure(worker)
+            return
+        logger.warning("worker 5xx is request-caused, not counted", extra=extra)
+        # If this leg was a half-open breaker's probe request, it gave no verdict on the worker:
+        # the next request probes instead (otherwise the breaker would wait for this one forever).
+        worker.breaker.release_probe()
+
+    def _count_failure(self, worker: Worker) -> None:
+        worker.breaker.record_failure()
+        self.metrics.breaker_state.labels(worker.role, worker.url).set(int(worker.breaker.state))
 
     def abort(self, worker: Worker, rids: list[str]) -> None:
         """Tell a worker to drop a request, in the background (bounded by the abort timeout)."""
@@ -118,7 +163,7 @@ class PairStreamOutcome:
         self._close()
 
     def failed(self, error: UpstreamError) -> None:
-        self.legs.failed(error)
+        self.legs.failed(error, rid=self.pair.bodies.rids[0] if self.pair.bodies.rids else "")
         # The decode broke: the prefill may still hold the request (or its KV pages); free it now.
         self.legs.abort(self.pair.prefill, self.pair.bodies.rids)
         self._close()

@@ -29,6 +29,11 @@ class RouterMetrics:
                                ["role"], registry=r)  # fmt: skip
         self.upstream_errors = Counter(f"{ns}_upstream_errors", "Failed worker legs, by role and kind.",
                                        ["role", "kind"], registry=r)  # fmt: skip
+        self.upstream_status_errors = Counter(f"{ns}_upstream_status_errors",
+                                              "Worker 5xx answers, by role and whether a health probe of the worker "
+                                              "confirmed them (true: counted against its breaker; false: "
+                                              "request-caused, not counted).", ["role", "confirmed"],
+                                              registry=r)  # fmt: skip
         self.breaker_state = Gauge(f"{ns}_worker_breaker_state",
                                    "Circuit breaker state per worker: 0 closed, 1 half-open, 2 open.", by_worker,
                                    registry=r)  # fmt: skip

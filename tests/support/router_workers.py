@@ -162,6 +162,12 @@ class FakeWorker:
     # Failure injection: the next `fail_count` requests get `fail_status` (500 when 0).
     fail_status: int = 0
     fail_count: int = 0
+    # /health answers `health_status` after `health_delay` s; `health_checks` counts the probes.
+    health_status: int = 200
+    health_delay: float = 0.0
+    health_checks: int = 0
+    health_in_flight_max: int = 0
+    _health_in_flight: int = 0
     requests: list[dict[str, Any]] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     in_flight: int = 0
@@ -175,12 +181,19 @@ class FakeWorker:
             self.requests.clear()
             self.aborts.clear()
         for key, value in changes.items():
-            if key not in ("fail_status", "fail_count", "token_delay", "prefill_delay", "tokens", "keep_log"):
+            settings = ("fail_status", "fail_count", "token_delay", "prefill_delay", "tokens", "keep_log")
+            if key not in (*settings, "health_status", "health_delay"):
                 raise ValueError(f"FakeWorker has no setting {key!r}.")
             setattr(self, key, value)
 
     def state(self) -> dict[str, Any]:
-        return {"requests": self.requests, "aborts": self.aborts, "in_flight": self.in_flight}
+        return {
+            "requests": self.requests,
+            "aborts": self.aborts,
+            "in_flight": self.in_flight,
+            "health_checks": self.health_checks,
+            "health_in_flight_max": self.health_in_flight_max,
+        }
 
     # -- the HTTP API --------------------------------------------------------------------------
 
@@ -197,7 +210,7 @@ class FakeWorker:
         if method != "GET":
             return _err(405, f"{method} {path} is not allowed")
         if path in ("/health", "/health_generate"):
-            return FakeReply(200, "text/plain")
+            return await self._health()
         if path in ("/server_info", "/get_server_info"):
             return _json(self.server_info())
         if path == "/get_model_info":
@@ -210,6 +223,17 @@ class FakeWorker:
         if path == "/metrics":
             return FakeReply(200, "text/plain", f"sglang:num_running_reqs {self.in_flight}\n".encode())
         return _err(404, f"no route {path}")
+
+    async def _health(self) -> FakeReply:
+        self.health_checks += 1
+        self._health_in_flight += 1
+        self.health_in_flight_max = max(self.health_in_flight_max, self._health_in_flight)
+        try:
+            if self.health_delay:
+                await asyncio.sleep(self.health_delay)
+        finally:
+            self._health_in_flight -= 1
+        return FakeReply(self.health_status, "text/plain")
 
     def server_info(self) -> dict[str, Any]:
         return {
