@@ -190,18 +190,23 @@ def test_hung_worker_times_out_cleanly(cluster_factory: Callable[..., Cluster]) 
             _wait_aborts([cluster.prefills[0], cluster.decodes[0]], f"h{stream}")
 
 
-def test_5xx_trips_the_breaker_and_4xx_does_not(cluster_factory: Callable[..., Cluster]) -> None:
+def test_confirmed_5xx_trips_the_breaker_and_4xx_does_not(cluster_factory: Callable[..., Cluster]) -> None:
     cluster = cluster_factory(1, 2)
     bad, good = cluster.decodes
-    with cluster.serve(cluster.config(breaker_failure_threshold=3)) as running:
-        bad.configure(fail_status=500, fail_count=100)
+    # A 5xx counts once a probe of the worker fails too; failed probes alone never eject here.
+    with cluster.serve(cluster.config(breaker_failure_threshold=3, health_failure_threshold=100)) as running:
+        bad.configure(fail_status=500, fail_count=100, health_status=503)
         with httpx.Client(timeout=10) as client:
             for i in range(8):
                 resp = client.post(running.url + CHAT, json=_chat(i % 2 == 1, f"r{i}", tokens=2))
                 assert resp.status_code == 200 and b'"error"' not in resp.content
         worker = running.app.registry.get(bad.url, "decode")
-        assert worker is not None and worker.breaker.state is BreakerState.OPEN
-        assert worker.healthy, "health checks pass: the breaker alone ejected it"
+        assert worker is not None
+        deadline = time.monotonic() + 5  # the confirmation probes run in the background
+        while worker.breaker.state is not BreakerState.OPEN and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert worker.breaker.state is BreakerState.OPEN
+        assert worker.healthy, "below the health threshold: the breaker alone ejected it"
 
         # 4xx from an engine goes back to the client and never trips the breaker.
         bad.configure(fail_count=0)
