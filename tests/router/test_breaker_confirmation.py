@@ -16,9 +16,11 @@ import pytest
 
 from sglang_pd.deploy.router.breaker import BreakerState
 from sglang_pd.deploy.router.exceptions import UpstreamStatusError, UpstreamTimeout, UpstreamUnreachable
+from sglang_pd.deploy.router.health import HealthChecker
 from sglang_pd.deploy.router.legs import Legs
 from sglang_pd.deploy.router.metrics import RouterMetrics
 from sglang_pd.deploy.router.workers import Worker, WorkerRegistry
+from tests.support.router_workers import InProcessCluster
 
 from .conftest import Cluster, RunningRouter
 
@@ -66,7 +68,7 @@ def test_request_caused_5xx_leave_the_breaker_closed(
     cluster_factory: Callable[..., Cluster], caplog: pytest.LogCaptureFixture
 ) -> None:
     cluster = cluster_factory(1, 2, processes=True)
-    bad, good = cluster.decodes
+    bad, _ = cluster.decodes
     n_errors = 6  # three times the breaker threshold
     with cluster.serve(cluster.config(**QUIET)) as running, httpx.Client(timeout=20) as client:
         caplog.set_level(logging.INFO, logger="sglang_pd.router")
@@ -100,7 +102,7 @@ def test_5xx_with_a_failing_health_probe_opens_the_breaker_and_ejects(
     cluster_factory: Callable[..., Cluster], caplog: pytest.LogCaptureFixture
 ) -> None:
     cluster = cluster_factory(1, 2, processes=True)
-    bad, good = cluster.decodes
+    bad, _ = cluster.decodes
     config = cluster.config(**QUIET, health_failure_threshold=1, health_timeout_s=3.0)
     with cluster.serve(config) as running:
         caplog.set_level(logging.INFO, logger="sglang_pd.router")
@@ -132,7 +134,7 @@ def test_5xx_with_a_failing_health_probe_opens_the_breaker_and_ejects(
 
 def test_one_confirmation_probe_per_worker_under_a_burst(cluster_factory: Callable[..., Cluster]) -> None:
     cluster = cluster_factory(1, 2, processes=True)
-    bad, good = cluster.decodes
+    bad, _ = cluster.decodes
     with cluster.serve(cluster.config(**QUIET, health_timeout_s=3.0)) as running:
         bad.configure(fail_status=500, fail_count=1000, health_delay=1.0)
         probes_before = bad.state()["health_checks"]
@@ -153,7 +155,7 @@ def test_one_confirmation_probe_per_worker_under_a_burst(cluster_factory: Callab
 
 def test_transport_errors_count_at_once(cluster_factory: Callable[..., Cluster]) -> None:
     cluster = cluster_factory(1, 2, processes=True)
-    victim, survivor = cluster.decodes
+    victim, _ = cluster.decodes
     with cluster.serve(cluster.config(**QUIET)) as running, httpx.Client(timeout=20) as client:
         worker = _router_worker(running, victim.url)
         victim.kill()
@@ -235,3 +237,55 @@ def test_request_caused_5xx_frees_a_half_open_probe_slot() -> None:
         assert worker.breaker.state is BreakerState.HALF_OPEN and worker.breaker.can_dispatch()
 
     asyncio.run(scenario())
+
+
+# -- HealthChecker: the confirmation probe is a health check like the others ---------------------
+
+
+def test_confirmation_probe_is_shared_and_booked_as_a_health_check(caplog: pytest.LogCaptureFixture) -> None:
+    workers = InProcessCluster(0, 1)
+    decode = workers.decodes[0]
+    registry = WorkerRegistry()
+    checker = HealthChecker(
+        registry, RouterMetrics(), workers.client(), interval_s=60, failure_threshold=2, success_threshold=1
+    )
+
+    async def scenario() -> None:
+        caplog.set_level(logging.INFO, logger="sglang_pd.router")
+        worker = registry.add(decode.url, "decode")
+        assert await checker.check(worker) and worker.healthy
+        await asyncio.sleep(0.01)  # the check that registering the worker started is over too
+        probes_before = decode.health_checks
+        decode.configure(health_status=503, health_delay=0.05)
+        first, second = checker.confirm(worker), checker.confirm(worker)
+        assert first is second, "one probe in flight per worker"
+        assert await first is False
+        assert worker.healthy and worker.consecutive_health_failures == 1  # below the threshold of 2
+        third = checker.confirm(worker)
+        assert third is not first and await third is False
+        assert not worker.healthy and decode.health_checks - probes_before == 2
+        await checker.aclose()
+
+    asyncio.run(scenario())
+    unhealthy = [r for r in caplog.records if r.getMessage() == "worker became unhealthy"]
+    assert len(unhealthy) == 1 and getattr(unhealthy[0], "check", "") == "confirmation"
+
+
+def test_a_new_worker_failing_its_first_check_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    workers = InProcessCluster(0, 1)
+    workers.decodes[0].configure(health_status=500)
+    registry = WorkerRegistry()
+    checker = HealthChecker(
+        registry, RouterMetrics(), workers.client(), interval_s=60, failure_threshold=3, success_threshold=1
+    )
+
+    async def scenario() -> None:
+        caplog.set_level(logging.INFO, logger="sglang_pd.router")
+        worker = registry.add(workers.decodes[0].url, "decode")
+        assert not await checker.check(worker)
+        assert not worker.healthy
+        await checker.aclose()
+
+    asyncio.run(scenario())
+    unhealthy = [r for r in caplog.records if r.getMessage() == "worker became unhealthy"]
+    assert len(unhealthy) == 1 and "500" in getattr(unhealthy[0], "error", "")
