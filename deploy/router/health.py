@@ -62,7 +62,8 @@ class HealthChecker:
         self._task: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[Any]] = set()
-        self._confirming: dict[Worker, asyncio.Task[bool]] = {}
+        self._confirming: dict[Worker, asyncio.Future[bool]] = {}
+        self._closed = False
         registry.subscribe(self._on_change)
 
     async def start(self) -> None:
@@ -72,6 +73,7 @@ class HealthChecker:
             self._watchdog = asyncio.create_task(self._watch_streams())
 
     async def aclose(self) -> None:
+        self._closed = True
         for task in [self._task, self._watchdog, *self._pending]:
             if task is not None:
                 task.cancel()
@@ -122,16 +124,20 @@ class HealthChecker:
         """Probe `worker` and book the outcome; True when it passed."""
         ok, error = await self._probe(worker)
         needs_info = ok and (not worker.checked or not worker.models)
-        self._book(worker, ok, error, "periodic")
+        self._book(worker, ok, error, "regular")
         if needs_info:
             await self._refresh_info(worker)
         return ok
 
-    def confirm(self, worker: Worker) -> asyncio.Task[bool]:
+    def confirm(self, worker: Worker) -> asyncio.Future[bool]:
         """A check of `worker` right away, in the background (see the module docstring); the
-        task's result is True when the worker passed. A caller while one is in flight gets it."""
+        result is True when the worker passed. A caller while one is in flight gets that one;
+        once the checker is closed (the router is stopping), the result is a cancelled future."""
         task = self._confirming.get(worker)
-        if task is None:
+        if task is None and self._closed:
+            task = asyncio.get_running_loop().create_future()
+            task.cancel()
+        elif task is None:
             # A fresh context: the probe's log lines must not carry the request id of the
             # request that happened to start it.
             task = asyncio.get_running_loop().create_task(self._confirm(worker), context=contextvars.Context())

@@ -111,9 +111,9 @@ class Legs:
             return
         self._count_failure(worker)
 
-    def _settle_status_error(self, exc: UpstreamStatusError, rid: str, probe: asyncio.Task[bool]) -> None:
+    def _settle_status_error(self, exc: UpstreamStatusError, rid: str, probe: asyncio.Future[bool]) -> None:
         """The confirmation probe of a 5xx ended: count the 5xx if the worker failed it too."""
-        if probe.cancelled():  # the router is shutting down
+        if probe.cancelled():  # the router is stopping: no verdict
             return
         worker = exc.worker
         error = probe.exception()

@@ -4,8 +4,8 @@ router with an OpenAI-shaped error instead of reaching (or crashing) a worker.
 Checked: the fields the router itself relies on, the ones whose wrong type would fail on every
 worker, and the sampling parameters with OpenAI's ranges (sglang's for `/generate`'s
 `sampling_params`). A request that an engine would fail on is the client's fault, so it must be
-refused here with a 400: a worker's 5xx counts against its circuit breaker, and a handful of bad
-requests must not take a healthy worker out of service.
+refused here with a 400 naming the parameter rather than reach an engine: the client learns what
+to fix, and the engine's 5xx would cost a retry on another pair and a health probe (`legs`).
 """
 
 from __future__ import annotations
