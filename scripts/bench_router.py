@@ -16,9 +16,11 @@ All targets run at once (idle when not measured); they take turns cell by cell i
 order, each cell is measured --rounds times and the median round is reported, so that a noisy,
 shared machine biases no target.
 
-Prints a table and writes JSON. Targets: router-added p50 at concurrency 1 <= 1 ms; router
-throughput at concurrency 16 >= 0.6 x smg's; zero errors. Run it from the repository root (the
-test workers are imported from `tests.support`):
+Prints a table and writes JSON with the run's command, machine and date. Targets: router-added
+p50 at concurrency 1 <= 0.5 ms; router throughput >= 1.0 x smg's at each concurrency above 1,
+unary and streaming; zero errors. The exit status is 1 when there were errors or the added p50
+missed its target. Run it from the repository root (the test workers are imported from
+`tests.support`):
 
     .venv/bin/python -m scripts.bench_router --out out/bench_router.json
 """
@@ -48,6 +50,10 @@ from sglang_pd.deploy.procs import Child, spawn
 from tests.support.router_worker_server import WorkerProcess, start_workers
 
 CHAT = "/v1/chat/completions"
+# What the router is held to: its added p50 at concurrency 1 (over going direct), and its
+# throughput against smg's at every concurrency above 1, unary and streaming.
+ADDED_P50_TARGET_MS = 0.5
+THROUGHPUT_TARGET = 1.0
 TARGETS = ("direct", "router", "smg")
 
 
@@ -84,6 +90,14 @@ async def _cpu_during(pids: list[int], start: float, stop: float) -> float:
     before = _cpu_seconds(pids)
     await asyncio.sleep(max(0.0, stop - time.perf_counter()))
     return _cpu_seconds(pids) - before
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "unknown"
 
 
 def _free_port() -> int:
@@ -293,7 +307,11 @@ def main(argv: list[str] | None = None) -> int:
     prefills, decodes = start_workers(args.prefills, args.decodes, no_log=True)
     cells: list[Cell] = []
     meta: dict[str, Any] = {
+        "command": " ".join([Path(sys.executable).name, "-m", "scripts.bench_router", *(argv or sys.argv[1:])]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "cpu": _cpu_model(),
         "cpus": os.cpu_count(),
+        "load_average_at_start": os.getloadavg(),
         "python": sys.version.split()[0],
         "prefills": args.prefills,
         "decodes": args.decodes,
@@ -368,16 +386,24 @@ def main(argv: list[str] | None = None) -> int:
     direct_p50 = {(c.stream, c.concurrency): c.p50_ms for c in cells if c.target == "direct"}
     by = {(c.target, c.stream, c.concurrency): c for c in cells}
     verdict: dict[str, Any] = {}
-    if ("router", False, 1) in by and ("direct", False, 1) in by:
-        added = by["router", False, 1].p50_ms - by["direct", False, 1].p50_ms
-        verdict["router_added_p50_ms_c1"] = round(added, 3)
-        verdict["router_added_p50_ok"] = added <= 1.0
+    for target in ("router", "smg"):
+        if (target, False, 1) in by and ("direct", False, 1) in by:
+            added = by[target, False, 1].p50_ms - by["direct", False, 1].p50_ms
+            verdict[f"{target}_added_p50_ms_c1"] = round(added, 3)
+    if "router_added_p50_ms_c1" in verdict:
+        verdict["router_added_p50_ok"] = verdict["router_added_p50_ms_c1"] <= ADDED_P50_TARGET_MS
     for stream in (False, True):
         key = "stream" if stream else "unary"
-        if ("router", stream, 16) in by and ("smg", stream, 16) in by:
-            ratio = by["router", stream, 16].rps / max(by["smg", stream, 16].rps, 1e-9)
-            verdict[f"throughput_ratio_vs_smg_c16_{key}"] = round(ratio, 3)
-            verdict[f"throughput_ratio_ok_{key}"] = ratio >= 0.6
+        for conc in args.concurrency:
+            if conc > 1 and ("router", stream, conc) in by and ("smg", stream, conc) in by:
+                router, smg_cell = by["router", stream, conc], by["smg", stream, conc]
+                ratio = router.rps / max(smg_cell.rps, 1e-9)
+                verdict[f"throughput_ratio_vs_smg_c{conc}_{key}"] = round(ratio, 3)
+                verdict[f"throughput_ratio_ok_c{conc}_{key}"] = ratio >= THROUGHPUT_TARGET
+                if router.cpu_ms_per_req and smg_cell.cpu_ms_per_req:
+                    verdict[f"cpu_per_request_ratio_vs_smg_c{conc}_{key}"] = round(
+                        router.cpu_ms_per_req / smg_cell.cpu_ms_per_req, 3
+                    )
     verdict["errors"] = sum(c.errors for c in cells)
     verdict["zero_errors"] = verdict["errors"] == 0
 

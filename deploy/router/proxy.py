@@ -45,7 +45,11 @@ class PDProxy:
         self._rng = random.Random()
 
     async def unary(self, endpoint: str, payload: dict[str, Any], rid: str, receive: Receive) -> Response:
-        _, reply, prefill_t = await self._attempts(endpoint, payload, rid, self.legs.post, receive)
+        disconnect = asyncio.ensure_future(wait_disconnect(receive))
+        try:
+            _, reply, prefill_t = await self._attempts(endpoint, payload, rid, self.legs.post, disconnect)
+        finally:
+            disconnect.cancel()
         body = reply.body
         if reply.status < 300 and wants_input_logprobs(endpoint, payload):
             body = await self._with_prefill_logprobs(prefill_t, body, merge_logprobs)
@@ -57,60 +61,63 @@ class PDProxy:
         return Response(body, status_code=reply.status, media_type=reply.content_type, headers={"x-request-id": rid})
 
     async def stream(self, endpoint: str, payload: dict[str, Any], rid: str, receive: Receive) -> Response:
-        pair, reply, prefill_t = await self._attempts(endpoint, payload, rid, self.legs.open_stream, receive)
-        if reply.stream is None:  # decode refused (4xx)
-            self._watch_prefill(prefill_t)
-            return _refused(reply, rid)
-        first = reply.body
-        if wants_input_logprobs(endpoint, payload):
-            first = await self._with_prefill_logprobs(prefill_t, first, merge_first_event)
+        # One watch on the client for the whole request: the relay takes it over.
+        disconnect = asyncio.ensure_future(wait_disconnect(receive))
+        try:
+            pair, reply, prefill_t = await self._attempts(endpoint, payload, rid, self.legs.open_stream, disconnect)
+            if reply.stream is None:  # decode refused (4xx)
+                self._watch_prefill(prefill_t)
+                disconnect.cancel()
+                return _refused(reply, rid)
+            first = reply.body
+            if wants_input_logprobs(endpoint, payload):
+                first = await self._with_prefill_logprobs(prefill_t, first, merge_first_event)
+        except BaseException:
+            disconnect.cancel()
+            raise
         self._watch_prefill(prefill_t)
-        return RelayResponse(reply, first, PairStreamOutcome(self.legs, pair), rid=rid, openai=endpoint != "/generate")
+        outcome = PairStreamOutcome(self.legs, pair)
+        return RelayResponse(reply, first, outcome, rid=rid, disconnect=disconnect, openai=endpoint != "/generate")
 
     async def _attempts(
-        self, endpoint: str, payload: dict[str, Any], rid: str, open_decode: OpenLeg, receive: Receive
+        self, endpoint: str, payload: dict[str, Any], rid: str, open_decode: OpenLeg, disconnect: asyncio.Future[None]
     ) -> tuple[Pair, Reply, asyncio.Task[Reply]]:
-        """Run attempts until decode gives an answer (or its first chunk). Returns the pair,
-        decode's reply and the prefill task (possibly still running)."""
+        """Run attempts until decode gives an answer (or its first chunk), or `disconnect` (the
+        client left) ends them. Returns the pair, decode's reply and the prefill task (possibly
+        still running)."""
         exclude: list[Worker] = []
         last_error: UpstreamError | None = None
         deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
-        disconnect = asyncio.ensure_future(wait_disconnect(receive))
-        try:
-            for attempt in range(self.config.max_retries + 1):
-                if attempt:
-                    delay = min(self.config.retry_max_backoff_s, self.config.retry_backoff_s * 2 ** (attempt - 1))
-                    await asyncio.sleep(delay * (0.5 + self._rng.random()))
-                # Each attempt gets its own rid: an abort sent for a failed attempt must not hit
-                # the retry, and sglang refuses a rid that is still in flight.
-                attempt_rid = rid if attempt == 0 else f"{rid}.{attempt}"
-                try:
-                    pair = self.pairs.pick(endpoint, payload, attempt_rid, exclude)
-                except NoHealthyWorker as exc:
-                    if last_error is not None:
-                        raise _gave_up(last_error, attempt) from exc
-                    raise ApiError(503, str(exc), code="no_healthy_worker", headers={"retry-after": "1"}) from exc
-                prefill_t = asyncio.ensure_future(
-                    self.legs.post(pair.prefill, endpoint, pair.bodies.prefill, attempt_rid)
-                )
-                if pair.dp_ranks:
-                    prefill_t.add_done_callback(pair.release_ranks)
-                decode_t = asyncio.ensure_future(open_decode(pair.decode, endpoint, pair.bodies.decode, attempt_rid))
-                try:
-                    outcome = await self._race(pair, prefill_t, decode_t, disconnect, deadline)
-                except BaseException:
-                    cancel_legs(prefill_t, decode_t)
-                    self._abort_unfinished(pair, decode_t)
-                    raise
-                if isinstance(outcome, Reply):
-                    return pair, outcome, prefill_t
-                last_error = outcome
-                exclude.append(outcome.worker)
-                self.legs.metrics.retries.labels(outcome.worker.role).inc()
-            assert last_error is not None
-            raise _gave_up(last_error, self.config.max_retries + 1)
-        finally:
-            disconnect.cancel()
+        for attempt in range(self.config.max_retries + 1):
+            if attempt:
+                delay = min(self.config.retry_max_backoff_s, self.config.retry_backoff_s * 2 ** (attempt - 1))
+                await asyncio.sleep(delay * (0.5 + self._rng.random()))
+            # Each attempt gets its own rid: an abort sent for a failed attempt must not hit
+            # the retry, and sglang refuses a rid that is still in flight.
+            attempt_rid = rid if attempt == 0 else f"{rid}.{attempt}"
+            try:
+                pair = self.pairs.pick(endpoint, payload, attempt_rid, exclude)
+            except NoHealthyWorker as exc:
+                if last_error is not None:
+                    raise _gave_up(last_error, attempt) from exc
+                raise ApiError(503, str(exc), code="no_healthy_worker", headers={"retry-after": "1"}) from exc
+            prefill_t = asyncio.ensure_future(self.legs.post(pair.prefill, endpoint, pair.bodies.prefill, attempt_rid))
+            if pair.dp_ranks:
+                prefill_t.add_done_callback(pair.release_ranks)
+            decode_t = asyncio.ensure_future(open_decode(pair.decode, endpoint, pair.bodies.decode, attempt_rid))
+            try:
+                outcome = await self._race(pair, prefill_t, decode_t, disconnect, deadline)
+            except BaseException:
+                cancel_legs(prefill_t, decode_t)
+                self._abort_unfinished(pair, decode_t)
+                raise
+            if isinstance(outcome, Reply):
+                return pair, outcome, prefill_t
+            last_error = outcome
+            exclude.append(outcome.worker)
+            self.legs.metrics.retries.labels(outcome.worker.role).inc()
+        assert last_error is not None
+        raise _gave_up(last_error, self.config.max_retries + 1)
 
     async def _race(
         self,

@@ -56,7 +56,18 @@ class RelayResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, reply: Reply, first: bytes, outcome: StreamOutcome, *, rid: str, openai: bool = True) -> None:
+    def __init__(
+        self,
+        reply: Reply,
+        first: bytes,
+        outcome: StreamOutcome,
+        *,
+        rid: str,
+        disconnect: asyncio.Future[None] | None = None,
+        openai: bool = True,
+    ) -> None:
+        """`disconnect`: a watch on the client (`wait_disconnect`) already running, which the
+        relay takes over; without one the relay starts its own."""
         assert reply.stream is not None, "RelayResponse needs an open stream (WorkerClient.open_stream)"
         # Like StreamingResponse: no body attribute, so no Content-Length header.
         self.status_code = reply.status
@@ -67,12 +78,13 @@ class RelayResponse(Response):
         self.first = openai_finish_reasons(first) if openai else first
         self.openai = openai  # an OpenAI route: finish reasons are mapped to OpenAI's values
         self.outcome = outcome
+        self.disconnect = disconnect
         self.finished = False
         self.abandoned = False  # the client left mid-stream: logged and counted as 499
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         relay = asyncio.ensure_future(self._relay(send))
-        listen = asyncio.ensure_future(wait_disconnect(receive))
+        listen = self.disconnect if self.disconnect is not None else asyncio.ensure_future(wait_disconnect(receive))
         try:
             await asyncio.wait({relay, listen}, return_when=asyncio.FIRST_COMPLETED)
         finally:
