@@ -55,6 +55,9 @@ class Legs:
             reply = await self.client.post(worker, path, body, rid)
             self.succeeded(worker)
             return reply
+        except BaseException:
+            worker.breaker.release_probe()  # see _no_verdict
+            raise
         finally:
             self.end(worker)
 
@@ -65,6 +68,7 @@ class Legs:
         try:
             reply = await self.client.open_stream(worker, path, body, rid)
         except BaseException:
+            worker.breaker.release_probe()  # see _no_verdict
             self.end(worker)
             raise
         if reply.stream is None:  # the engine refused the request (4xx)
@@ -75,6 +79,12 @@ class Legs:
                 worker.last_stream_bytes = time.monotonic()
             worker.open_streams += 1
         return reply
+
+    # _no_verdict: a leg that ends in an exception frees its worker's half-open probe slot at
+    # once. A cancelled leg (client gone, deadline, the other leg failed) says nothing about the
+    # worker, and a failed one may be blamed on the other leg and never booked here; either way
+    # the breaker would otherwise wait for a verdict that never comes. A failure that is booked
+    # still opens the breaker (record_failure does not need the slot).
 
     def _begin(self, worker: Worker) -> None:
         worker.breaker.on_dispatch()
@@ -169,7 +179,9 @@ class PairStreamOutcome:
         self._close()
 
     def abandoned(self) -> None:
-        # The client is gone: stop both legs (the prefill may still be sending KV pages).
+        # The client is gone: stop both legs (the prefill may still be sending KV pages). The
+        # stream gave no verdict on the decode: a half-open probe slot it held is freed.
+        self.pair.decode.breaker.release_probe()
         self.legs.abort(self.pair.decode, self.pair.bodies.rids)
         self.legs.abort(self.pair.prefill, self.pair.bodies.rids)
         self._close()

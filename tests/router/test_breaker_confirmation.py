@@ -19,6 +19,7 @@ from sglang_pd.deploy.router.exceptions import UpstreamStatusError, UpstreamTime
 from sglang_pd.deploy.router.health import HealthChecker
 from sglang_pd.deploy.router.legs import Legs
 from sglang_pd.deploy.router.metrics import RouterMetrics
+from sglang_pd.deploy.router.transport import WorkerClient
 from sglang_pd.deploy.router.workers import Worker, WorkerRegistry
 from tests.support.router_workers import InProcessCluster
 
@@ -235,6 +236,31 @@ def test_request_caused_5xx_frees_a_half_open_probe_slot() -> None:
         probe.future.set_result(True)
         await asyncio.sleep(0)
         assert worker.breaker.state is BreakerState.HALF_OPEN and worker.breaker.can_dispatch()
+
+    asyncio.run(scenario())
+
+
+class _Hanging(WorkerClient):
+    """A worker that never answers."""
+
+    async def _send(self, *args: Any) -> Any:
+        await asyncio.Event().wait()
+
+
+@pytest.mark.parametrize("leg", ["post", "open_stream"])
+def test_a_cancelled_leg_frees_a_half_open_probe_slot(leg: str) -> None:
+    # The probe request of a half-open breaker is cancelled (client gone, deadline, the other leg
+    # failed): no verdict on the worker, so the next request must be let through as the probe.
+    async def scenario() -> None:
+        legs = Legs(_Hanging(), RouterMetrics())
+        worker = WorkerRegistry(breaker_failure_threshold=1).add("http://decode-0:1", "decode", healthy=True)
+        worker.breaker.record_failure(now=0)  # opened long ago: the next dispatch is the probe
+        task = asyncio.ensure_future(getattr(legs, leg)(worker, "/generate", b"{}", "probe"))
+        await asyncio.sleep(0)
+        assert worker.breaker.state is BreakerState.HALF_OPEN and not worker.breaker.can_dispatch()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert worker.breaker.can_dispatch() and worker.in_flight == 0
 
     asyncio.run(scenario())
 
