@@ -324,7 +324,8 @@ class Stack:
         self._restart_at: dict[str, float] = {}
         self.restarts: collections.Counter[str] = collections.Counter()
 
-    def _echo(self, line: str) -> None:
+    def echo(self, line: str) -> None:
+        """Print a whole line to the console, never interleaved with a child's line."""
         with self._print_lock:
             print(line, file=self._out, flush=True)
 
@@ -332,7 +333,7 @@ class Stack:
         assert child.proc.stdout is not None
         width = max(len(s.name) for s in self.specs)
         for raw in iter(child.proc.stdout.readline, b""):
-            self._echo(f"{child.name:<{width}} | {_mask(raw, secrets).decode(errors='replace').rstrip()}")
+            self.echo(f"{child.name:<{width}} | {_mask(raw, secrets).decode(errors='replace').rstrip()}")
 
     def _pump_to_file(self, child: Child, sink: IO[bytes], secrets: tuple[str, ...] = ()) -> None:
         """Copy a child's output into its log file, line by line (`secrets` masked), with a note
@@ -350,7 +351,7 @@ class Stack:
                     sink.write(note.encode() + b"\n")
                 sink.flush()  # `up` and `tail -f` read the file while the child runs
                 if line.startswith(EXPOSURE_MARK):
-                    self._echo(f"{child.name}: warning: {line.removeprefix('sglang-pd: ')}")
+                    self.echo(f"{child.name}: warning: {line.removeprefix('sglang-pd: ')}")
 
     def start(self) -> None:
         for i, spec in enumerate(self.specs, 1):
@@ -374,7 +375,7 @@ class Stack:
         else:
             child = spawn(spec.name, spec.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=False)
             threading.Thread(target=self._pump, args=(child, spec.secrets), daemon=True).start()
-        self._echo(note)
+        self.echo(note)
         self.procs[spec.name] = child
         self._started[spec.name] = time.monotonic()
 
@@ -397,7 +398,7 @@ class Stack:
                     if spec.name in self.logs
                     else ""
                 )
-                self._echo(f"{spec.name}: exited with code {child.proc.returncode}; restarting in {delay:g} s{where}")
+                self.echo(f"{spec.name}: exited with code {child.proc.returncode}; restarting in {delay:g} s{where}")
             elif now >= due:
                 del self._restart_at[spec.name]
                 child.reap()
@@ -445,10 +446,10 @@ class Stack:
                 if http_ok(url, headers=probe_headers[name]):
                     del pending[name]
                     took = time.monotonic() - self._started.get(name, time.monotonic())
-                    self._echo(f"{name}: healthy after {took:.1f} s")
+                    self.echo(f"{name}: healthy after {took:.1f} s")
             if pending and time.monotonic() - last_note >= 5:
                 last_note = time.monotonic()
-                self._echo(f"waiting for {', '.join(pending)} ...")
+                self.echo(f"waiting for {', '.join(pending)} ...")
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"{', '.join(pending)} not healthy after {timeout_s:.0f} s ({', '.join(pending.values())})."
@@ -474,7 +475,7 @@ class Stack:
             if not live:
                 continue
             if any(by_name[n].drains for n, _ in wave if n in by_name):
-                self._echo(f"stopping {', '.join(c.name for c in live)} (up to {max(graces):g} s to drain) ...")
+                self.echo(f"stopping {', '.join(c.name for c in live)} (up to {max(graces):g} s to drain) ...")
             for child in live:
                 child.signal_group(signal.SIGTERM)
             deadline = time.monotonic() + max(graces)
@@ -637,15 +638,16 @@ def run(args: argparse.Namespace) -> int:
         body = json.dumps(
             {"model": t.model.name, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}
         )
-        print(f"ready in {time.monotonic() - t0:.1f} s ({engine} engine, topology {t.name})", flush=True)
-        print(f"OpenAI API: {base}/v1", flush=True)
+        # Through the stack's lock: the router's log lines go to the same console from another thread.
+        stack.echo(f"ready in {time.monotonic() - t0:.1f} s ({engine} engine, topology {t.name})")
+        stack.echo(f"OpenAI API: {base}/v1")
         if not args.no_smoke:
             try:
-                print(smoke_check(base, t.model.name), flush=True)
+                stack.echo(smoke_check(base, t.model.name))
             except (httpx.HTTPError, ValueError, KeyError, RuntimeError) as exc:
                 print(f"error: the stack is up but a chat completion through it failed: {exc}", file=sys.stderr)
                 return EXIT_FAILED
-        print(f"try: curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'", flush=True)
+        stack.echo(f"try: curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'")
         while not stack.stopping.wait(0.5):
             stack.supervise()
         return EXIT_OK
