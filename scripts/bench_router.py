@@ -397,7 +397,10 @@ def main(argv: list[str] | None = None) -> int:
         for conc in args.concurrency:
             if conc > 1 and ("router", stream, conc) in by and ("smg", stream, conc) in by:
                 router, smg_cell = by["router", stream, conc], by["smg", stream, conc]
-                ratio = router.rps / max(smg_cell.rps, 1e-9)
+                # The machine's speed drifts between rounds: compare router and smg within each
+                # round (measured back to back) and take the median of those ratios.
+                pairs = zip(rounds["router", stream, conc], rounds["smg", stream, conc], strict=True)
+                ratio = statistics.median(r.rps / max(s.rps, 1e-9) for r, s in pairs)
                 verdict[f"throughput_ratio_vs_smg_c{conc}_{key}"] = round(ratio, 3)
                 verdict[f"throughput_ratio_ok_c{conc}_{key}"] = ratio >= THROUGHPUT_TARGET
                 if router.cpu_ms_per_req and smg_cell.cpu_ms_per_req:

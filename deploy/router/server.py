@@ -55,6 +55,7 @@ def uvicorn_config(app: RouterApp, **overrides: Any) -> uvicorn.Config:
         "timeout_graceful_shutdown": cfg.drain_timeout_s,
         "timeout_keep_alive": 30,
         "backlog": 4096,
+        "server_header": False,  # no "server: uvicorn" advertised to clients
     }
     options.update(overrides)
     return uvicorn.Config(app, **options)
