@@ -37,6 +37,9 @@ _HIGH_WATER = 1 << 20
 # Idle connections kept per origin; beyond this a released connection is closed.
 _MAX_IDLE = 1024
 
+# Origins remembered before those with no reusable connection are forgotten.
+_PRUNE_ORIGINS_AT = 256
+
 
 class ConnectionClosed(ConnectionError):
     """The worker closed the connection (or it broke) before the answer was complete."""
@@ -283,6 +286,7 @@ class _Origin:
         self.host_header = parts.netloc.encode("idna")
         self.keepalive_s = keepalive_s
         self.idle: deque[_Connection] = deque()
+        self.ssl_context = ssl.create_default_context() if self.tls else None  # loading CAs is slow: once
 
     def take(self, now: float) -> _Connection | None:
         """The most recently used idle connection still worth reusing, or None."""
@@ -302,18 +306,25 @@ class _Origin:
 
     async def connect(self, timeout: float) -> _Connection:
         loop = asyncio.get_running_loop()
-        context = ssl.create_default_context() if self.tls else None
         _, conn = await asyncio.wait_for(
             loop.create_connection(
                 lambda: _Connection(self),
                 self.host,
                 self.port,
-                ssl=context,
+                ssl=self.ssl_context,
                 server_hostname=self.host if self.tls else None,
             ),
             timeout,
         )
         return conn
+
+    def unused(self, now: float) -> bool:
+        """No idle connection worth keeping (those that are not are closed)."""
+        conn = self.take(now)
+        if conn is None:
+            return True
+        self.idle.append(conn)
+        return False
 
     def close(self) -> None:
         while self.idle:
@@ -344,10 +355,12 @@ class Http1Client:
         """Send a request to the origin `url` and return its answer once the head arrived; the
         caller then reads the body and must `release` or `close` the answer. Raises OSError (the
         worker cannot be reached), ConnectionClosed, InvalidAnswer or TimeoutError."""
+        loop = asyncio.get_running_loop()
         origin = self._origins.get(url)
         if origin is None:
+            if len(self._origins) >= _PRUNE_ORIGINS_AT:
+                self._prune(loop.time())
             origin = self._origins[url] = _Origin(url, self.keepalive_s)
-        loop = asyncio.get_running_loop()
         deadline = loop.time() + total_s if total_s is not None else None
         lines = [f"{method} {path} HTTP/1.1\r\nhost: ", origin.host_header.decode()]
         for name, value in headers.items():
@@ -377,6 +390,12 @@ class Http1Client:
             except BaseException:
                 conn.finish(answer, reusable=False)
                 raise
+
+    def _prune(self, now: float) -> None:
+        # Workers come and go (Kubernetes gives a new pod a new address): forget the origins
+        # with nothing left to reuse, so their number stays bounded.
+        for url in [url for url, origin in self._origins.items() if origin.unused(now)]:
+            del self._origins[url]
 
     def close(self) -> None:
         """Close every idle connection; connections carrying answers close as those finish."""

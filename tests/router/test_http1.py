@@ -4,11 +4,17 @@ with exact bytes, so each framing, failure and timeout case is the wire's, not a
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import shutil
+import ssl
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import pytest
 
+from sglang_pd.deploy.router import http1
 from sglang_pd.deploy.router.http1 import ConnectionClosed, Http1Client, InvalidAnswer
 
 pytestmark = pytest.mark.anyio
@@ -275,3 +281,58 @@ async def test_a_closed_answer_does_not_return_its_connection() -> None:
         answer.release()
         assert len(accepted) == 2
     client.close()
+
+
+async def test_origins_without_reusable_connections_are_forgotten(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(http1, "_PRUNE_ORIGINS_AT", 2)
+
+    async def answer_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(OK)
+        await writer.drain()  # then the connection closes, as a worker going away does
+
+    client = Http1Client()
+    urls = []
+    for _ in range(3):
+        async with server(answer_once) as (url, _):
+            answer = await client.request(url, "POST", "/x", b"{}", {}, **LIMITS)
+            await answer.read()
+            answer.release()
+            urls.append(url)
+        await asyncio.sleep(0.05)
+    assert list(client._origins) == urls[2:]
+    client.close()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+async def test_https_verifies_the_worker_certificate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_context.load_cert_chain(cert, key)
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
+            while True:
+                await read_request(reader)
+                writer.write(OK)
+                await writer.drain()
+        writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=server_context)
+    url = f"https://localhost:{srv.sockets[0].getsockname()[1]}"
+    try:
+        with pytest.raises(ssl.SSLCertVerificationError):  # not a certificate this machine trusts
+            await Http1Client().request(url, "GET", "/health", b"", {}, **LIMITS)
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # now it is
+        client = Http1Client()
+        answer = await client.request(url, "GET", "/health", b"", {}, **LIMITS)
+        assert (answer.status, await answer.read()) == (200, b'{"ok":true}')
+        answer.release()
+        client.close()
+    finally:
+        srv.close()
