@@ -130,54 +130,65 @@ class PDProxy:
         """Wait for decode's answer while watching prefill and the client. Returns the answer
         (decode's, or prefill's own 4xx refusal), or the leg error that makes this attempt worth
         retrying on another pair."""
-        pending: set[asyncio.Future[Any]] = {prefill_t, decode_t, disconnect}
         loop = asyncio.get_running_loop()
+        # The prefill leg matters here only when it fails: a prefill that succeeds (the usual
+        # case, before decode answers) does not wake this task.
+        prefill_failed: asyncio.Future[None] = loop.create_future()
+
+        def on_prefill(task: asyncio.Task[Reply]) -> None:
+            if prefill_failed.done() or task.cancelled():
+                return
+            if task.exception() is not None or task.result().status >= 400:
+                prefill_failed.set_result(None)
+
+        prefill_t.add_done_callback(on_prefill)
+        watched: set[asyncio.Future[Any]] = {prefill_failed, decode_t, disconnect}
         rids = pair.bodies.rids
-        while True:
+        try:
             timeout = deadline - loop.time()
             done = (
                 set()
                 if timeout <= 0
-                else (await asyncio.wait(pending, timeout=timeout, return_when="FIRST_COMPLETED"))[0]
+                else (await asyncio.wait(watched, timeout=timeout, return_when="FIRST_COMPLETED"))[0]
             )
             if not done:
                 raise _timeout_error(self.config.request_timeout_s)
             if disconnect in done:
                 raise ClientGone()
-            if prefill_t in done and prefill_t in pending:
-                pending.discard(prefill_t)
+            if prefill_failed in done:
+                if finished_ok(decode_t):
+                    return decode_t.result()  # decode answered; prefill's failure no longer matters
+                cancel_legs(decode_t)
+                self.legs.abort(pair.decode, rids)
                 exc = prefill_t.exception()
-                if exc is not None or prefill_t.result().status >= 400:
-                    if finished_ok(decode_t):
-                        return decode_t.result()  # decode answered; prefill's failure no longer matters
-                    cancel_legs(decode_t)
-                    self.legs.abort(pair.decode, rids)
-                    if isinstance(exc, UpstreamError):
-                        self.legs.failed(exc)
-                        return exc
-                    if exc is not None:
-                        raise exc
-                    return prefill_t.result()  # the engine refused the request itself (4xx)
-            if decode_t in done:
-                exc = decode_t.exception()
-                if exc is None:
-                    reply = decode_t.result()
-                    if reply.status >= 400 and not prefill_t.done():
-                        cancel_legs(prefill_t)
-                        self.legs.abort(pair.prefill, rids)
-                    return reply
-                if isinstance(exc, UpstreamStatusError) and not prefill_t.done():
-                    await asyncio.wait({prefill_t}, timeout=_BLAME_GRACE_S)
-                prefill_exc = prefill_t.exception() if prefill_t.done() and not prefill_t.cancelled() else None
-                if not prefill_t.done():
+                if isinstance(exc, UpstreamError):
+                    self.legs.failed(exc)
+                    return exc
+                if exc is not None:
+                    raise exc
+                return prefill_t.result()  # the engine refused the request itself (4xx)
+            # decode_t is done.
+            exc = decode_t.exception()
+            if exc is None:
+                reply = decode_t.result()
+                if reply.status >= 400 and not prefill_t.done():
                     cancel_legs(prefill_t)
                     self.legs.abort(pair.prefill, rids)
-                if not isinstance(exc, UpstreamError):
-                    raise exc
-                if isinstance(exc, UpstreamStatusError) and isinstance(prefill_exc, UpstreamError):
-                    exc = prefill_exc  # the prefill's fault, not the decode's
-                self.legs.failed(exc)
-                return exc
+                return reply
+            if isinstance(exc, UpstreamStatusError) and not prefill_t.done():
+                await asyncio.wait({prefill_t}, timeout=_BLAME_GRACE_S)
+            prefill_exc = prefill_t.exception() if prefill_t.done() and not prefill_t.cancelled() else None
+            if not prefill_t.done():
+                cancel_legs(prefill_t)
+                self.legs.abort(pair.prefill, rids)
+            if not isinstance(exc, UpstreamError):
+                raise exc
+            if isinstance(exc, UpstreamStatusError) and isinstance(prefill_exc, UpstreamError):
+                exc = prefill_exc  # the prefill's fault, not the decode's
+            self.legs.failed(exc)
+            return exc
+        finally:
+            prefill_t.remove_done_callback(on_prefill)
 
     def _abort_unfinished(self, pair: Pair, decode_t: asyncio.Task[Reply]) -> None:
         # The request is given up (client gone, deadline passed): both legs get /abort_request,
