@@ -5,8 +5,9 @@ node rank and the leader's address from LeaderWorkerSet's environment, checks th
 against how the chart set the pod up (`PodSettings`, passed as SGLANG_PD_POD_* variables), checks
 what the pod needs (GPUs, /dev/shm, locked memory for Mooncake, IB devices it can open) and then
 execs sglang, or the router. The worker key (SGLANG_PD_WORKER_API_KEY, from the chart's Secret)
-reaches sglang as `--api-key` only here, at exec time. `--dry-run` prints the exact argv (the key
-masked) and env instead.
+reaches sglang as `--api-key=KEY` only here, at start; with a key, sglang runs as a supervised child
+whose output is masked (`supervise`) instead of replacing this process. `--dry-run` prints the exact
+argv (the key masked) and env instead.
 """
 
 from __future__ import annotations
@@ -16,10 +17,14 @@ import json
 import os
 import resource
 import shutil
+import signal
+import subprocess
 import sys
-from collections.abc import Mapping
+import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from sglang_pd.deploy.contract import (
     ENV_LWS_GROUP_SIZE,
@@ -28,6 +33,7 @@ from sglang_pd.deploy.contract import (
     ENV_ROUTER_WORKER_API_KEY,
     ENV_WORKER_API_KEY,
 )
+from sglang_pd.deploy.procs import mask_secrets, spawn
 from sglang_pd.deploy.sglang_args import NodeCommand, render_node
 from sglang_pd.deploy.topology import PodSettings, Topology, check_rules, load_checked_topology
 
@@ -35,11 +41,13 @@ __all__ = [
     "LaunchError",
     "PodCheck",
     "add_arguments",
+    "checked_worker_key",
     "has_capability",
     "pod_checks",
     "pod_settings_from_env",
     "resolve_command",
     "run",
+    "supervise",
     "worker_key_args",
 ]
 
@@ -67,14 +75,19 @@ POD_ENV_STARTUP_BUDGET_S = "SGLANG_PD_POD_STARTUP_BUDGET_S"
 POD_ENV_DOWNLOAD_BYTES_PER_S = "SGLANG_PD_POD_DOWNLOAD_BYTES_PER_S"
 
 # sglang takes its API key only as a flag (ServerArgs.api_key; no environment variable reads it),
-# so the launcher appends it when it execs sglang: the key stays out of the pod spec and the
-# topology ConfigMap. `--dry-run` shows this placeholder in its place.
+# so the launcher appends it when it starts sglang: the key stays out of the pod spec and the
+# topology ConfigMap. One argument, `--api-key=KEY`, so that argparse cannot take a key starting with
+# "-" for an option. `--dry-run` and the masked logs show this placeholder in its place.
 API_KEY_FLAG = "--api-key"
 API_KEY_SHOWN = "${" + ENV_WORKER_API_KEY + "}"
 # sglang's multi-tokenizer mode (more than one tokenizer worker) asserts that no API key is set,
 # in each tokenizer worker (entrypoints/http_server.py); found in a role's extra_args with a key,
 # it fails here instead, before the weights load.
 TOKENIZER_WORKERS_FLAG = "--tokenizer-worker-num"
+# What Kubernetes (SIGTERM, then SIGKILL after the grace period) or a terminal sends to stop the pod.
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# After sglang exits, how long its last output lines may take to come through the pipes.
+DRAIN_S = 5.0
 
 
 class LaunchError(RuntimeError):
@@ -205,7 +218,7 @@ def resolve_command(t: Topology, role: str, env: Mapping[str, str]) -> NodeComma
     return render_node(t, role, node_rank=rank, leader_host=leader)
 
 
-def _worker_key(env: Mapping[str, str], name: str) -> str | None:
+def checked_worker_key(env: Mapping[str, str], name: str) -> str | None:
     """The key in `name`, None when unset; a value no HTTP header can carry is an error."""
     if name not in env:
         return None
@@ -234,12 +247,12 @@ def _flag_value(argv: list[str], flag: str) -> str | None:
 
 
 def worker_key_args(argv: list[str], env: Mapping[str, str], role: str) -> list[str]:
-    """`--api-key KEY` for sglang from SGLANG_PD_WORKER_API_KEY, or [] when that is unset.
+    """`--api-key=KEY` for sglang from SGLANG_PD_WORKER_API_KEY, or [] when that is unset.
 
     Raises LaunchError when the key is malformed, or the role's command already sets it or asks for
     more than one tokenizer worker (sglang refuses a key then).
     """
-    key = _worker_key(env, ENV_WORKER_API_KEY)
+    key = checked_worker_key(env, ENV_WORKER_API_KEY)
     if key is None:
         return []
     if _flag_value(argv, API_KEY_FLAG) is not None:
@@ -255,7 +268,7 @@ def worker_key_args(argv: list[str], env: Mapping[str, str], role: str) -> list[
             f"than one tokenizer worker, but {ENV_WORKER_API_KEY} is set; remove {TOKENIZER_WORKERS_FLAG} from "
             f"{role}.extra_args, or unset the chart's workerKeySecret.name."
         )
-    return [API_KEY_FLAG, key]
+    return [f"{API_KEY_FLAG}={key}"]
 
 
 def _gpu_count() -> int:
@@ -332,7 +345,7 @@ def run(args: argparse.Namespace) -> int:
         if args.role == "router":
             # The router reads its worker key from the environment itself; check it as sglang's is.
             for name in (ENV_ROUTER_WORKER_API_KEY, ENV_WORKER_API_KEY):
-                _worker_key(os.environ, name)
+                checked_worker_key(os.environ, name)
             node_rank, argv, role_env = 0, _router_argv(args), {}
         else:
             cmd = resolve_command(t, args.role, os.environ)
@@ -359,7 +372,7 @@ def run(args: argparse.Namespace) -> int:
             "role": args.role,
             "node_rank": node_rank,
             "python": sys.executable,  # runs argv, which starts with the module
-            "argv": argv + ([API_KEY_FLAG, API_KEY_SHOWN] if key_args else []),
+            "argv": argv + ([f"{API_KEY_FLAG}={API_KEY_SHOWN}"] if key_args else []),
             "env": role_env,
             "checks": [{"name": c.name, "ok": c.ok, "required": c.required, "detail": c.detail} for c in checks],
         }
@@ -374,5 +387,41 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     env = {**os.environ, **role_env}
     # Commands name a module (`-m ...`); this interpreter, the one the image installed us in, runs it.
-    os.execvpe(sys.executable, [sys.executable, *argv, *key_args], env)
-    return 0  # unreachable: execvpe replaces this process
+    command = [sys.executable, *argv, *key_args]
+    if not key_args:
+        os.execvpe(sys.executable, command, env)
+        return 0  # unreachable: execvpe replaces this process
+    return supervise(command, env, secrets=(os.environ[ENV_WORKER_API_KEY],))
+
+
+def supervise(argv: Sequence[str], env: Mapping[str, str], secrets: tuple[str, ...]) -> int:
+    """Run `argv` as a child until it exits, its stdout and stderr copied here line by line with
+    `secrets` masked; SIGTERM and SIGINT are passed on to it. Returns its exit status (128 + N when
+    signal N ended it). The child dies with this process, however this one dies (`procs.spawn`)."""
+    # Why this process stays instead of exec'ing sglang: sglang logs its whole ServerArgs at start,
+    # api_key included (sglang/srt/entrypoints/engine.py), and `kubectl logs` would show the key.
+    # Staying as the pod's PID 1, it masks that output and hands Kubernetes' SIGTERM to sglang,
+    # which then has the whole termination grace period to stop.
+    child = spawn("sglang", argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=False)
+    for sig in FORWARDED_SIGNALS:
+        signal.signal(sig, lambda signum, _frame: child.proc.send_signal(signum))
+    pumps = [
+        threading.Thread(target=_copy_masked, args=(src, dst, secrets), daemon=True)
+        for src, dst in ((child.proc.stdout, sys.stdout.buffer), (child.proc.stderr, sys.stderr.buffer))
+    ]
+    for pump in pumps:
+        pump.start()
+    code = child.proc.wait()
+    # What sglang left of its process group would hold the pipes open; what it wrote stays readable.
+    child.signal_group(signal.SIGKILL)
+    for pump in pumps:
+        pump.join(timeout=DRAIN_S)
+    return 128 - code if code < 0 else code
+
+
+def _copy_masked(src: IO[bytes], dst: IO[bytes], secrets: tuple[str, ...]) -> None:
+    # Whole lines, so a key is never split between two reads; flushed at once, since sglang's
+    # start-up lines are how an operator follows a pod that takes minutes to load.
+    for raw in iter(src.readline, b""):
+        dst.write(mask_secrets(raw, secrets, API_KEY_SHOWN))
+        dst.flush()

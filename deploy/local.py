@@ -36,11 +36,11 @@ from typing import IO, Any, TextIO
 
 import httpx
 
-from sglang_pd.deploy.contract import WORKER_AUTH_HEADER, Role
+from sglang_pd.deploy.contract import ENV_WORKER_API_KEY, WORKER_AUTH_HEADER, Role
 from sglang_pd.deploy.kv.listeners import EXPOSURE_MARK
 from sglang_pd.deploy.kv.mooncake_logs import LogAnnotator
-from sglang_pd.deploy.launch import API_KEY_SHOWN, LaunchError, worker_key_args
-from sglang_pd.deploy.procs import Child, http_ok, port_in_use, spawn
+from sglang_pd.deploy.launch import API_KEY_SHOWN, LaunchError, checked_worker_key, worker_key_args
+from sglang_pd.deploy.procs import Child, http_ok, mask_secrets, port_in_use, spawn
 from sglang_pd.deploy.sglang_compat import SglangVersionError, adapt_argv, installed_options
 from sglang_pd.deploy.topology import InstanceEndpoint, Topology, TopologyError, load_checked_topology
 
@@ -220,8 +220,7 @@ def _client_host(host: str) -> str:
 def worker_key(env: Mapping[str, str]) -> str | None:
     """SGLANG_PD_WORKER_API_KEY from `env`, checked as `sglang-pd launch` checks a pod's (LaunchError
     when empty or unsendable in a header); None when unset."""
-    key_args = worker_key_args([], env, "engine")
-    return key_args[1] if key_args else None
+    return checked_worker_key(env, ENV_WORKER_API_KEY)
 
 
 def _key_probe(key: str | None) -> dict[str, str]:
@@ -230,12 +229,6 @@ def _key_probe(key: str | None) -> dict[str, str]:
 
 def _secrets(key: str | None) -> tuple[str, ...]:
     return (key,) if key else ()
-
-
-def _mask(raw: bytes, secrets: tuple[str, ...]) -> bytes:
-    for secret in secrets:
-        raw = raw.replace(secret.encode(), API_KEY_SHOWN.encode())
-    return raw
 
 
 def sglang_children(t: Topology, *, host: str, port: int, env: Mapping[str, str] | None = None) -> list[ChildSpec]:
@@ -333,7 +326,8 @@ class Stack:
         assert child.proc.stdout is not None
         width = max(len(s.name) for s in self.specs)
         for raw in iter(child.proc.stdout.readline, b""):
-            self.echo(f"{child.name:<{width}} | {_mask(raw, secrets).decode(errors='replace').rstrip()}")
+            line = mask_secrets(raw, secrets, API_KEY_SHOWN).decode(errors="replace").rstrip()
+            self.echo(f"{child.name:<{width}} | {line}")
 
     def _pump_to_file(self, child: Child, sink: IO[bytes], secrets: tuple[str, ...] = ()) -> None:
         """Copy a child's output into its log file, line by line (`secrets` masked), with a note
@@ -343,7 +337,7 @@ class Stack:
         annotator = LogAnnotator()
         with contextlib.suppress(ValueError):  # stop() closed the file while a straggler wrote
             for raw in iter(child.proc.stdout.readline, b""):
-                raw = _mask(raw, secrets)
+                raw = mask_secrets(raw, secrets, API_KEY_SHOWN)
                 sink.write(raw)
                 line = raw.decode(errors="replace").rstrip()
                 note = annotator.note_for(line)

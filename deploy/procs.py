@@ -3,7 +3,8 @@
 A child gets its own process group (so stopping it stops its grandchildren too) and, on Linux,
 SIGTERM when the process that started it dies however it dies (PR_SET_PDEATHSIG), so nothing is
 left behind. Readiness is either the child's first stdout line (children that pick their own
-ports print them) or an HTTP URL answering 200.
+ports print them) or an HTTP URL answering 200. What a caller prints or logs of a child's output
+goes through `mask_secrets` first when the child was given a secret.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 import httpx
 
-__all__ = ["Child", "http_ok", "port_in_use", "spawn"]
+__all__ = ["Child", "http_ok", "mask_secrets", "port_in_use", "spawn"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -136,6 +137,13 @@ def spawn(
         preexec_fn=_die_with_parent,
     )
     return Child(name, proc)
+
+
+def mask_secrets(raw: bytes, secrets: Iterable[str], shown: str) -> bytes:
+    """A child's output line with each of `secrets` replaced by `shown`, before it is printed or logged."""
+    for secret in secrets:
+        raw = raw.replace(secret.encode(), shown.encode())
+    return raw
 
 
 def port_in_use(host: str, port: int) -> str | None:

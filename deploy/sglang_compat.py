@@ -76,7 +76,7 @@ def installed_options() -> tuple[str, frozenset[str]] | None:
 
 
 def _flags(argv: Iterable[str]) -> list[str]:
-    return [a for a in argv if a.startswith("--")]
+    return [a.split("=", 1)[0] for a in argv if a.startswith("--")]
 
 
 def compatibility_rows(argv: list[str], options: frozenset[str]) -> list[FlagRow]:
@@ -95,25 +95,30 @@ def compatibility_rows(argv: list[str], options: frozenset[str]) -> list[FlagRow
 def adapt_argv(argv: list[str], options: frozenset[str], version: str = "installed") -> list[str]:
     """`argv` with every flag the installed parser lacks replaced by its equivalent.
 
-    Raises SglangVersionError naming each flag that has none.
+    A flag is `--flag value` or `--flag=value`. Raises SglangVersionError naming each flag that has
+    none (the flag alone: a value may be a secret).
     """
     out: list[str] = []
     missing: list[str] = []
     i = 0
     while i < len(argv):
         arg = argv[i]
-        if not arg.startswith("--") or arg in options:
+        flag, joined, value = arg.partition("=")
+        if not arg.startswith("--") or flag in options:
             out.append(arg)
             i += 1
             continue
-        eq = EQUIVALENTS.get(arg)
+        eq = EQUIVALENTS.get(flag)
         if eq is None or not all(o in options for o in eq.older):
-            missing.append(arg)
+            missing.append(flag)
             out.append(arg)
             i += 1
-            continue
-        out += eq.rewrite(argv[i + 1] if i + 1 < len(argv) else "")
-        i += 2
+        elif joined:
+            out += eq.rewrite(value)
+            i += 1
+        else:
+            out += eq.rewrite(argv[i + 1] if i + 1 < len(argv) else "")
+            i += 2
     if missing:
         raise SglangVersionError(
             f"the installed sglang {version} does not accept {', '.join(missing)} (rendered for sglang "

@@ -215,46 +215,66 @@ def test_pod_settings_that_break_a_rule_stop_the_launch(monkeypatch, capsys) -> 
     assert "startupProbe: a 1800 s startup budget cannot download ~684 GB" in err
 
 
-# --- the worker key: sglang gets `--api-key` from the environment at exec time ---------------------
+# --- the worker key: sglang gets `--api-key=KEY` from the environment at start ---------------------
 
 WORKER_KEY = "wk-5f0c1e9a7d3b"
 
 
 def _exec_prefill(monkeypatch, topology: Path = R1) -> tuple[int, list[list[str]]]:
-    """Run `launch --role prefill` up to the exec, recording the argv it would exec."""
+    """Run `launch --role prefill` up to the start, recording the argv it would exec or supervise."""
+    return _start_prefill(monkeypatch, topology)[:2]
+
+
+def _start_prefill(monkeypatch, topology: Path = R1) -> tuple[int, list[list[str]], list[tuple[str, ...]]]:
+    """As `_exec_prefill`, also recording how it started: ("exec",) or ("supervise", *secrets)."""
     monkeypatch.setattr(launch, "pod_checks", lambda t, role: [])
     started: list[list[str]] = []
-    monkeypatch.setattr(launch.os, "execvpe", lambda file, argv, env: started.append(argv))
-    return main(["launch", "--role", "prefill", "--topology", str(topology)]), started
+    how: list[tuple[str, ...]] = []
+
+    def supervise(argv, env, secrets) -> int:
+        started.append(list(argv))
+        how.append(("supervise", *secrets))
+        return 0
+
+    def execvpe(file, argv, env) -> None:
+        started.append(argv)
+        how.append(("exec",))
+
+    monkeypatch.setattr(launch.os, "execvpe", execvpe)
+    monkeypatch.setattr(launch, "supervise", supervise)
+    return main(["launch", "--role", "prefill", "--topology", str(topology)]), started, how
 
 
-def test_exec_adds_the_worker_key_from_the_env(monkeypatch) -> None:
+def test_the_worker_key_is_added_from_the_env_and_sglang_then_runs_supervised(monkeypatch) -> None:
     monkeypatch.delenv(ENV_WORKER_API_KEY, raising=False)
-    rc, started = _exec_prefill(monkeypatch)
-    assert rc == 0 and API_KEY_FLAG not in started[0]
+    rc, started, how = _start_prefill(monkeypatch)
+    assert rc == 0 and how == [("exec",)]  # no key, nothing to mask: sglang replaces the launcher
+    assert not any(a.startswith(API_KEY_FLAG) for a in started[0])
     monkeypatch.setenv(ENV_WORKER_API_KEY, WORKER_KEY)
-    rc, started = _exec_prefill(monkeypatch)
-    assert rc == 0
-    assert started[0] == [sys.executable, *render_node(load_topology(R1), "prefill").argv, API_KEY_FLAG, WORKER_KEY]
+    rc, started, how = _start_prefill(monkeypatch)
+    assert rc == 0 and how == [("supervise", WORKER_KEY)]  # its output masked, the key as the secret
+    argv = render_node(load_topology(R1), "prefill").argv
+    assert started[0] == [sys.executable, *argv, f"{API_KEY_FLAG}={WORKER_KEY}"]
 
 
 def test_dry_run_masks_the_worker_key(monkeypatch, capsys) -> None:
     monkeypatch.setenv(ENV_WORKER_API_KEY, WORKER_KEY)
     assert main(["launch", "--role", "prefill", "--topology", str(R1), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert json.loads(out)["argv"][-2:] == [API_KEY_FLAG, "${SGLANG_PD_WORKER_API_KEY}"]
+    assert json.loads(out)["argv"][-1] == "--api-key=${SGLANG_PD_WORKER_API_KEY}"
     assert WORKER_KEY not in out
 
 
 @pytest.mark.sglang
-def test_sglangs_parser_takes_the_key(monkeypatch) -> None:
+@pytest.mark.parametrize("key", [WORKER_KEY, "-" + WORKER_KEY], ids=["key", "key-starting-with-dash"])
+def test_sglangs_parser_takes_the_key(monkeypatch, key) -> None:
     server_args = pytest.importorskip("sglang.srt.server_args", reason="sglang is not installed (the `validate` extra)")
-    monkeypatch.setenv(ENV_WORKER_API_KEY, WORKER_KEY)
+    monkeypatch.setenv(ENV_WORKER_API_KEY, key)
     _, started = _exec_prefill(monkeypatch)
     parser = argparse.ArgumentParser()
     server_args.ServerArgs.add_cli_args(parser)
     assert started[0][1:3] == ["-m", "sglang.launch_server"]
-    assert parser.parse_args(started[0][3:]).api_key == WORKER_KEY
+    assert parser.parse_args(started[0][3:]).api_key == key
 
 
 @pytest.mark.parametrize(

@@ -55,6 +55,18 @@ def test_a_flag_without_equivalent_is_refused_with_its_name_and_the_version():
         adapt_argv(["--enable-pd-role-switch", "--page-size", "64"], OPTIONS_0517, "0.5.17")
 
 
+def test_flags_written_with_an_equals_sign_are_kept_or_rewritten_alike():
+    # `sglang-pd launch` passes the worker key as one argument, `--api-key=KEY`.
+    argv = ["--attn-dp-size=16", "--page-size=64", "--api-key=-k3y"]
+    expected = ["--dp-size", "16", "--enable-dp-attention", "--page-size=64", "--api-key=-k3y"]
+    assert adapt_argv(argv, OPTIONS_0517, "0.5.17") == expected
+    with pytest.raises(SglangVersionError, match=r"does not accept --enable-pd-role-switch \(") as refused:
+        adapt_argv(["--enable-pd-role-switch=s3cret"], OPTIONS_0517, "0.5.17")
+    assert "s3cret" not in str(refused.value)  # a refused flag is named without its value
+    rows = {r.flag: r.status for r in compatibility_rows(argv, OPTIONS_0517)}
+    assert rows == {"--attn-dp-size": "rewritten", "--page-size": "ok", "--api-key": "ok"}
+
+
 def test_compatibility_rows_say_what_happens_to_each_flag():
     rows = {r.flag: r for r in compatibility_rows(["--attn-dp-size", "16", "--page-size", "64", "--x-y"], OPTIONS_0517)}
     assert rows["--page-size"].status == "ok"

@@ -51,11 +51,12 @@ def test_sglang_engines_get_the_key_only_when_it_is_set() -> None:
     without = local.sglang_children(t, host="127.0.0.1", port=24500, env={})
     assert [s.name for s in _engines(without)] == ["prefill-0", "decode-0"]
     for spec in without:
-        assert API_KEY_FLAG not in spec.argv and not spec.health_headers and not spec.secrets
+        assert not any(a.startswith(API_KEY_FLAG) for a in spec.argv)
+        assert not spec.health_headers and not spec.secrets
 
     with_key = local.sglang_children(t, host="127.0.0.1", port=24500, env={ENV_WORKER_API_KEY: KEY})
     for plain, keyed in zip(_engines(without), _engines(with_key), strict=True):
-        assert keyed.argv == [*plain.argv, API_KEY_FLAG, KEY]
+        assert keyed.argv == [*plain.argv, f"{API_KEY_FLAG}={KEY}"]
         # sglang's own parser reads it as its API key (argv: python -m sglang.launch_server ...).
         assert keyed.argv[1:3] == ["-m", "sglang.launch_server"]
         assert parser.parse_args(keyed.argv[3:]).api_key == KEY
