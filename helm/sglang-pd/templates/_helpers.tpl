@@ -264,7 +264,7 @@ Return a role's startup budget in seconds (failureThreshold x periodSeconds).
 {{/*
 Return the fabric environment of GPU pods as a dict (YAML): fabric.preset infiniband or roce,
 the bootstrap interface, and the HCAs from topology.hardware.rdma_devices. NCCL, Gloo, NVSHMEM
-(DeepEP) and Mooncake read these; RoCE needs the GID index (the seed's H20 cluster ran RoCE).
+(DeepEP) and Mooncake read these; RoCE needs the GID index as well.
 */}}
 {{- define "sglang-pd.fabricEnv" -}}
 {{- $t := include "sglang-pd.topologyView" . | fromYaml -}}
