@@ -79,6 +79,11 @@ class WorkerClient(ABC):
         self.timeouts = timeouts
         self.headers = {"content-type": "application/json"}
         if api_key:
+            if not api_key.isprintable() or " " in api_key:
+                raise ValueError(
+                    "The worker API key has spaces or control characters (a trailing newline from a file?), "
+                    "which no HTTP header can carry; strip them from the key."
+                )
             self.headers["authorization"] = f"Bearer {api_key}"
 
     @abstractmethod

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from sglang_pd.deploy.contract import ENV_WORKER_API_KEY
+from sglang_pd.deploy.router.transport import HttpWorkerClient
 from tests.refengine.conftest import launcher
 
 WORKER_KEY = "sk-worker-0123456789"
@@ -44,3 +45,10 @@ def test_reference_engines_require_the_worker_key(tmp_path: Path, monkeypatch: p
         good = {"Authorization": f"Bearer {WORKER_KEY}"}
         assert httpx.get(decode.url + "/health", headers=good, timeout=10).status_code == 200
         assert httpx.get(bootstrap + "/health", headers=good, timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("key", ["key\n", "two words", "k\r\nx-injected: 1"])
+def test_a_worker_key_no_header_can_carry_is_refused(key: str) -> None:
+    # The key is written into every request to the workers: a newline would end the header early.
+    with pytest.raises(ValueError, match="control characters"):
+        HttpWorkerClient(api_key=key)
