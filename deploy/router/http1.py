@@ -267,6 +267,18 @@ class _Connection(asyncio.Protocol):
         else:
             self.close()
 
+    def usable(self) -> bool:
+        # The transport can be closed before connection_lost has run (it is called soon after).
+        return not self.lost and self.transport is not None and not self.transport.is_closing()
+
+    def send(self, message: bytes) -> None:
+        """Write a request; a connection that turned out closed raises ConnectionClosed."""
+        assert self.transport is not None
+        try:
+            self.transport.write(message)
+        except RuntimeError as exc:  # uvloop: "unable to perform operation on <TCPTransport closed=True>"
+            raise ConnectionClosed(f"the connection to the worker was closed: {exc}") from exc
+
     def close(self) -> None:
         self.lost = True
         if self.transport is not None:
@@ -292,7 +304,7 @@ class _Origin:
         """The most recently used idle connection still worth reusing, or None."""
         while self.idle:
             conn = self.idle.pop()
-            if not conn.lost and now - conn.idle_since < self.keepalive_s:
+            if conn.usable() and now - conn.idle_since < self.keepalive_s:
                 return conn
             conn.close()
         return None
@@ -376,9 +388,8 @@ class Http1Client:
                 timeout = connect_s if deadline is None else min(connect_s, deadline - loop.time())
                 conn = await origin.connect(timeout)
             answer = conn.answer = Answer(conn, deadline, idle_s)
-            assert conn.transport is not None
-            conn.transport.write(message)
             try:
+                conn.send(message)
                 await answer.head()
                 return answer
             except ConnectionClosed:

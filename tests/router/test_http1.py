@@ -57,8 +57,8 @@ async def server(handler: Handler) -> AsyncIterator[tuple[str, list[int]]]:
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
+def anyio_backend() -> tuple[str, dict[str, bool]]:
+    return "asyncio", {"use_uvloop": True}  # the loop the router runs on
 
 
 def keep_alive(answer: bytes) -> Handler:
@@ -162,6 +162,29 @@ async def test_a_reused_connection_closed_before_answering_is_replaced_once() ->
             assert await answer.read() == b'{"ok":true}'
             answer.release()
         assert len(accepted) == 3
+    client.close()
+
+
+async def test_a_pooled_connection_with_a_closed_transport_is_not_reused() -> None:
+    # A worker that dies resets its connections: uvloop closes the transport and queues
+    # connection_lost, and a request taking the connection in between got uvloop's RuntimeError
+    # ("the handler is closed") as a router 500. Such a connection must never leave the pool.
+    client = Http1Client()
+    async with server(keep_alive(OK)) as (url, accepted):
+        answer = await client.request(url, "POST", "/x", b"{}", {}, **LIMITS)
+        await answer.read()
+        answer.release()
+        pooled = client._origins[url].idle[-1]
+        assert pooled.transport is not None
+        pooled.transport.abort()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert pooled.lost
+        pooled.lost = False  # the state in between: handle closed, connection_lost still queued
+        answer = await client.request(url, "POST", "/x", b"{}", {}, **LIMITS)
+        assert await answer.read() == b'{"ok":true}'
+        answer.release()
+        assert len(accepted) == 2
     client.close()
 
 
