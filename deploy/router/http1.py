@@ -295,7 +295,7 @@ class _Origin:
         self.host = parts.hostname
         self.tls = parts.scheme == "https"
         self.port = parts.port or (443 if self.tls else 80)
-        self.host_header = parts.netloc.encode("idna")
+        self.host_header = parts.netloc
         self.keepalive_s = keepalive_s
         self.idle: deque[_Connection] = deque()
         self.ssl_context = ssl.create_default_context() if self.tls else None  # loading CAs is slow: once
@@ -374,7 +374,7 @@ class Http1Client:
                 self._prune(loop.time())
             origin = self._origins[url] = _Origin(url, self.keepalive_s)
         deadline = loop.time() + total_s if total_s is not None else None
-        lines = [f"{method} {path} HTTP/1.1\r\nhost: ", origin.host_header.decode()]
+        lines = [f"{method} {path} HTTP/1.1\r\nhost: ", origin.host_header]
         for name, value in headers.items():
             lines.append(f"\r\n{name}: {value}")
         if body or method != "GET":

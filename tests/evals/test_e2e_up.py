@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.support.polling import free_port
 
 pytestmark = [
     pytest.mark.slow,
@@ -31,17 +32,11 @@ READY_TIMEOUT_S = 180.0
 CLI = [sys.executable, "-m", "sglang_pd.deploy.cli"]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextlib.contextmanager
 def _stack() -> Iterator[str]:
     """Start `sglang-pd up --port P` and yield the printed OpenAI base URL; stop the whole group after."""
     proc = subprocess.Popen(
-        [*CLI, "up", "--port", str(_free_port())],
+        [*CLI, "up", "--port", str(free_port())],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -6,7 +6,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,18 +18,9 @@ import pytest
 import yaml
 
 from sglang_pd.deploy.procs import spawn
+from tests.support.polling import free_ports
 
 PRESET = Path(__file__).resolve().parents[2] / "deploy" / "presets" / "local-cpu.yaml"
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [int(s.getsockname()[1]) for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _descendants(pid: int) -> set[int]:
@@ -59,7 +49,7 @@ def _alive(pid: int) -> bool:
 
 
 def _topology(tmp: Path) -> tuple[Path, int]:
-    prefill, bootstrap, decode, router = _free_ports(4)
+    prefill, bootstrap, decode, router = free_ports(4)
     t = yaml.safe_load(PRESET.read_text())
     t["prefill"].update(port=prefill, bootstrap_port=bootstrap)
     t["decode"]["port"] = decode

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import socket
 import sys
 from pathlib import Path
 
@@ -13,17 +12,12 @@ import httpx
 from sglang_pd.deploy.kv.listeners import listening_sockets
 from sglang_pd.deploy.kv.mooncake_logs import NOTE_PREFIX
 from sglang_pd.deploy.local import ChildSpec, Stack
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.support.polling import free_port
 
 
 def test_engine_log_keeps_every_line_explains_mooncake_and_warns_on_the_console(tmp_path: Path) -> None:
     """A KV peer process (a real Mooncake TCP engine, host name 127.0.0.1) run as an `up` child."""
-    http_port = _free_port()
+    http_port = free_port()
     argv = [sys.executable, "-m", "sglang_pd.deploy.kv.peer", "--size", "4096", "--http-port", str(http_port)]
     spec = ChildSpec("kv-peer", argv, f"http://127.0.0.1:{http_port}/info", ports=(http_port,))
     out = io.StringIO()

@@ -6,7 +6,6 @@ import argparse
 import io
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from sglang_pd.deploy.contract import ENV_WORKER_API_KEY
 from sglang_pd.deploy.launch import API_KEY_FLAG, API_KEY_SHOWN
 from sglang_pd.deploy.procs import spawn
 from sglang_pd.deploy.topology import load_checked_topology
+from tests.support.polling import free_ports
 
 PRESETS = Path(__file__).resolve().parents[2] / "deploy" / "presets"
 KEY = "wk-7f3c9a0e1d2b4c5a"
@@ -111,20 +111,10 @@ def test_child_output_shows_the_key_masked_on_the_console_and_in_the_log(tmp_pat
     assert KEY not in out.getvalue()
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [int(s.getsockname()[1]) for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def test_reference_stack_with_the_key_serves_through_the_router_and_refuses_direct_calls(tmp_path: Path) -> None:
     """The real `up local-cpu` with SGLANG_PD_WORKER_API_KEY: the router (which inherits the key) gets
     answers; an engine called directly without the key answers 401; no output or log holds the key."""
-    prefill, bootstrap, decode, router = _free_ports(4)
+    prefill, bootstrap, decode, router = free_ports(4)
     t = yaml.safe_load((PRESETS / "local-cpu.yaml").read_text())
     t["prefill"].update(port=prefill, bootstrap_port=bootstrap)
     t["decode"]["port"] = decode

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from dataclasses import replace
 import httpx
 
 from sglang_pd.deploy.procs import spawn
+from tests.support.polling import free_port
 
 from .conftest import FAST, Cluster, wait_ready
 
@@ -114,16 +114,10 @@ def test_metrics_after_traffic(cluster_1p1d: Cluster, router_1p1d) -> None:  # t
         assert needle in text, needle
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_sigterm_drains_in_flight_streams(cluster_factory: Callable[..., Cluster]) -> None:
     cluster = cluster_factory(1, 1, processes=True, token_delay=0.05)
     p, d = cluster.prefills[0], cluster.decodes[0]
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "sglang_pd.deploy.router.cli", "--host", "127.0.0.1", "--port", str(port),
            "--prefill", p.url, str(p.bootstrap_port), "--decode", d.url, "--policy", "round_robin",
            "--drain-timeout", "10", "--health-interval", "0.5", "--log-level", "warning"]  # fmt: skip

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +20,7 @@ from sglang_pd.deploy.router.legs import Legs
 from sglang_pd.deploy.router.metrics import RouterMetrics
 from sglang_pd.deploy.router.transport import WorkerClient
 from sglang_pd.deploy.router.workers import Worker, WorkerRegistry
+from tests.support.polling import wait_until
 from tests.support.router_workers import InProcessCluster
 
 from .conftest import Cluster, RunningRouter
@@ -34,13 +34,6 @@ QUIET = {"health_interval_s": 60.0, "breaker_failure_threshold": 2}
 
 def _chat(rid: str) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": f"question {rid}"}], "max_tokens": 2}
-
-
-def _wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 def _verdicts(running: RunningRouter, confirmed: bool) -> int:
@@ -81,7 +74,7 @@ def test_request_caused_5xx_leave_the_breaker_closed(
             sent.append(rid)
             resp = client.post(running.url + CHAT, json=_chat(rid), headers={"x-request-id": rid})
             assert resp.status_code == 200, resp.text  # retried on the other decode
-        _wait_for(lambda: _verdicts(running, confirmed=False) == n_errors)
+        wait_until(lambda: _verdicts(running, confirmed=False) == n_errors)
         worker = _router_worker(running, bad.url)
         assert worker.breaker.state is BreakerState.CLOSED and worker.breaker.failures == 0
         assert worker.healthy and _verdicts(running, confirmed=True) == 0
@@ -114,7 +107,7 @@ def test_5xx_with_a_failing_health_probe_opens_the_breaker_and_ejects(
         assert statuses == [200] * 10  # retried on the other decode meanwhile
         errors = _status_errors(running)
         assert errors >= 3, errors
-        _wait_for(lambda: _verdicts(running, confirmed=True) == errors)
+        wait_until(lambda: _verdicts(running, confirmed=True) == errors)
         worker = _router_worker(running, bad.url)
         assert worker.breaker.state is BreakerState.OPEN
         assert not worker.healthy and worker.consecutive_health_failures == 1
@@ -142,7 +135,7 @@ def test_one_confirmation_probe_per_worker_under_a_burst(cluster_factory: Callab
         assert asyncio.run(_burst(running.url, 16)) == [200] * 16
         errors = _status_errors(running)
         assert errors >= 6, errors
-        _wait_for(lambda: _verdicts(running, confirmed=False) == errors)
+        wait_until(lambda: _verdicts(running, confirmed=False) == errors)
         state = bad.state()
         assert state["health_checks"] - probes_before == 1, (state["health_checks"], probes_before, errors)
         assert state["health_in_flight_max"] == 1
@@ -151,7 +144,7 @@ def test_one_confirmation_probe_per_worker_under_a_burst(cluster_factory: Callab
         with httpx.Client(timeout=20) as client:
             while _status_errors(running) == errors:
                 assert client.post(running.url + CHAT, json=_chat("again")).status_code == 200
-        _wait_for(lambda: bad.state()["health_checks"] - probes_before == 2)
+        wait_until(lambda: bad.state()["health_checks"] - probes_before == 2)
 
 
 def test_transport_errors_count_at_once(cluster_factory: Callable[..., Cluster]) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from sglang_pd.deploy.router.breaker import BreakerState
+from tests.support.polling import wait_until
 
 from .conftest import FAST, Cluster, RunningRouter, serve_router
 
@@ -202,10 +203,8 @@ def test_confirmed_5xx_trips_the_breaker_and_4xx_does_not(cluster_factory: Calla
                 assert resp.status_code == 200 and b'"error"' not in resp.content
         worker = running.app.registry.get(bad.url, "decode")
         assert worker is not None
-        deadline = time.monotonic() + 5  # the confirmation probes run in the background
-        while worker.breaker.state is not BreakerState.OPEN and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert worker.breaker.state is BreakerState.OPEN
+        # The confirmation probes run in the background.
+        wait_until(lambda: worker.breaker.state is BreakerState.OPEN)
         assert worker.healthy, "below the health threshold: the breaker alone ejected it"
 
         # 4xx from an engine goes back to the client and never trips the breaker.

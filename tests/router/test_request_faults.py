@@ -20,6 +20,7 @@ from sglang_pd.deploy.openai_errors import normalize_error_body
 from sglang_pd.deploy.router.breaker import BreakerState
 from sglang_pd.deploy.router.validation import MAX_JSON_DEPTH
 from tests.refengine.conftest import launcher
+from tests.support.polling import wait_until
 
 from .conftest import Cluster, RunningRouter
 from .test_bad_input import assert_openai_error
@@ -125,10 +126,8 @@ def test_breaker_transitions_are_logged_and_502_hides_worker_addresses(
             assert "http://" not in text and "127.0.0.1" not in text and decode.url not in text
         worker = running.app.registry.get(decode.url, "decode")
         assert worker is not None
-        deadline = time.monotonic() + 5  # the confirmation probes run in the background
-        while worker.breaker.state is not BreakerState.OPEN and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert worker.breaker.state is BreakerState.OPEN
+        # The confirmation probes run in the background.
+        wait_until(lambda: worker.breaker.state is BreakerState.OPEN)
         decode.configure(health_status=200)
         # After the cooldown one probe request goes through, succeeds, and closes the breaker.
         time.sleep(0.25)

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from sglang_pd.deploy.router.breaker import BreakerState
+from tests.support.polling import wait_until
 
 from .conftest import Cluster, RunningRouter
 
@@ -30,15 +31,6 @@ def frozen(worker: Any) -> Iterator[float]:
         yield time.monotonic()
     finally:
         os.kill(pid, signal.SIGCONT)
-
-
-def _wait_for(predicate: Callable[[], bool], timeout: float) -> float:
-    """Seconds until `predicate()` holds; fails after `timeout`."""
-    started = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - started < timeout, "condition not reached in time"
-        time.sleep(0.01)
-    return time.monotonic() - started
 
 
 def _healthy(running: RunningRouter, url: str) -> bool:
@@ -57,7 +49,7 @@ def test_frozen_decode_is_ejected_by_probe_and_readmitted(cluster_factory: Calla
         assert worker is not None
         worker.breaker.record_failure()  # a half-counted breaker must not delay the readmission
         with frozen(frozen_worker) as stopped:
-            _wait_for(lambda: not _healthy(running, frozen_worker.url), timeout=3.0)
+            wait_until(lambda: not _healthy(running, frozen_worker.url), timeout=3.0)
             ejected_after = time.monotonic() - stopped
             assert ejected_after <= 2.0, ejected_after
             for _ in range(5):  # the rest of the cluster serves at once
@@ -66,7 +58,7 @@ def test_frozen_decode_is_ejected_by_probe_and_readmitted(cluster_factory: Calla
                 assert time.monotonic() - started < 1.0
             assert client.get(running.url + "/readiness").status_code == 200
         resumed = time.monotonic()
-        _wait_for(lambda: _healthy(running, frozen_worker.url), timeout=3.0)
+        wait_until(lambda: _healthy(running, frozen_worker.url), timeout=3.0)
         readmitted_after = time.monotonic() - resumed
         assert readmitted_after <= 1.0, readmitted_after
         assert worker.breaker.state is BreakerState.CLOSED
@@ -94,7 +86,7 @@ def test_stalled_stream_ejects_the_decode_and_readiness_follows(cluster_factory:
         reader.start()
         assert first_chunk.wait(10)
         with frozen(decode) as stopped:
-            _wait_for(lambda: not _healthy(running, decode.url), timeout=3.0)
+            wait_until(lambda: not _healthy(running, decode.url), timeout=3.0)
             assert time.monotonic() - stopped <= 2.0
             ready = client.get(running.url + "/readiness")
             assert ready.status_code == 503 and ready.json()["error"]["code"] == "not_ready"
@@ -117,7 +109,7 @@ def _abort_delay(cluster: Cluster, running: RunningRouter, rid: str, target: Any
     thread = threading.Thread(target=send)
     started = time.monotonic()
     thread.start()
-    _wait_for(lambda: rid in target.aborts, timeout=5.0)
+    wait_until(lambda: rid in target.aborts, timeout=5.0)
     delay = time.monotonic() - started
     thread.join(timeout=20)
     return delay, result["status"]
