@@ -124,8 +124,10 @@ def spawn(
     stdout: int | IO[Any] | None = None,
     stderr: int | IO[Any] | None = None,
     text: bool = True,
+    pass_fds: Sequence[int] = (),
 ) -> Child:
-    """Start `argv` in its own process group, dying with this process; `env` is added to ours."""
+    """Start `argv` in its own process group, dying with this process; `env` is added to ours;
+    `pass_fds`: open file descriptors the child inherits (a listening socket)."""
     proc = subprocess.Popen(
         list(argv),
         stdin=subprocess.DEVNULL,
@@ -135,6 +137,7 @@ def spawn(
         text=text,
         start_new_session=True,
         preexec_fn=_die_with_parent,
+        pass_fds=tuple(pass_fds),
     )
     return Child(name, proc)
 

@@ -74,6 +74,15 @@ class Cell:
     error_samples: list[str] = field(default_factory=list)
 
 
+def _with_children(pids: list[int]) -> list[int]:
+    """`pids` and their children (a router process group's serving processes), from Linux /proc."""
+    found = list(pids)
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            found += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return found
+
+
 def _cpu_seconds(pids: list[int]) -> float:
     """User + system CPU of processes (all their threads) so far, from Linux /proc."""
     total = 0.0
@@ -87,6 +96,7 @@ def _cpu_seconds(pids: list[int]) -> float:
 
 async def _cpu_during(pids: list[int], start: float, stop: float) -> float:
     await asyncio.sleep(max(0.0, start - time.perf_counter()))
+    pids = _with_children(pids)
     before = _cpu_seconds(pids)
     await asyncio.sleep(max(0.0, stop - time.perf_counter()))
     return _cpu_seconds(pids) - before
@@ -248,9 +258,15 @@ def _pd_flags(prefills: list[WorkerProcess], decodes: list[WorkerProcess]) -> li
     return flags
 
 
-def _router_cmd(port: int, prefills: list[WorkerProcess], decodes: list[WorkerProcess]) -> list[str]:
+def _router_cmd(
+    port: int, prefills: list[WorkerProcess], decodes: list[WorkerProcess], processes: int = 1
+) -> list[str]:
     cli = [sys.executable, "-m", "sglang_pd.deploy.router.cli", "--port", str(port), "--log-level", "warning"]
-    return cli + _pd_flags(prefills, decodes)
+    return [*cli, "--processes", str(processes), *_pd_flags(prefills, decodes)]
+
+
+def _router_target(processes: int) -> str:
+    return "router" if processes == 1 else f"router{processes}p"
 
 
 def _smg_cmd(smg: str, port: int, prefills: list[WorkerProcess], decodes: list[WorkerProcess]) -> list[str]:
@@ -265,14 +281,14 @@ def _find_smg() -> str | None:
 
 def _table(cells: list[Cell], direct_p50: dict[tuple[bool, int], float]) -> str:
     head = (
-        f"{'target':<8} {'stream':<6} {'conc':>4} {'req/s':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} "
+        f"{'target':<9} {'stream':<6} {'conc':>4} {'req/s':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} "
         f"{'ttfb p50':>9} {'+p50 vs direct':>15} {'cpu ms/req':>10} {'errors':>6}"
     )
     lines = [head, "-" * len(head)]
     for c in cells:
         added = c.p50_ms - direct_p50.get((c.stream, c.concurrency), c.p50_ms)
         lines.append(
-            f"{c.target:<8} {('yes' if c.stream else 'no'):<6} {c.concurrency:>4} {c.rps:>9.0f} {c.p50_ms:>8.2f} "
+            f"{c.target:<9} {('yes' if c.stream else 'no'):<6} {c.concurrency:>4} {c.rps:>9.0f} {c.p50_ms:>8.2f} "
             f"{c.p90_ms:>8.2f} {c.p99_ms:>8.2f} {c.ttfb_p50_ms:>9.2f} {added:>+15.2f} "
             f"{(f'{c.cpu_ms_per_req:.3f}' if c.cpu_ms_per_req else '-'):>10} {c.errors:>6}"
         )
@@ -289,6 +305,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefills", type=int, default=1)
     parser.add_argument("--decodes", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=8, help="tokens per answer (streamed as 8 SSE events)")
+    parser.add_argument(
+        "--router-processes",
+        type=int,
+        nargs="+",
+        default=[1],
+        metavar="N",
+        help="measure the router with each of these --processes values (targets router, router2p, ...)",
+    )
     parser.add_argument("--out", type=Path, default=Path("out/bench_router.json"))
     args = parser.parse_args(argv)
     try:
@@ -300,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
 
     smg = _find_smg()
     targets = [t for t in args.targets if t != "smg" or smg]
+    routers = {_router_target(n): n for n in args.router_processes} if "router" in targets else {}
+    at = targets.index("router") if routers else 0
+    targets[at : at + 1] = list(routers) if routers else targets[at : at + 1]
     if "smg" in args.targets and not smg:
         print("smg is not installed (pip install smg==1.13.0): skipping it.", file=sys.stderr)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -316,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         "prefills": args.prefills,
         "decodes": args.decodes,
         "tokens": args.tokens,
+        "router_processes": args.router_processes,
         "duration_s": args.duration,
         "smg": subprocess.run([smg, "--version"], capture_output=True, text=True).stdout.strip() if smg else None,
     }
@@ -329,8 +357,8 @@ def main(argv: list[str] | None = None) -> int:
                 if target == "direct":
                     senders[target] = direct(prefills, decodes, args.tokens)
                     continue
-                if target == "router":
-                    cmd = _router_cmd(port, prefills, decodes)
+                if target in routers:
+                    cmd = _router_cmd(port, prefills, decodes, routers[target])
                 else:
                     assert smg is not None
                     cmd = _smg_cmd(smg, port, prefills, decodes)
@@ -350,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
                             asyncio.run(run_cell(senders[target], cell, args.duration, args.warmup, pids[target]))
                             rounds.setdefault((target, stream, conc), []).append(cell)
                             print(
-                                f"  round {r} {target:<6} stream={stream!s:<5} c={conc:<3} {cell.rps:8.0f} req/s  "
+                                f"  round {r} {target:<9} stream={stream!s:<5} c={conc:<3} {cell.rps:8.0f} req/s  "
                                 f"p50 {cell.p50_ms:7.2f} ms  errors {cell.errors}",
                                 file=sys.stderr,
                                 flush=True,
@@ -386,27 +414,28 @@ def main(argv: list[str] | None = None) -> int:
     direct_p50 = {(c.stream, c.concurrency): c.p50_ms for c in cells if c.target == "direct"}
     by = {(c.target, c.stream, c.concurrency): c for c in cells}
     verdict: dict[str, Any] = {}
-    for target in ("router", "smg"):
+    for target in [*routers, "smg"]:
         if (target, False, 1) in by and ("direct", False, 1) in by:
             added = by[target, False, 1].p50_ms - by["direct", False, 1].p50_ms
             verdict[f"{target}_added_p50_ms_c1"] = round(added, 3)
-    if "router_added_p50_ms_c1" in verdict:
-        verdict["router_added_p50_ok"] = verdict["router_added_p50_ms_c1"] <= ADDED_P50_TARGET_MS
-    for stream in (False, True):
-        key = "stream" if stream else "unary"
-        for conc in args.concurrency:
-            if conc > 1 and ("router", stream, conc) in by and ("smg", stream, conc) in by:
-                router, smg_cell = by["router", stream, conc], by["smg", stream, conc]
-                # The machine's speed drifts between rounds: compare router and smg within each
-                # round (measured back to back) and take the median of those ratios.
-                pairs = zip(rounds["router", stream, conc], rounds["smg", stream, conc], strict=True)
-                ratio = statistics.median(r.rps / max(s.rps, 1e-9) for r, s in pairs)
-                verdict[f"throughput_ratio_vs_smg_c{conc}_{key}"] = round(ratio, 3)
-                verdict[f"throughput_ratio_ok_c{conc}_{key}"] = ratio >= THROUGHPUT_TARGET
-                if router.cpu_ms_per_req and smg_cell.cpu_ms_per_req:
-                    verdict[f"cpu_per_request_ratio_vs_smg_c{conc}_{key}"] = round(
-                        router.cpu_ms_per_req / smg_cell.cpu_ms_per_req, 3
-                    )
+            if target != "smg":
+                verdict[f"{target}_added_p50_ok"] = added <= ADDED_P50_TARGET_MS
+    for target in routers:
+        for stream in (False, True):
+            key = "stream" if stream else "unary"
+            for conc in args.concurrency:
+                if conc > 1 and (target, stream, conc) in by and ("smg", stream, conc) in by:
+                    router, smg_cell = by[target, stream, conc], by["smg", stream, conc]
+                    # The machine's speed drifts between rounds: compare router and smg within
+                    # each round (measured back to back) and take the median of those ratios.
+                    pairs = zip(rounds[target, stream, conc], rounds["smg", stream, conc], strict=True)
+                    ratio = statistics.median(r.rps / max(s.rps, 1e-9) for r, s in pairs)
+                    verdict[f"{target}_throughput_ratio_vs_smg_c{conc}_{key}"] = round(ratio, 3)
+                    verdict[f"{target}_throughput_ratio_ok_c{conc}_{key}"] = ratio >= THROUGHPUT_TARGET
+                    if router.cpu_ms_per_req and smg_cell.cpu_ms_per_req:
+                        verdict[f"{target}_cpu_per_request_ratio_vs_smg_c{conc}_{key}"] = round(
+                            router.cpu_ms_per_req / smg_cell.cpu_ms_per_req, 3
+                        )
     verdict["errors"] = sum(c.errors for c in cells)
     verdict["zero_errors"] = verdict["errors"] == 0
 
@@ -416,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(verdict, indent=1))
     args.out.write_text(json.dumps({"meta": meta, "cells": [asdict(c) for c in cells], "verdict": verdict}, indent=1))
     print(f"wrote {args.out}", file=sys.stderr)
-    ok = verdict["zero_errors"] and verdict.get("router_added_p50_ok", True)
+    ok = verdict["zero_errors"] and all(verdict.get(f"{t}_added_p50_ok", True) for t in routers)
     return 0 if ok else 1
 
 

@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..openai_errors import ApiError, error_response
 from .config import RouterConfig
+from .control import ControlLink, ControlLost
 from .discovery import KubernetesDiscovery
 from .exceptions import ClientGone, WorkerRegistrationError
 from .health import HealthChecker
@@ -57,19 +58,27 @@ class RouterApp:
         worker_api_key: str = "",
         discovery_list_pods: Any = None,
         client: WorkerClient | None = None,
+        control_socket: str | None = None,
+        process_index: int = 0,
     ) -> None:
         """`client` replaces the HTTP transport to workers (tests pass an in-process one);
-        `discovery_list_pods` replaces the Kubernetes API call of discovery."""
+        `discovery_list_pods` replaces the Kubernetes API call of discovery. `control_socket`
+        makes this app one serving process of a router process group (`group.py`): the group's
+        control process then owns the workers, their health and discovery."""
         self.config = config
         self.metrics = RouterMetrics()
         self.registry = WorkerRegistry(
             breaker_failure_threshold=config.breaker_failure_threshold,
             breaker_cooldown_s=config.breaker_cooldown_s,
         )
-        for url, bootstrap_port in config.prefill_workers:
-            self.registry.add(url, "prefill", bootstrap_port=bootstrap_port)
-        for url in config.decode_workers:
-            self.registry.add(url, "decode")
+        self.control = (
+            ControlLink(control_socket, process_index, self.registry.sync) if control_socket is not None else None
+        )
+        if self.control is None:
+            for url, bootstrap_port in config.prefill_workers:
+                self.registry.add(url, "prefill", bootstrap_port=bootstrap_port)
+            for url in config.decode_workers:
+                self.registry.add(url, "decode")
         if client is None:
             client = HttpWorkerClient(timeouts=config.timeouts, api_key=worker_api_key)
         self.pairs = PairPicker(self.registry, make_policy(config.prefill_policy), make_policy(config.decode_policy))
@@ -83,11 +92,12 @@ class RouterApp:
             failure_threshold=config.health_failure_threshold,
             success_threshold=config.health_success_threshold,
             stall_s=config.stream_stall_s,
+            report=self.control.report if self.control is not None else None,
         )
         self.legs.health = self.health  # a worker's 5xx counts against it once a probe confirms it
         self.discovery = (
             KubernetesDiscovery(self.registry, config.kubernetes, list_pods=discovery_list_pods)
-            if config.kubernetes is not None
+            if config.kubernetes is not None and self.control is None
             else None
         )
         # Metric children of the hot path, looked up once.
@@ -146,6 +156,12 @@ class RouterApp:
 
     @asynccontextmanager
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
+        gauges = None
+        if self.control is not None:
+            await self.control.connect()
+            # Other processes of the group render this one's per-worker gauges from the shared
+            # files: keep them current (a scrape of this process refreshes them at once too).
+            gauges = asyncio.create_task(self._refresh_gauges_every(1.0))
         await self.health.start()
         if self.discovery is not None:
             self.discovery.start(asyncio.get_running_loop())
@@ -159,10 +175,14 @@ class RouterApp:
         try:
             yield
         finally:
+            if gauges is not None:
+                gauges.cancel()
             if self.discovery is not None:
                 await asyncio.to_thread(self.discovery.stop)
             await self.health.aclose()
             await self.legs.aclose()
+            if self.control is not None:
+                await self.control.aclose()
 
     # -- routes ---------------------------------------------------------------------------------
 
@@ -255,12 +275,20 @@ class RouterApp:
         )
 
     async def metrics_route(self) -> Response:
+        self._refresh_gauges()
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    def _refresh_gauges(self) -> None:
         # Per-worker gauges are read from the registry at scrape time, not kept per request.
         for w in self.registry.all():
             self.metrics.in_flight.labels(w.role, w.url).set(w.in_flight)
             self.metrics.breaker_state.labels(w.role, w.url).set(int(w.breaker.state))
             self.metrics.worker_healthy.labels(w.role, w.url).set(int(w.healthy))
-        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def _refresh_gauges_every(self, period_s: float) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            self._refresh_gauges()
 
     async def list_workers(self) -> Response:
         return _json(
@@ -281,6 +309,10 @@ class RouterApp:
             raise ApiError(
                 400, "'bootstrap_port' must be an integer port.", param="bootstrap_port", code="invalid_type"
             )
+        if self.control is not None:
+            status, body = await self._ask_control("add", url=url, role=role, bootstrap_port=port)
+            added = self.registry.get(body["url"], role)  # the change arrived before the reply
+            return _json(added.to_json() if added is not None else body, status=status)
         try:
             worker = self.registry.add(url, role, bootstrap_port=port, source="api")
         except WorkerRegistrationError as exc:
@@ -300,6 +332,10 @@ class RouterApp:
             )
         if role not in (None, "prefill", "decode"):
             raise ApiError(400, "'role' must be 'prefill' or 'decode'.", param="role", code="invalid_value")
+        if self.control is not None:
+            shown = {(w.role, w.url): w.to_json() for w in self.registry.all()}
+            _, body = await self._ask_control("remove", url=url, role=role)
+            return _json({"removed": [shown.get((w["role"], w["url"]), w) for w in body["removed"]]})
         try:
             removed = self.registry.remove(url, role)
         except WorkerRegistrationError as exc:
@@ -307,6 +343,17 @@ class RouterApp:
         if not removed:
             raise ApiError(404, f"No worker {url} is registered. See GET /workers.", param="url", code="not_found")
         return _json({"removed": [w.to_json() for w in removed]})
+
+    async def _ask_control(self, op: str, **args: Any) -> tuple[int, dict[str, Any]]:
+        """Run a /workers change in the group's control process; its refusal as our ApiError."""
+        assert self.control is not None
+        try:
+            status, body = await self.control.request(op, **args)
+        except ControlLost as exc:
+            raise ApiError(503, f"{exc} Retry shortly.", code="control_unavailable") from exc
+        if status >= 400:
+            raise ApiError(status, body["message"], param=body.get("param"), code=body.get("code", "invalid_value"))
+        return status, body
 
 
 _OPENAPI_BODY = orjson.dumps(OPENAPI)

@@ -55,6 +55,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=None)
     serve.add_argument("--drain-timeout", type=float, default=None, help="seconds in-flight requests get on SIGTERM")
+    serve.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="serving processes on the port (SO_REUSEPORT), led by a control process that owns worker health; "
+        "1: this process serves (default)",
+    )
 
     limits = parser.add_argument_group("admission and timeouts")
     limits.add_argument("--max-concurrent-requests", type=int, default=None, help="0: no limit")
@@ -192,11 +200,18 @@ def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None
 def run(args: argparse.Namespace) -> int:
     from .app import create_app
     from .exceptions import RouterError
+    from .group import ProcessGroup
     from .server import serve
 
+    if args.processes < 1:
+        print(f"sglang-pd router: --processes {args.processes}: it must be 1 or more.", file=sys.stderr)
+        return 2
     try:
         config, worker_api_key = build_config(args)
-        app = create_app(config, worker_api_key=worker_api_key)
+        if args.processes > 1:
+            group = ProcessGroup(config, worker_api_key=worker_api_key, processes=args.processes)
+        else:
+            app = create_app(config, worker_api_key=worker_api_key)
     except (ValueError, RouterError) as exc:
         print(f"sglang-pd router: {exc}", file=sys.stderr)
         return 2
@@ -206,6 +221,8 @@ def run(args: argparse.Namespace) -> int:
             "(needs --admin-key), or pass --prefill/--decode, --topology or --kubernetes.",
             file=sys.stderr,
         )
+    if args.processes > 1:
+        return group.serve()
     return serve(app)
 
 

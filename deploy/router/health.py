@@ -15,6 +15,11 @@ The watchdog ejects (marks unhealthy) a worker with relayed streams open that ha
 any of them for `stall_s`: a frozen engine (SIGSTOP, a hung GPU) keeps its connections open, so
 nothing else notices until a probe times out. The next passing probe readmits it.
 
+In a serving process of a router process group (`group.py`) the group's control process owns
+health: such a checker is given `report` and runs no periodic checks; a failed confirmation probe
+and a stall are reported to the control process (which books and publishes them), and the stall
+also takes the worker out of this process at once.
+
 Every change of a worker's health is logged: "worker became healthy", "worker became unhealthy"
 (also when a new worker fails its first check) and "worker ejected".
 """
@@ -26,6 +31,7 @@ import contextlib
 import contextvars
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -50,8 +56,11 @@ class HealthChecker:
         failure_threshold: int,
         success_threshold: int,
         stall_s: float = 0.0,
+        report: Callable[[str, Worker, str], None] | None = None,
     ) -> None:
-        """`stall_s`: eject a worker whose open streams got no bytes for this long (0: off)."""
+        """`stall_s`: eject a worker whose open streams got no bytes for this long (0: off).
+        `report(kind, worker, detail)`: hand findings to the group's control process instead of
+        checking periodically (see the module docstring)."""
         self.registry = registry
         self.metrics = metrics
         self.client = client  # shared with the proxy: closed by its owner, not here
@@ -59,6 +68,7 @@ class HealthChecker:
         self.failure_threshold = max(1, failure_threshold)
         self.success_threshold = max(1, success_threshold)
         self.stall_s = stall_s
+        self.report = report
         self._task: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._pending: set[asyncio.Task[Any]] = set()
@@ -67,8 +77,9 @@ class HealthChecker:
         registry.subscribe(self._on_change)
 
     async def start(self) -> None:
-        await self.check_all()
-        self._task = asyncio.create_task(self._loop())
+        if self.report is None:
+            await self.check_all()
+            self._task = asyncio.create_task(self._loop())
         if self.stall_s > 0:
             self._watchdog = asyncio.create_task(self._watch_streams())
 
@@ -81,12 +92,12 @@ class HealthChecker:
                     await task
 
     def _on_change(self, event: str, worker: Worker) -> None:
-        if event == "added":
+        if event == "added" and self.report is None:
             with contextlib.suppress(RuntimeError):  # no running loop: start() checks it
                 task = asyncio.get_running_loop().create_task(self.check(worker))
                 self._pending.add(task)
                 task.add_done_callback(self._pending.discard)
-        else:
+        elif event == "removed":
             self.metrics.forget_worker(worker.role, worker.url)
 
     async def _loop(self) -> None:
@@ -104,7 +115,10 @@ class HealthChecker:
             now = time.monotonic()
             for worker in self.registry.all():
                 if worker.healthy and worker.open_streams and now - worker.last_stream_bytes > self.stall_s:
-                    self.eject(worker, f"no bytes on its {worker.open_streams} open stream(s) for {self.stall_s:g} s")
+                    reason = f"no bytes on its {worker.open_streams} open stream(s) for {self.stall_s:g} s"
+                    self.eject(worker, reason)
+                    if self.report is not None:
+                        self.report("stalled", worker, reason)
                     worker.last_stream_bytes = now  # a new stall window once it is readmitted
 
     def eject(self, worker: Worker, reason: str) -> None:
@@ -149,8 +163,15 @@ class HealthChecker:
 
     async def _confirm(self, worker: Worker) -> bool:
         ok, error = await self._probe(worker)
-        self._book(worker, ok, error, "confirmation")
+        if self.report is None:
+            self._book(worker, ok, error, "confirmation")
+        elif not ok:
+            self.report("probe_failed", worker, error)
         return ok
+
+    def book(self, worker: Worker, ok: bool, error: str, check: str) -> None:
+        """Count a probe run elsewhere (by a serving process of the group) like one of ours."""
+        self._book(worker, ok, error, check)
 
     def _book(self, worker: Worker, ok: bool, error: str, check: str) -> None:
         """Count a probe's outcome towards `worker`'s health, and log when that changes it."""

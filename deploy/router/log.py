@@ -19,12 +19,18 @@ _RESERVED = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"me
 
 
 class JsonFormatter(logging.Formatter):
+    def __init__(self, fields: dict[str, Any] | None = None) -> None:
+        """`fields`: added to every line (a serving process's index in a router process group)."""
+        super().__init__()
+        self.fields = fields or {}
+
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
             "ts": round(record.created, 6),
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
+            **self.fields,
         }
         rid = request_id_var.get()
         if rid:
@@ -37,9 +43,9 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(entry, default=str).decode()
 
 
-def configure_logging(level: str = "info") -> None:
+def configure_logging(level: str = "info", fields: dict[str, Any] | None = None) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter())
+    handler.setFormatter(JsonFormatter(fields))
     root = logging.getLogger("sglang_pd")
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -1,11 +1,20 @@
-"""Prometheus metrics, in a registry per router instance (tests run several routers)."""
+"""Prometheus metrics, in a registry per router instance (tests run several routers).
+
+In a router process group (`group.py`) every serving process is started with
+PROMETHEUS_MULTIPROC_DIR set: prometheus_client then keeps each process's values in files there,
+and a scrape of any process renders all of them (counters and histograms summed; each gauge as its
+`multiprocess_mode` says, over the live processes). The files cannot drop a series: the
+per-worker gauges of a removed worker stay, at 0, until the group restarts.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.multiprocess import MultiProcessCollector
 
 __all__ = ["CONTENT_TYPE_LATEST", "RouterMetrics"]
 
@@ -24,7 +33,8 @@ class RouterMetrics:
         self.ttfb = Histogram(f"{ns}_time_to_first_byte_seconds",
                               "Time from request to the first byte of the answer body.", ["endpoint"],
                               buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.in_flight = Gauge(f"{ns}_worker_in_flight", "Requests in flight per worker.", by_worker, registry=r)
+        self.in_flight = Gauge(f"{ns}_worker_in_flight", "Requests in flight per worker.", by_worker, registry=r,
+                               multiprocess_mode="livesum")  # fmt: skip
         self.retries = Counter(f"{ns}_retries", "Requests retried on another worker pair, by the failing role.",
                                ["role"], registry=r)  # fmt: skip
         self.upstream_errors = Counter(f"{ns}_upstream_errors", "Failed worker legs, by role and kind.",
@@ -35,18 +45,30 @@ class RouterMetrics:
                                               "request-caused, not counted).", ["role", "confirmed"],
                                               registry=r)  # fmt: skip
         self.breaker_state = Gauge(f"{ns}_worker_breaker_state",
-                                   "Circuit breaker state per worker: 0 closed, 1 half-open, 2 open.", by_worker,
-                                   registry=r)  # fmt: skip
+                                   "Circuit breaker state per worker: 0 closed, 1 half-open, 2 open (the worst of the "
+                                   "router's processes).", by_worker, registry=r,
+                                   multiprocess_mode="livemax")  # fmt: skip
         self.worker_healthy = Gauge(f"{ns}_worker_healthy", "1 when the worker passes its health checks.", by_worker,
-                                    registry=r)  # fmt: skip
-        self.queue_depth = Gauge(f"{ns}_queue_depth", "Requests waiting for an admission slot.", registry=r)
-        self.active = Gauge(f"{ns}_active_requests", "Requests admitted and not finished.", registry=r)
+                                    registry=r, multiprocess_mode="livemax")  # fmt: skip
+        self.queue_depth = Gauge(f"{ns}_queue_depth", "Requests waiting for an admission slot.", registry=r,
+                                 multiprocess_mode="livesum")  # fmt: skip
+        self.active = Gauge(f"{ns}_active_requests", "Requests admitted and not finished.", registry=r,
+                            multiprocess_mode="livesum")  # fmt: skip
         self.aborts = Counter(f"{ns}_aborts", "abort_request calls sent to workers, by role.", ["role"], registry=r)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        shared = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if not shared:
+            return generate_latest(self.registry)
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged, path=shared)
+        return generate_latest(merged)
 
     def forget_worker(self, role: str, url: str) -> None:
         for gauge in (self.in_flight, self.breaker_state, self.worker_healthy):
+            if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+                # The shared files cannot drop a series: a removed worker reads 0 in each.
+                gauge.labels(role, url).set(0)
+                continue
             with contextlib.suppress(KeyError):
                 gauge.remove(role, url)

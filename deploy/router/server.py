@@ -62,7 +62,9 @@ def uvicorn_config(app: RouterApp, **overrides: Any) -> uvicorn.Config:
 
 
 def serve(app: RouterApp, *, sockets: list[socket.socket] | None = None) -> int:
-    configure_logging(app.config.log_level)
+    """Serve until stopped; the exit status. `sockets`: already-listening sockets to serve on
+    (a router process group's) instead of binding the configured host and port."""
+    configure_logging(app.config.log_level, {"router_process": app.control.index} if app.control else None)
     server = RouterServer(app, uvicorn_config(app))
     server.run(sockets=sockets)
     return 0 if server.started else 1

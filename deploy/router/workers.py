@@ -83,9 +83,18 @@ class Worker:
             self.dp_size = dp_size
             self.dp_in_flight = [0] * dp_size
 
+    def state(self) -> dict[str, Any]:
+        """What the health authority knows of this worker (a router process group's shared state;
+        breaker and in-flight counts stay with each process)."""
+        return {name: getattr(self, name) for name in _SHARED}
+
     def to_json(self) -> dict[str, Any]:
         shown = ("url", "role", "bootstrap_port", "source", "healthy", "dp_size", "in_flight", "models", "last_error")
         return {**{name: getattr(self, name) for name in shown}, "breaker": self.breaker.state.name.lower()}
+
+
+# Worker fields that `WorkerRegistry.sync` takes from the health authority.
+_SHARED = ("url", "role", "bootstrap_port", "source", "healthy", "dp_size", "models", "last_error", "checked")
 
 
 class WorkerRegistry:
@@ -185,6 +194,26 @@ class WorkerRegistry:
             for model in worker.models:
                 seen.setdefault(model, None)
         return list(seen)
+
+    def sync(self, states: list[dict[str, Any]]) -> None:
+        """Make the registry hold exactly the workers of `states` (`Worker.state()` dicts, from
+        the group's health authority), keeping each kept worker's breaker and in-flight counts."""
+        wanted = {(s["role"], s["url"]): s for s in states}
+        for role, url in [key for key in self._workers if key not in wanted]:
+            self.remove(url, role)
+        for (role, url), state in wanted.items():
+            worker = self._workers.get((role, url)) or self.add(
+                url, role, bootstrap_port=state["bootstrap_port"], source=state["source"]
+            )
+            was_healthy = worker.healthy
+            worker.bootstrap_port = state["bootstrap_port"]
+            worker.healthy = state["healthy"]
+            worker.set_dp_size(state["dp_size"])
+            worker.models = list(state["models"])
+            worker.last_error = state["last_error"]
+            worker.checked = state["checked"]
+            if worker.healthy and not was_healthy and worker.breaker.state:
+                worker.breaker.record_success()  # readmitted by a passing probe (health.py)
 
     def _rebuild(self) -> None:
         self.prefill = [w for (r, _), w in self._workers.items() if r == "prefill"]

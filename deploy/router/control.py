@@ -1,0 +1,212 @@
+"""The control channel of a router process group (`group.py`): one JSON object a line over a Unix
+socket between the control process, which owns the workers' health, and each serving process.
+
+    control → serving   {"type": "workers", "workers": [Worker.state(), ...]}
+                            on connect, then whenever the workers or their health change
+                        {"type": "reply", "id": N, "status": S, "body": {...}}
+                            the answer to a request; sent after the "workers" it caused
+    serving → control   {"type": "hello", "index": I, "pid": P}
+                        {"type": "request", "id": N, "op": "add" | "remove", "args": {...}}
+                            a /workers change made through this process's admin API
+                        {"type": "report", "kind": "probe_failed" | "stalled",
+                         "url": U, "role": R, "detail": TEXT}
+                            what this process saw of a worker: a failed 5xx-confirmation probe,
+                            or its open streams stalled
+
+A serving process that loses the channel drains and exits (the group restarts it): without the
+authority its view of the workers would go stale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+
+from .log import logger
+from .workers import Worker
+
+__all__ = ["ControlLink", "ControlLost", "ControlServer"]
+
+# One line holds every worker's state; far above what thousands of workers need.
+_LINE_LIMIT = 16 * 1024 * 1024
+
+Handler = Callable[[str, dict[str, Any]], Awaitable[tuple[int, dict[str, Any]]]]
+ReportHandler = Callable[[str, str, str, str], None]
+
+
+class ControlLost(ConnectionError):
+    """The control process is gone: admin changes cannot be made through this process now."""
+
+
+def _line(message: dict[str, Any]) -> bytes:
+    return orjson.dumps(message) + b"\n"
+
+
+class ControlServer:
+    """The control process's end: serves the Unix socket at `path`, sends the workers' state to
+    every serving process and runs their requests (`handle(op, args)` → status, body) and reports
+    (`on_report(kind, url, role, detail)`)."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        state: Callable[[], list[dict[str, Any]]],
+        handle: Handler,
+        on_report: ReportHandler,
+        on_hello: Callable[[int, int], None],
+    ) -> None:
+        self.path = path
+        self._state = state
+        self._handle = handle
+        self._on_report = on_report
+        self._on_hello = on_hello
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._last = b""
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_unix_server(self._serve, path=self.path, limit=_LINE_LIMIT)
+        os.chmod(self.path, 0o600)
+
+    async def aclose(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for writer in list(self._writers):
+            writer.close()
+        for task in list(self._tasks):
+            task.cancel()
+
+    def publish(self) -> None:
+        """Send the workers' state to every serving process, if it changed since the last send."""
+        line = _line({"type": "workers", "workers": self._state()})
+        if line == self._last:
+            return
+        self._last = line
+        for writer in list(self._writers):
+            writer.write(line)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._last = _line({"type": "workers", "workers": self._state()})
+        writer.write(self._last)
+        self._writers.add(writer)
+        try:
+            while line := await reader.readline():
+                message = orjson.loads(line)
+                kind = message.get("type")
+                if kind == "request":
+                    task = asyncio.create_task(self._answer(writer, message))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+                elif kind == "report":
+                    self._on_report(message["kind"], message["url"], message["role"], message.get("detail", ""))
+                    self.publish()
+                elif kind == "hello":
+                    self._on_hello(int(message["index"]), int(message["pid"]))
+        except (ConnectionError, ValueError, KeyError) as exc:
+            logger.warning("control channel: dropped a serving process's connection", extra={"error": repr(exc)})
+        finally:
+            self._writers.discard(writer)
+            writer.close()
+
+    async def _answer(self, writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
+        try:
+            status, body = await self._handle(message["op"], message.get("args") or {})
+        except Exception as exc:
+            logger.exception("control channel: request failed", extra={"op": message.get("op")})
+            status, body = 500, {"message": f"The control process failed the request: {type(exc).__name__}."}
+        self.publish()  # the change reaches the caller before its reply does
+        if not writer.is_closing():
+            writer.write(_line({"type": "reply", "id": message["id"], "status": status, "body": body}))
+
+
+class ControlLink:
+    """A serving process's end: applies the workers' state it is sent (`on_workers`), sends
+    requests and reports."""
+
+    def __init__(
+        self,
+        path: str,
+        index: int,
+        on_workers: Callable[[list[dict[str, Any]]], None],
+        on_lost: Callable[[], None] | None = None,
+    ) -> None:
+        """`on_lost`: what to do when the channel breaks (default: SIGTERM to this process, which
+        drains it)."""
+        self.path = path
+        self.index = index
+        self._on_workers = on_workers
+        self._on_lost = on_lost or (lambda: os.kill(os.getpid(), signal.SIGTERM))
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._pending: dict[int, asyncio.Future[tuple[int, dict[str, Any]]]] = {}
+        self._ids = itertools.count(1)
+        self._first: asyncio.Future[None] | None = None
+        self._closing = False
+
+    async def connect(self, timeout_s: float = 10.0) -> None:
+        """Connect, introduce this process and wait for the first workers' state."""
+        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(self.path, limit=_LINE_LIMIT), timeout_s)
+        self._writer = writer
+        self._first = asyncio.get_running_loop().create_future()
+        self._reader_task = asyncio.create_task(self._read(reader))
+        writer.write(_line({"type": "hello", "index": self.index, "pid": os.getpid()}))
+        await asyncio.wait_for(asyncio.shield(self._first), timeout_s)
+
+    async def aclose(self) -> None:
+        self._closing = True
+        if self._writer is not None:
+            self._writer.close()
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._reader_task
+
+    async def request(self, op: str, **args: Any) -> tuple[int, dict[str, Any]]:
+        """Run `op` in the control process; its (status, body)."""
+        if self._writer is None or self._writer.is_closing():
+            raise ControlLost("The router's control process is not reachable from this process.")
+        request_id = next(self._ids)
+        future = self._pending[request_id] = asyncio.get_running_loop().create_future()
+        self._writer.write(_line({"type": "request", "id": request_id, "op": op, "args": args}))
+        try:
+            return await future
+        finally:
+            self._pending.pop(request_id, None)
+
+    def report(self, kind: str, worker: Worker, detail: str) -> None:
+        if self._writer is not None and not self._writer.is_closing():
+            message = {"type": "report", "kind": kind, "url": worker.url, "role": worker.role, "detail": detail}
+            self._writer.write(_line(message))
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while line := await reader.readline():
+                message = orjson.loads(line)
+                if message["type"] == "workers":
+                    self._on_workers(message["workers"])
+                    if self._first is not None and not self._first.done():
+                        self._first.set_result(None)
+                elif message["type"] == "reply":
+                    future = self._pending.get(message["id"])
+                    if future is not None and not future.done():
+                        future.set_result((message["status"], message["body"]))
+        except (ConnectionError, ValueError, KeyError) as exc:
+            logger.error("control channel broke", extra={"error": repr(exc)})
+        lost = ControlLost("The router's control process went away.")
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(lost)
+        if self._first is not None and not self._first.done():
+            self._first.set_exception(lost)
+        if not self._closing:
+            logger.error("lost the router's control process; draining and exiting", extra={"index": self.index})
+            self._on_lost()

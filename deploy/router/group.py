@@ -1,0 +1,379 @@
+"""`sglang-pd router --processes N`: N serving processes on one port, led by one control process.
+
+One router process serves on one core: most of its CPU per request is the event loop's own
+socket work (py-spy on scripts/bench_router.py). A group spreads the connections over N
+processes; each listens on its own socket bound to the same port with SO_REUSEPORT, and the
+kernel spreads new connections over them (Linux socket(7)).
+
+What the processes share, and how:
+
+- The workers and their health: the control process is the one authority. It runs the health
+  checks, Kubernetes discovery and every /workers change, and sends the workers' state to each
+  serving process over the control channel (`control.py`); serving processes report back what
+  they see (a 5xx whose confirmation probe failed, streams that stalled). A /workers call reaches
+  any serving process and is carried out by the control process.
+- Metrics: every serving process writes to PROMETHEUS_MULTIPROC_DIR (`metrics.py`); a scrape of
+  any of them shows the whole group.
+- Admission limits: split evenly, each process takes ceil(limit / N).
+
+Not shared: circuit breakers and in-flight counts are per serving process, over the traffic it
+sees (a dead worker's transport errors reach every process within a request or two anyway).
+
+The control process binds each socket itself, so a port in use is one clear error before anything
+starts, hands it to its serving process and closes its own copy (a serving process that exits
+takes its socket and its backlog with it, and the kernel sends new connections to the others).
+A serving process that dies is restarted on a new socket with back-off; one that exits before it
+ever connected to the control process (it cannot start at all) stops the group with its exit
+status. SIGTERM or SIGINT drains: each serving process gets SIGTERM and the drain time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import math
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from sglang_pd.deploy.procs import Child, port_in_use, spawn
+
+from .config import KubernetesDiscoveryConfig, RouterConfig
+from .control import ControlServer
+from .discovery import KubernetesDiscovery
+from .exceptions import WorkerRegistrationError
+from .health import HealthChecker
+from .log import configure_logging, logger
+from .metrics import RouterMetrics
+from .transport import HttpWorkerClient
+from .workers import WorkerRegistry
+
+__all__ = ["ProcessGroup", "split_limits"]
+
+_FIRST_RESTART_DELAY_S = 0.5
+_MAX_RESTART_DELAY_S = 10.0
+_STABLE_S = 30.0  # a process that ran this long is restarted after the first delay again
+_PUBLISH_PERIOD_S = 0.05  # how often the control process looks for health changes to send
+_SUPERVISE_PERIOD_S = 0.1
+
+
+@dataclass
+class _Slot:
+    """One serving process's place in the group, across its restarts."""
+
+    index: int
+    child: Child | None = None
+    starts: int = 0
+    started_at: float = 0.0
+    connected: bool = False
+    delay_s: float = _FIRST_RESTART_DELAY_S
+    restart_at: float | None = None
+
+
+class ProcessGroup:
+    """The control process. Constructing it checks the configuration (as a single router's
+    RouterApp does); `serve()` runs the group until it is stopped."""
+
+    def __init__(self, config: RouterConfig, *, worker_api_key: str, processes: int) -> None:
+        self.config = config
+        self.processes = processes
+        self.worker_api_key = worker_api_key
+        self.registry = WorkerRegistry(
+            breaker_failure_threshold=config.breaker_failure_threshold,
+            breaker_cooldown_s=config.breaker_cooldown_s,
+        )
+        for url, bootstrap_port in config.prefill_workers:
+            self.registry.add(url, "prefill", bootstrap_port=bootstrap_port)
+        for url in config.decode_workers:
+            self.registry.add(url, "decode")
+        self.client = HttpWorkerClient(timeouts=config.timeouts, api_key=worker_api_key)
+        self.health = HealthChecker(
+            self.registry,
+            RouterMetrics(),  # the serving processes export metrics; these stay unread
+            self.client,
+            interval_s=config.health_interval_s,
+            failure_threshold=config.health_failure_threshold,
+            success_threshold=config.health_success_threshold,
+        )
+        self.discovery = (
+            KubernetesDiscovery(self.registry, config.kubernetes) if config.kubernetes is not None else None
+        )
+        self.slots = [_Slot(i) for i in range(processes)]
+        self.stopping = False
+        self.status = 0
+        self._kill_at = math.inf
+
+    def serve(self) -> int:
+        """Start the serving processes and lead them until SIGTERM/SIGINT; the exit status."""
+        import uvloop
+
+        configure_logging(self.config.log_level, {"router_process": "control"})
+        owner = port_in_use(self.config.host, self.config.port)
+        if owner is not None:
+            print(
+                f"sglang-pd router: port {self.config.port} on {self.config.host} is in use by {owner}. "
+                "Stop that process or pass --port.",
+                file=sys.stderr,
+            )
+            return 2
+        workdir = Path(tempfile.mkdtemp(prefix="sglang-pd-router-"))  # 0700: this user's only
+        try:
+            self.socket_path = str(workdir / "control.sock")
+            self.metrics_dir = workdir / "metrics"
+            self.metrics_dir.mkdir()
+            # Read by each serving process at start: the config, secrets included, so that they
+            # are in no process listing.
+            self.member_file = workdir / "member.json"
+            self.member_file.touch(mode=0o600)
+            self.member_file.write_bytes(
+                orjson.dumps(
+                    {
+                        "config": dataclasses.asdict(self.config),
+                        "worker_api_key": self.worker_api_key,
+                        "processes": self.processes,
+                    }
+                )
+            )
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                return runner.run(self._run())
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    async def _run(self) -> int:
+        self.server = ControlServer(
+            self.socket_path,
+            state=lambda: [w.state() for w in self.registry.all()],
+            handle=self._handle,
+            on_report=self._on_report,
+            on_hello=self._on_hello,
+        )
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        await self.server.start()
+        await self.health.start()
+        if self.discovery is not None:
+            self.discovery.start(loop)
+        publisher = asyncio.create_task(self._publish_every(_PUBLISH_PERIOD_S))
+        try:
+            for slot in self.slots:
+                self._start(slot)
+            logger.info(
+                "router process group started",
+                extra={"processes": self.processes, "host": self.config.host, "port": self.config.port},
+            )
+            return await self._supervise()
+        finally:
+            for slot in self.slots:
+                if slot.child is not None:
+                    slot.child.reap()
+            publisher.cancel()
+            await self.server.aclose()
+            if self.discovery is not None:
+                await asyncio.to_thread(self.discovery.stop)
+            await self.health.aclose()
+            await self.client.aclose()
+
+    # -- serving processes ----------------------------------------------------------------------
+
+    def _start(self, slot: _Slot) -> None:
+        slot.restart_at = None
+        try:
+            sock = _listen(self.config.host, self.config.port)
+        except OSError as exc:
+            self._schedule_restart(slot, f"cannot bind {self.config.host}:{self.config.port}: {exc}")
+            return
+        try:
+            argv = [
+                sys.executable, "-m", __name__, "--member", str(self.member_file),
+                "--control-socket", self.socket_path, "--index", str(slot.index), "--listen-fd", str(sock.fileno()),
+            ]  # fmt: skip
+            slot.child = spawn(
+                f"router-{slot.index}",
+                argv,
+                env={"PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)},
+                pass_fds=[sock.fileno()],
+            )
+        finally:
+            sock.close()  # the serving process holds it now; see the module docstring
+        slot.starts += 1
+        slot.connected = False
+        slot.started_at = asyncio.get_running_loop().time()
+
+    def _schedule_restart(self, slot: _Slot, reason: str) -> None:
+        now = asyncio.get_running_loop().time()
+        if slot.started_at and now - slot.started_at >= _STABLE_S:
+            slot.delay_s = _FIRST_RESTART_DELAY_S
+        slot.restart_at = now + slot.delay_s
+        extra = {"index": slot.index, "reason": reason, "in_s": slot.delay_s}
+        logger.warning("serving process is down; restarting it", extra=extra)
+        slot.delay_s = min(slot.delay_s * 2, _MAX_RESTART_DELAY_S)
+
+    async def _supervise(self) -> int:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(_SUPERVISE_PERIOD_S)
+            for slot in self.slots:
+                child = slot.child
+                if child is not None and not child.alive():
+                    self._exited(slot, child)
+                restart_at = slot.restart_at
+                if slot.child is None and restart_at is not None and loop.time() >= restart_at and not self.stopping:
+                    self._start(slot)
+            if self.stopping and all(slot.child is None for slot in self.slots):
+                return self.status
+            if loop.time() >= self._kill_at:
+                for slot in self.slots:
+                    if slot.child is not None:
+                        logger.error("serving process did not drain in time; killing it", extra={"index": slot.index})
+                        slot.child.kill()
+                self._kill_at = math.inf
+
+    def _exited(self, slot: _Slot, child: Child) -> None:
+        code = child.proc.returncode
+        slot.child = None
+        with contextlib.suppress(OSError):
+            from prometheus_client.multiprocess import mark_process_dead
+
+            mark_process_dead(child.pid, str(self.metrics_dir))  # its live gauges leave the sums
+        if self.stopping:
+            if code != 0:
+                self.status = 1
+            return
+        if slot.starts == 1 and not slot.connected:
+            logger.error(
+                "serving process could not start; stopping the router", extra={"index": slot.index, "status": code}
+            )
+            self.status = code or 1
+            self._stop()
+            return
+        self._schedule_restart(slot, f"exited with status {code}")
+
+    def _on_hello(self, index: int, pid: int) -> None:
+        slot = self.slots[index]
+        if slot.child is not None and slot.child.pid == pid:
+            slot.connected = True
+
+    def _on_signal(self, sig: int) -> None:
+        if self.stopping:  # a second Ctrl-C: stop without waiting (uvicorn's forced exit)
+            for slot in self.slots:
+                if slot.child is not None:
+                    slot.child.proc.send_signal(signal.SIGINT)
+            return
+        logger.info("draining", extra={"signal": sig, "deadline_s": self.config.drain_timeout_s})
+        self._stop()
+
+    def _stop(self) -> None:
+        self.stopping = True
+        self._kill_at = asyncio.get_running_loop().time() + self.config.drain_timeout_s + 10.0
+        for slot in self.slots:
+            slot.restart_at = None
+            if slot.child is not None:
+                slot.child.proc.send_signal(signal.SIGTERM)
+
+    # -- the control channel --------------------------------------------------------------------
+
+    async def _publish_every(self, period_s: float) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            self.server.publish()
+
+    async def _handle(self, op: str, args: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """A /workers change sent by a serving process (which validated its fields)."""
+        try:
+            if op == "add":
+                worker = self.registry.add(
+                    args["url"], args["role"], bootstrap_port=args.get("bootstrap_port"), source="api"
+                )
+                await self.health.check(worker)
+                return 201, worker.state()
+            if op == "remove":
+                removed = self.registry.remove(args["url"], args.get("role"))
+                if not removed:
+                    message = f"No worker {args['url']} is registered. See GET /workers."
+                    return 404, {"message": message, "param": "url", "code": "not_found"}
+                return 200, {"removed": [w.state() for w in removed]}
+        except WorkerRegistrationError as exc:
+            return 400, {"message": str(exc), "param": "url", "code": "invalid_value"}
+        return 400, {"message": f"Unknown control operation {op!r}.", "code": "invalid_value"}
+
+    def _on_report(self, kind: str, url: str, role: str, detail: str) -> None:
+        with contextlib.suppress(WorkerRegistrationError):
+            worker = self.registry.get(url, role)
+            if worker is None:
+                return
+            if kind == "probe_failed":
+                self.health.book(worker, False, detail, "confirmation")
+            elif kind == "stalled" and worker.healthy:
+                self.health.eject(worker, detail)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        sock.listen(4096)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def _config_from_json(data: dict[str, Any]) -> RouterConfig:
+    k8s = data.pop("kubernetes")
+    return RouterConfig(
+        **{
+            **data,
+            "kubernetes": KubernetesDiscoveryConfig(**k8s) if k8s is not None else None,
+            "api_keys": tuple(data["api_keys"]),
+            "prefill_workers": tuple((url, port) for url, port in data["prefill_workers"]),
+            "decode_workers": tuple(data["decode_workers"]),
+        }
+    )
+
+
+def split_limits(config: RouterConfig, processes: int) -> RouterConfig:
+    """One serving process's share of the router's admission limits (0 stays 'no limit')."""
+    return dataclasses.replace(
+        config,
+        max_concurrent_requests=math.ceil(config.max_concurrent_requests / processes),
+        max_queued_requests=math.ceil(config.max_queued_requests / processes),
+    )
+
+
+def _serve_member(argv: list[str] | None = None) -> int:
+    """A serving process of a group, as the control process starts it."""
+    from .app import RouterApp
+    from .server import serve
+
+    parser = argparse.ArgumentParser(prog="sglang-pd router (serving process)")
+    parser.add_argument("--member", required=True, help="the group's member file")
+    parser.add_argument("--control-socket", required=True)
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--listen-fd", type=int, required=True)
+    args = parser.parse_args(argv)
+    member = orjson.loads(Path(args.member).read_bytes())
+    config = split_limits(_config_from_json(member["config"]), member["processes"])
+    app = RouterApp(
+        config,
+        worker_api_key=member["worker_api_key"],
+        control_socket=args.control_socket,
+        process_index=args.index,
+    )
+    return serve(app, sockets=[socket.socket(fileno=args.listen_fd)])
+
+
+if __name__ == "__main__":
+    sys.exit(_serve_member())

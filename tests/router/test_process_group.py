@@ -1,0 +1,240 @@
+"""`sglang-pd router --processes N`: real router processes in front of protocol-faithful test
+workers (real processes too). Every serving process serves on the one port; worker health, admin
+changes and metrics are the group's, whichever process a connection lands on; a dead serving
+process is replaced; SIGTERM leaves nothing behind."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from sglang_pd.deploy.procs import Child, spawn
+from sglang_pd.deploy.router.config import KubernetesDiscoveryConfig, RouterConfig
+from sglang_pd.deploy.router.group import ProcessGroup, _config_from_json, split_limits
+from tests.support.polling import free_port, wait_until
+from tests.support.router_worker_server import WorkerProcess, start_workers
+
+CHAT = "/v1/chat/completions"
+ADMIN = {"authorization": "Bearer admin-key"}
+BODY = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+@dataclasses.dataclass
+class Group:
+    child: Child
+    url: str
+    log: Path
+    prefill: WorkerProcess
+    decode: WorkerProcess
+
+    def serving_pids(self) -> list[int]:
+        children = Path(f"/proc/{self.child.pid}/task/{self.child.pid}/children")
+        return [int(p) for p in children.read_text().split()] if self.child.alive() else []
+
+    def fresh(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """A request on a new connection: the kernel picks the serving process for each one."""
+        return httpx.request(method, self.url + path, headers={"connection": "close", **kwargs.pop("headers", {})},
+                             timeout=10, **kwargs)  # fmt: skip
+
+    def lines(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.log.read_text().splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def workers() -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
+    prefills, decodes = start_workers(1, 1, no_log=True)
+    yield prefills[0], decodes[0]
+    for w in prefills + decodes:
+        w.stop()
+
+
+def _start(workers: tuple[WorkerProcess, WorkerProcess], tmp_path: Path, *flags: str) -> Group:
+    prefill, decode = workers
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "sglang_pd.deploy.router.cli", "--host", "127.0.0.1", "--port", str(port),
+        "--processes", "2", "--admin-key", "admin-key", "--prefill", prefill.url, str(prefill.bootstrap_port),
+        "--decode", decode.url, *flags,
+    ]  # fmt: skip
+    log = tmp_path / "router.log"
+    with log.open("wb") as out:
+        child = spawn("router group", argv, stdout=out, stderr=subprocess.STDOUT, text=False)
+    group = Group(child, f"http://127.0.0.1:{port}", log, prefill, decode)
+    try:
+        # Ready means every serving process is up and serves (each has said hello and started).
+        wait_until(lambda: sum(1 for x in group.lines() if x["msg"] == "router started") == 2, 30)
+        wait_until(lambda: group.fresh("GET", "/readiness").status_code == 200, 10)
+    except BaseException:
+        child.stop(grace_s=1)
+        raise
+    return group
+
+
+@pytest.fixture
+def group(workers: tuple[WorkerProcess, WorkerProcess], tmp_path: Path) -> Iterator[Group]:
+    running = _start(workers, tmp_path)
+    yield running
+    running.child.stop(grace_s=10)
+
+
+def test_every_serving_process_serves_the_one_port(group: Group) -> None:
+    statuses = [group.fresh("POST", CHAT, json=BODY).status_code for _ in range(40)]
+    assert statuses == [200] * 40
+    served_by = {x.get("router_process") for x in group.lines() if x["msg"] == "request finished"}
+    assert served_by == {0, 1}  # 40 connections, hashed over two sockets: both took some
+    assert len(group.serving_pids()) == 2
+
+
+def test_metrics_of_any_process_count_the_whole_group(group: Group) -> None:
+    for _ in range(30):
+        assert group.fresh("POST", CHAT, json=BODY).status_code == 200
+    for _ in range(6):  # whichever process answers the scrape
+        text = group.fresh("GET", "/metrics").text
+        line = next(x for x in text.splitlines() if x.startswith("sglang_pd_router_requests_total{"))
+        assert line.endswith(" 30.0"), line
+        assert 'sglang_pd_router_worker_healthy{role="decode",worker="' + group.decode.url + '"} 1.0' in text
+
+
+def test_admin_changes_reach_every_process(group: Group) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    added = group.fresh("POST", "/workers", json={"url": dead, "role": "decode"}, headers=ADMIN)
+    assert added.status_code == 201, added.text
+    assert added.json()["url"] == dead and added.json()["healthy"] is False  # checked before the answer
+    for _ in range(8):
+        decodes = group.fresh("GET", "/workers", headers=ADMIN).json()["decode"]
+        assert dead in [w["url"] for w in decodes]
+    refused = group.fresh("POST", "/workers", json={"url": "http://bad host:1", "role": "decode"}, headers=ADMIN)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "url"
+    removed = group.fresh("DELETE", f"/workers?url={dead}", headers=ADMIN)
+    assert removed.status_code == 200 and removed.json()["removed"][0]["url"] == dead
+    for _ in range(8):
+        decodes = group.fresh("GET", "/workers", headers=ADMIN).json()["decode"]
+        assert [w["url"] for w in decodes] == [group.decode.url]
+    again = group.fresh("DELETE", f"/workers?url={dead}", headers=ADMIN)
+    assert again.status_code == 404 and again.json()["error"]["code"] == "not_found"
+
+
+def test_a_frozen_worker_is_out_of_every_process_and_back(group: Group) -> None:
+    def everyone(status: int) -> bool:
+        return all(group.fresh("GET", "/readiness").status_code == status for _ in range(6))
+
+    os.kill(group.decode.child.pid, signal.SIGSTOP)
+    try:
+        took = wait_until(lambda: everyone(503), 5)
+    finally:
+        os.kill(group.decode.child.pid, signal.SIGCONT)
+    assert took < 2.5  # one failed probe: interval 0.5 s + timeout 1 s, then one publish
+    back = wait_until(lambda: everyone(200), 5)
+    assert back < 2.0
+    assert group.fresh("POST", CHAT, json=BODY).status_code == 200
+
+
+def test_a_dead_serving_process_is_replaced(group: Group) -> None:
+    first = group.serving_pids()
+    os.kill(first[0], signal.SIGKILL)
+    # Meanwhile new connections go to the process that is left: nothing fails.
+    statuses = [group.fresh("POST", CHAT, json=BODY).status_code for _ in range(20)]
+    assert statuses == [200] * 20
+    wait_until(lambda: len(group.serving_pids()) == 2 and first[0] not in group.serving_pids(), 10)
+    wait_until(lambda: sum(1 for x in group.lines() if x["msg"] == "router started") == 3, 15)
+    assert any(x["msg"] == "serving process is down; restarting it" for x in group.lines())
+    statuses = [group.fresh("POST", CHAT, json=BODY).status_code for _ in range(20)]
+    assert statuses == [200] * 20
+
+
+def test_sigterm_drains_every_process_and_leaves_nothing(group: Group) -> None:
+    pids = group.serving_pids()
+    argv = Path(f"/proc/{pids[0]}/cmdline").read_bytes().split(b"\0")
+    workdir = Path(argv[argv.index(b"--member") + 1].decode()).parent
+    assert (workdir / "control.sock").exists() and any((workdir / "metrics").iterdir())
+    group.child.proc.send_signal(signal.SIGTERM)
+    assert group.child.proc.wait(timeout=20) == 0
+    for pid in pids:
+        assert _gone(pid)
+    assert not workdir.exists()  # control socket, member file (it holds the keys), metrics files
+    assert any(x["msg"] == "draining" and x.get("router_process") == 1 for x in group.lines())
+
+
+def test_a_port_in_use_is_refused_naming_its_owner(workers: tuple[WorkerProcess, WorkerProcess]) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        prefill, decode = workers
+        done = subprocess.run(
+            [sys.executable, "-m", "sglang_pd.deploy.router.cli", "--host", "127.0.0.1", "--port", str(port),
+             "--processes", "2", "--prefill", prefill.url, "--decode", decode.url],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+    assert done.returncode == 2
+    assert f"port {port} on 127.0.0.1 is in use by pid {os.getpid()}" in done.stderr
+
+
+def test_processes_must_be_positive() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "sglang_pd.deploy.router.cli", "--processes", "0"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert done.returncode == 2 and "--processes 0: it must be 1 or more" in done.stderr
+
+
+def test_a_bad_worker_key_is_refused_before_anything_starts() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "sglang_pd.deploy.router.cli", "--processes", "2", "--worker-api-key", "a b"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert done.returncode == 2 and "worker API key" in done.stderr
+
+
+# -- pieces, without processes ------------------------------------------------------------------
+
+
+def test_the_config_travels_to_serving_processes_whole() -> None:
+    config = RouterConfig(
+        port=9000,
+        api_keys=("k1", "k2"),
+        admin_key="adm",
+        max_concurrent_requests=7,
+        prefill_workers=(("http://p:1", 8998), ("http://q:1", None)),
+        decode_workers=("http://d:1",),
+        kubernetes=KubernetesDiscoveryConfig(namespace="ns", port=31000),
+    )
+    assert _config_from_json(json.loads(json.dumps(dataclasses.asdict(config)))) == config
+
+
+def test_admission_limits_are_split_between_processes() -> None:
+    config = RouterConfig(max_concurrent_requests=5, max_queued_requests=0)
+    share = split_limits(config, 2)
+    assert (share.max_concurrent_requests, share.max_queued_requests) == (3, 0)  # 0 stays "no limit"
+
+
+def test_reports_from_serving_processes_move_health() -> None:
+    config = RouterConfig(decode_workers=("http://127.0.0.1:1",), health_failure_threshold=1)
+    group = ProcessGroup(config, worker_api_key="", processes=2)
+    worker = group.registry.decode[0]
+    worker.healthy = worker.checked = True
+    group._on_report("stalled", worker.url, "decode", "no bytes on its 1 open stream(s) for 5 s")
+    assert not worker.healthy and "no bytes" in worker.last_error
+    worker.healthy = True
+    group._on_report("probe_failed", worker.url, "decode", "GET /health timed out")
+    assert not worker.healthy and worker.last_error == "GET /health timed out"
+    group._on_report("stalled", "http://127.0.0.1:2", "decode", "unknown worker: ignored")
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (a zombie not yet reaped by init counts as exited)."""
+    try:
+        return "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
