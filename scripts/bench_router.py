@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import os
 import random
 import shutil
@@ -180,7 +181,7 @@ def direct(prefills: list[WorkerProcess], decodes: list[WorkerProcess], tokens: 
             bootstrap_host="127.0.0.1",
             bootstrap_port=p.bootstrap_port,
             bootstrap_room=random.getrandbits(63),
-            rid=f"direct-{i}",
+            rid=f"direct-{os.getpid()}-{i}",  # unique across load generator processes
         )
         started = time.perf_counter()
 
@@ -197,14 +198,23 @@ def direct(prefills: list[WorkerProcess], decodes: list[WorkerProcess], tokens: 
     return send
 
 
-async def run_cell(send: Sender, cell: Cell, duration: float, warmup: float, pids: list[int]) -> None:
-    latencies: list[float] = []
-    ttfbs: list[float] = []
+@dataclass
+class _Drive:
+    """What one load generator process measured in a cell."""
+
+    latencies: list[float] = field(default_factory=list)
+    ttfbs: list[float] = field(default_factory=list)
+    errors: int = 0
+    error_samples: list[str] = field(default_factory=list)
+
+
+async def _drive(send: Sender, stream: bool, concurrency: int, measure_from: float, stop_at: float) -> _Drive:
+    """`concurrency` closed loops of requests until `stop_at`; what started after `measure_from`
+    counts (time.perf_counter: the system-wide monotonic clock, the same in every process)."""
+    out = _Drive()
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        stop_at = time.perf_counter() + warmup + duration
-        measure_from = time.perf_counter() + warmup
 
         async def loop() -> None:
             while True:
@@ -212,24 +222,68 @@ async def run_cell(send: Sender, cell: Cell, duration: float, warmup: float, pid
                 if started >= stop_at:
                     return
                 try:
-                    ttfb = await send(session, cell.stream)
+                    ttfb = await send(session, stream)
                 except Exception as exc:
                     if started >= measure_from:
-                        cell.errors += 1
-                        if len(cell.error_samples) < 3:
-                            cell.error_samples.append(f"{type(exc).__name__}: {exc}"[:300])
+                        out.errors += 1
+                        if len(out.error_samples) < 3:
+                            out.error_samples.append(f"{type(exc).__name__}: {exc}"[:300])
                     continue
                 if started >= measure_from:
-                    latencies.append(time.perf_counter() - started)
-                    ttfbs.append(ttfb)
+                    out.latencies.append(time.perf_counter() - started)
+                    out.ttfbs.append(ttfb)
 
-        began = time.perf_counter()
-        measure = asyncio.ensure_future(_cpu_during(pids, measure_from, stop_at))
-        await asyncio.gather(*[loop() for _ in range(cell.concurrency)])
-        cpu = await measure
-        cell.seconds = time.perf_counter() - max(began, measure_from)
+        await asyncio.gather(*[loop() for _ in range(concurrency)])
+    return out
+
+
+def _drive_in_child(
+    conn: Any, send: Sender, stream: bool, concurrency: int, measure_from: float, stop_at: float
+) -> None:
+    conn.send(asyncio.run(_drive(send, stream, concurrency, measure_from, stop_at)))
+    conn.close()
+
+
+def measure_cell(
+    send: Sender, cell: Cell, duration: float, warmup: float, pids: list[int], loadgen_processes: int = 1
+) -> None:
+    """Fill `cell` with one closed-loop measurement. With `loadgen_processes` > 1 the cell's
+    concurrency is split over that many forked load generator processes (one Python process
+    tops out near 6000 requests/s), whose results are merged."""
+    measure_from = time.perf_counter() + warmup
+    stop_at = measure_from + duration
+    shares = max(1, min(loadgen_processes, cell.concurrency))
+    if shares == 1:
+
+        async def alone() -> tuple[_Drive, float]:
+            cpu = asyncio.ensure_future(_cpu_during(pids, measure_from, stop_at))
+            drive = await _drive(send, cell.stream, cell.concurrency, measure_from, stop_at)
+            return drive, await cpu
+
+        drive, cpu = asyncio.run(alone())
+        parts = [drive]
+    else:
+        ctx = multiprocessing.get_context("fork")
+        pipes, procs = [], []
+        for i in range(shares):
+            share = cell.concurrency // shares + (1 if i < cell.concurrency % shares else 0)
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_drive_in_child, args=(writer, send, cell.stream, share, measure_from, stop_at))
+            proc.start()
+            writer.close()
+            pipes.append(reader)
+            procs.append(proc)
+        cpu = asyncio.run(_cpu_during(pids, measure_from, stop_at))
+        parts = [reader.recv() for reader in pipes]
+        for proc in procs:
+            proc.join()
+    latencies = [x for part in parts for x in part.latencies]
+    ttfbs = [x for part in parts for x in part.ttfbs]
+    cell.errors = sum(part.errors for part in parts)
+    cell.error_samples = [e for part in parts for e in part.error_samples][:3]
+    cell.seconds = duration
     cell.requests = len(latencies)
-    cell.rps = cell.requests / cell.seconds if cell.seconds > 0 else 0.0
+    cell.rps = cell.requests / cell.seconds
     cell.p50_ms = _pct(latencies, 0.50)
     cell.p90_ms = _pct(latencies, 0.90)
     cell.p99_ms = _pct(latencies, 0.99)
@@ -306,6 +360,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decodes", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=8, help="tokens per answer (streamed as 8 SSE events)")
     parser.add_argument(
+        "--loadgen-processes",
+        type=int,
+        default=1,
+        metavar="K",
+        help="load generator processes sharing each cell's concurrency (for hosts with many cores)",
+    )
+    parser.add_argument(
         "--router-processes",
         type=int,
         nargs="+",
@@ -344,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         "decodes": args.decodes,
         "tokens": args.tokens,
         "router_processes": args.router_processes,
+        "loadgen_processes": args.loadgen_processes,
         "duration_s": args.duration,
         "smg": subprocess.run([smg, "--version"], capture_output=True, text=True).stdout.strip() if smg else None,
     }
@@ -375,7 +437,9 @@ def main(argv: list[str] | None = None) -> int:
                         order = targets[r % len(targets) :] + targets[: r % len(targets)]
                         for target in order:
                             cell = Cell(target, stream, conc)
-                            asyncio.run(run_cell(senders[target], cell, args.duration, args.warmup, pids[target]))
+                            measure_cell(
+                                senders[target], cell, args.duration, args.warmup, pids[target], args.loadgen_processes
+                            )
                             rounds.setdefault((target, stream, conc), []).append(cell)
                             print(
                                 f"  round {r} {target:<9} stream={stream!s:<5} c={conc:<3} {cell.rps:8.0f} req/s  "
