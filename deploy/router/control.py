@@ -36,6 +36,8 @@ __all__ = ["ControlLink", "ControlLost", "ControlServer"]
 
 # One line holds every worker's state; far above what thousands of workers need.
 _LINE_LIMIT = 16 * 1024 * 1024
+# A /workers change runs one health check (bounded by the health timeout) in the control process.
+_REQUEST_TIMEOUT_S = 30.0
 
 Handler = Callable[[str, dict[str, Any]], Awaitable[tuple[int, dict[str, Any]]]]
 ReportHandler = Callable[[str, str, str, str], None]
@@ -170,15 +172,18 @@ class ControlLink:
             with contextlib.suppress(BaseException):
                 await self._reader_task
 
-    async def request(self, op: str, **args: Any) -> tuple[int, dict[str, Any]]:
-        """Run `op` in the control process; its (status, body)."""
+    async def request(self, op: str, timeout_s: float = _REQUEST_TIMEOUT_S, **args: Any) -> tuple[int, dict[str, Any]]:
+        """Run `op` in the control process; its (status, body). ControlLost when the control
+        process is gone or has not answered within `timeout_s`."""
         if self._writer is None or self._writer.is_closing():
             raise ControlLost("The router's control process is not reachable from this process.")
         request_id = next(self._ids)
         future = self._pending[request_id] = asyncio.get_running_loop().create_future()
         self._writer.write(_line({"type": "request", "id": request_id, "op": op, "args": args}))
         try:
-            return await future
+            return await asyncio.wait_for(future, timeout_s)
+        except TimeoutError:
+            raise ControlLost(f"The router's control process did not answer within {timeout_s:g} s.") from None
         finally:
             self._pending.pop(request_id, None)
 
@@ -201,6 +206,8 @@ class ControlLink:
                         future.set_result((message["status"], message["body"]))
         except (ConnectionError, ValueError, KeyError) as exc:
             logger.error("control channel broke", extra={"error": repr(exc)})
+        if self._writer is not None:
+            self._writer.close()  # later requests fail at once instead of waiting for a reply
         lost = ControlLost("The router's control process went away.")
         for future in self._pending.values():
             if not future.done():

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from prometheus_client.multiprocess import mark_process_dead
 
 from sglang_pd.deploy.procs import Child, port_in_use, spawn
 
@@ -242,8 +243,6 @@ class ProcessGroup:
         code = child.proc.returncode
         slot.child = None
         with contextlib.suppress(OSError):
-            from prometheus_client.multiprocess import mark_process_dead
-
             mark_process_dead(child.pid, str(self.metrics_dir))  # its live gauges leave the sums
         if self.stopping:
             if code != 0:
