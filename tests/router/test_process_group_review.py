@@ -322,3 +322,28 @@ def test_a_long_tmpdir_is_a_clear_error_or_works(
             assert group.child.proc.returncode == 2 and "TMPDIR" in text, text[-2500:]
     finally:
         group.stop()
+
+
+def test_metrics_files_stay_bounded_across_serving_process_restarts(
+    workers: tuple[WorkerProcess, WorkerProcess], tmp_path: Path, short_tmp: Path
+) -> None:
+    """Each serving process writes its own files to the group's metrics directory; the files of
+    a dead process stay (its counters must keep counting) and every scrape reads all of them. A
+    process that crash-loops (a restart every 10 s at most) must not add files without bound."""
+    prefill, decode = workers
+    group = Group(tmp_path / "router.log", free_port(), "--prefill", prefill.url, str(prefill.bootstrap_port),
+                  "--decode", decode.url, env={"TMPDIR": str(short_tmp)})  # fmt: skip
+    try:
+        wait_until(lambda: group.started() == 2, 30)
+        for restart in range(1, 4):
+            os.kill(group.serving_pids()[0], signal.SIGKILL)
+            wait_until(lambda: group.started() == 2 + restart, 30)  # noqa: B023 (used at once)
+            for _ in range(4):
+                assert httpx.post(group.url + CHAT, json=BODY, headers={"connection": "close"}).status_code == 200
+        metrics_dir = next(short_tmp.glob("sglang-pd-router-*/metrics"))
+        files = sorted(p.name for p in metrics_dir.iterdir())
+        writers = {name.rsplit("_", 1)[1] for name in files}
+        on_disk_kib = sum(p.stat().st_blocks for p in metrics_dir.iterdir()) // 2
+        assert len(writers) <= 3, f"{len(files)} files ({on_disk_kib} KiB on disk) of {len(writers)} processes: {files}"
+    finally:
+        group.stop()
