@@ -34,7 +34,7 @@ from .openapi import OPENAPI
 from .pairs import PairPicker
 from .policies import make_policy
 from .proxy import PDProxy
-from .relay import RelayResponse
+from .relay import ClientWatch, RelayResponse
 from .transport import HttpWorkerClient, WorkerClient
 from .validation import ENDPOINTS, parse_body, validate
 from .workers import WorkerRegistry
@@ -215,8 +215,8 @@ class RouterApp:
             payload = parse_body(await _read_body(receive))
             validate(endpoint, payload, self.registry.models())
             if payload.get("stream"):
-                return await self.proxy.stream(endpoint, payload, rid, receive)
-            return await self.proxy.unary(endpoint, payload, rid, receive)
+                return await self.proxy.stream(endpoint, payload, rid, ClientWatch(scope, receive))
+            return await self.proxy.unary(endpoint, payload, rid, ClientWatch(scope, receive))
         except ApiError as exc:
             response = exc.response()
             response.headers["x-request-id"] = rid

@@ -20,7 +20,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from ..openai_errors import error_body
 from .log import logger
 
-__all__ = ["DEFAULT_HEAD_LIMITS", "HeadLimits", "limited_protocol"]
+__all__ = ["DEFAULT_HEAD_LIMITS", "HeadLimitedProtocol", "HeadLimits"]
 
 _LINGER_S = 0.5
 _REASONS = {414: b"URI Too Long", 431: b"Request Header Fields Too Large"}
@@ -119,8 +119,3 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         # unread, makes the kernel reset the connection before the client has read the answer.
         self.transport.pause_reading()
         self.loop.call_later(_LINGER_S, self.transport.close)
-
-
-def limited_protocol(limits: HeadLimits) -> type[HeadLimitedProtocol]:
-    """A protocol class (what uvicorn's `http=` option takes) enforcing `limits`."""
-    return type("HeadLimitedProtocol", (HeadLimitedProtocol,), {"limits": limits})

@@ -14,7 +14,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.responses import Response
-from starlette.types import Receive
 
 from ..openai_errors import ApiError, normalize_error_body
 from .config import RouterConfig
@@ -23,7 +22,7 @@ from .legs import Legs, PairStreamOutcome
 from .log import logger
 from .logprobs import merge_first_event, merge_logprobs, wants_input_logprobs
 from .pairs import Pair, PairPicker
-from .relay import RelayResponse, openai_finish_reasons, wait_disconnect
+from .relay import ClientWatch, RelayResponse, openai_finish_reasons
 from .tasks import cancel_legs, finished_ok
 from .transport import Reply
 from .workers import Worker
@@ -44,12 +43,11 @@ class PDProxy:
         self.legs = legs
         self._rng = random.Random()
 
-    async def unary(self, endpoint: str, payload: dict[str, Any], rid: str, receive: Receive) -> Response:
-        disconnect = asyncio.ensure_future(wait_disconnect(receive))
+    async def unary(self, endpoint: str, payload: dict[str, Any], rid: str, watch: ClientWatch) -> Response:
         try:
-            _, reply, prefill_t = await self._attempts(endpoint, payload, rid, self.legs.post, disconnect)
+            _, reply, prefill_t = await self._attempts(endpoint, payload, rid, self.legs.post, watch.gone)
         finally:
-            disconnect.cancel()
+            watch.stop()
         body = reply.body
         if reply.status < 300 and wants_input_logprobs(endpoint, payload):
             body = await self._with_prefill_logprobs(prefill_t, body, merge_logprobs)
@@ -60,24 +58,23 @@ class PDProxy:
             body = openai_finish_reasons(body)
         return Response(body, status_code=reply.status, media_type=reply.content_type, headers={"x-request-id": rid})
 
-    async def stream(self, endpoint: str, payload: dict[str, Any], rid: str, receive: Receive) -> Response:
+    async def stream(self, endpoint: str, payload: dict[str, Any], rid: str, watch: ClientWatch) -> Response:
         # One watch on the client for the whole request: the relay takes it over.
-        disconnect = asyncio.ensure_future(wait_disconnect(receive))
         try:
-            pair, reply, prefill_t = await self._attempts(endpoint, payload, rid, self.legs.open_stream, disconnect)
+            pair, reply, prefill_t = await self._attempts(endpoint, payload, rid, self.legs.open_stream, watch.gone)
             if reply.stream is None:  # decode refused (4xx)
                 self._watch_prefill(prefill_t)
-                disconnect.cancel()
+                watch.stop()
                 return _refused(reply, rid)
             first = reply.body
             if wants_input_logprobs(endpoint, payload):
                 first = await self._with_prefill_logprobs(prefill_t, first, merge_first_event)
         except BaseException:
-            disconnect.cancel()
+            watch.stop()
             raise
         self._watch_prefill(prefill_t)
         outcome = PairStreamOutcome(self.legs, pair)
-        return RelayResponse(reply, first, outcome, rid=rid, disconnect=disconnect, openai=endpoint != "/generate")
+        return RelayResponse(reply, first, outcome, rid=rid, watch=watch, openai=endpoint != "/generate")
 
     async def _attempts(
         self, endpoint: str, payload: dict[str, Any], rid: str, open_decode: OpenLeg, disconnect: asyncio.Future[None]

@@ -16,10 +16,11 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from ..openai_errors import sse_error
+from .connection import CLIENT_GONE
 from .exceptions import UpstreamError
 from .transport import Body, Reply
 
-__all__ = ["RelayResponse", "StreamOutcome", "openai_finish_reasons", "wait_disconnect"]
+__all__ = ["ClientWatch", "RelayResponse", "StreamOutcome", "openai_finish_reasons"]
 
 # sglang's OpenAI routes report an aborted request (aborted by /abort_request, by the scheduler
 # under memory pressure, or for a prompt over the context) as `finish_reason: "abort"`, which is not
@@ -63,11 +64,11 @@ class RelayResponse(Response):
         outcome: StreamOutcome,
         *,
         rid: str,
-        disconnect: asyncio.Future[None] | None = None,
+        watch: ClientWatch | None = None,
         openai: bool = True,
     ) -> None:
-        """`disconnect`: a watch on the client (`wait_disconnect`) already running, which the
-        relay takes over; without one the relay starts its own."""
+        """`watch`: the request's watch on the client, which the relay takes over (and stops);
+        without one the relay starts its own."""
         assert reply.stream is not None, "RelayResponse needs an open stream (WorkerClient.open_stream)"
         # Like StreamingResponse: no body attribute, so no Content-Length header.
         self.status_code = reply.status
@@ -78,20 +79,20 @@ class RelayResponse(Response):
         self.first = openai_finish_reasons(first) if openai else first
         self.openai = openai  # an OpenAI route: finish reasons are mapped to OpenAI's values
         self.outcome = outcome
-        self.disconnect = disconnect
+        self.watch = watch
         self.finished = False
         self.abandoned = False  # the client left mid-stream: logged and counted as 499
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         relay = asyncio.ensure_future(self._relay(send))
-        listen = self.disconnect if self.disconnect is not None else asyncio.ensure_future(wait_disconnect(receive))
+        watch = self.watch if self.watch is not None else ClientWatch(scope, receive)
         try:
-            await asyncio.wait({relay, listen}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({relay, watch.gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             if not relay.done():
                 relay.cancel()
                 await asyncio.gather(relay, return_exceptions=True)
-            listen.cancel()
+            watch.stop()
             self._close()
         if relay.done() and not relay.cancelled() and relay.exception() is not None:
             raise relay.exception()  # type: ignore[misc]
@@ -128,7 +129,24 @@ class RelayResponse(Response):
             self.outcome.abandoned()
 
 
-async def wait_disconnect(receive: Receive) -> None:
+class ClientWatch:
+    """`gone` resolves when the client disconnects. Under the router's own HTTP protocol it is the
+    connection's future (no task per request: connection.py); under another ASGI server (tests)
+    a task that reads receive() for `http.disconnect`. Stop the watch when the request ends."""
+
+    __slots__ = ("_owned", "gone")
+
+    def __init__(self, scope: Scope, receive: Receive) -> None:
+        shared = ((scope.get("extensions") or {}).get(CLIENT_GONE) or {}).get("future")
+        self._owned = shared is None
+        self.gone: asyncio.Future[None] = shared if shared is not None else asyncio.ensure_future(_disconnect(receive))
+
+    def stop(self) -> None:
+        if self._owned:  # the connection's own future outlives the request: never cancel it
+            self.gone.cancel()
+
+
+async def _disconnect(receive: Receive) -> None:
     """Return when the client disconnects (the request body has been read already)."""
     while True:
         message = await receive()

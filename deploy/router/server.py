@@ -11,7 +11,8 @@ from typing import Any
 import uvicorn
 
 from .app import RouterApp
-from .head_limits import HeadLimits, limited_protocol
+from .connection import router_protocol
+from .head_limits import HeadLimits
 from .log import configure_logging, logger
 
 __all__ = ["RouterServer", "serve"]
@@ -38,8 +39,9 @@ def uvicorn_config(app: RouterApp, **overrides: Any) -> uvicorn.Config:
         "host": cfg.host,
         "port": cfg.port,
         "loop": "uvloop",
-        # httptools, with limits on the request head enforced while it is parsed (head_limits).
-        "http": limited_protocol(
+        # httptools, with limits on the request head enforced while it is parsed (head_limits)
+        # and a future per connection for requests to watch the client with (connection.py).
+        "http": router_protocol(
             HeadLimits(
                 max_request_line_bytes=cfg.max_request_line_bytes,
                 max_head_bytes=cfg.max_header_bytes,
