@@ -8,6 +8,7 @@ import asyncio
 import logging
 import os
 import re
+import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -58,13 +59,14 @@ class RouterApp:
         worker_api_key: str = "",
         discovery_list_pods: Any = None,
         client: WorkerClient | None = None,
-        control_socket: str | None = None,
+        control_socket: socket.socket | None = None,
         process_index: int = 0,
     ) -> None:
         """`client` replaces the HTTP transport to workers (tests pass an in-process one);
         `discovery_list_pods` replaces the Kubernetes API call of discovery. `control_socket`
-        makes this app one serving process of a router process group (`group.py`): the group's
-        control process then owns the workers, their health and discovery."""
+        (this process's end of its control channel) makes this app one serving process of a
+        router process group (`group.py`): the group's control process then owns the workers,
+        their health and discovery."""
         self.config = config
         self.metrics = RouterMetrics()
         self.registry = WorkerRegistry(

@@ -1,17 +1,18 @@
 """The control channel of a router process group (`group.py`): one JSON object a line over a Unix
-socket between the control process, which owns the workers' health, and each serving process.
+socket pair between the control process, which owns the workers' health, and each serving process
+(the serving process inherits its end: no socket path, nothing another process could connect to).
 
     control → serving   {"type": "workers", "workers": [Worker.state(), ...]}
-                            on connect, then whenever the workers or their health change
+                            on attach, then whenever the workers or their health change
                         {"type": "reply", "id": N, "status": S, "body": {...}}
                             the answer to a request; sent after the "workers" it caused
     serving → control   {"type": "hello", "index": I, "pid": P}
                         {"type": "request", "id": N, "op": "add" | "remove", "args": {...}}
                             a /workers change made through this process's admin API
-                        {"type": "report", "kind": "probe_failed" | "stalled",
+                        {"type": "report", "kind": "probe_passed" | "probe_failed" | "stalled",
                          "url": U, "role": R, "detail": TEXT}
-                            what this process saw of a worker: a failed 5xx-confirmation probe,
-                            or its open streams stalled
+                            what this process saw of a worker: the outcome of a 5xx-confirmation
+                            probe, or its open streams stalled
 
 A serving process that loses the channel drains and exits (the group restarts it): without the
 authority its view of the workers would go stale.
@@ -24,6 +25,7 @@ import contextlib
 import itertools
 import os
 import signal
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -52,36 +54,34 @@ def _line(message: dict[str, Any]) -> bytes:
 
 
 class ControlServer:
-    """The control process's end: serves the Unix socket at `path`, sends the workers' state to
-    every serving process and runs their requests (`handle(op, args)` → status, body) and reports
-    (`on_report(kind, url, role, detail)`)."""
+    """The control process's end: serves the socket of each serving process it is given
+    (`attach`), sends the workers' state to every one and runs their requests (`handle(op, args)`
+    → status, body) and reports (`on_report(kind, url, role, detail)`)."""
 
     def __init__(
         self,
-        path: str,
         *,
         state: Callable[[], list[dict[str, Any]]],
         handle: Handler,
         on_report: ReportHandler,
         on_hello: Callable[[int, int], None],
     ) -> None:
-        self.path = path
         self._state = state
         self._handle = handle
         self._on_report = on_report
         self._on_hello = on_hello
         self._writers: set[asyncio.StreamWriter] = set()
         self._last = b""
-        self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
 
-    async def start(self) -> None:
-        self._server = await asyncio.start_unix_server(self._serve, path=self.path, limit=_LINE_LIMIT)
-        os.chmod(self.path, 0o600)
+    async def attach(self, sock: socket.socket) -> None:
+        """Serve a serving process's channel: our end of its socket pair."""
+        reader, writer = await asyncio.open_connection(sock=sock, limit=_LINE_LIMIT)
+        task = asyncio.create_task(self._serve(reader, writer))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def aclose(self) -> None:
-        if self._server is not None:
-            self._server.close()
         for writer in list(self._writers):
             writer.close()
         for task in list(self._tasks):
@@ -97,7 +97,9 @@ class ControlServer:
             writer.write(line)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._last = _line({"type": "workers", "workers": self._state()})
+        # Changes not yet published go to the others first: the newcomer's copy of the state must
+        # not become the "last sent" that they never received.
+        self.publish()
         writer.write(self._last)
         self._writers.add(writer)
         try:
@@ -136,14 +138,14 @@ class ControlLink:
 
     def __init__(
         self,
-        path: str,
+        sock: socket.socket,
         index: int,
         on_workers: Callable[[list[dict[str, Any]]], None],
         on_lost: Callable[[], None] | None = None,
     ) -> None:
-        """`on_lost`: what to do when the channel breaks (default: SIGTERM to this process, which
-        drains it)."""
-        self.path = path
+        """`sock`: this process's end of its socket pair. `on_lost`: what to do when the channel
+        breaks (default: SIGTERM to this process, which drains it)."""
+        self.sock = sock
         self.index = index
         self._on_workers = on_workers
         self._on_lost = on_lost or (lambda: os.kill(os.getpid(), signal.SIGTERM))
@@ -156,7 +158,7 @@ class ControlLink:
 
     async def connect(self, timeout_s: float = 10.0) -> None:
         """Connect, introduce this process and wait for the first workers' state."""
-        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(self.path, limit=_LINE_LIMIT), timeout_s)
+        reader, writer = await asyncio.open_connection(sock=self.sock, limit=_LINE_LIMIT)
         self._writer = writer
         self._first = asyncio.get_running_loop().create_future()
         self._reader_task = asyncio.create_task(self._read(reader))

@@ -14,17 +14,26 @@ What the processes share, and how:
   any serving process and is carried out by the control process.
 - Metrics: every serving process writes to PROMETHEUS_MULTIPROC_DIR (`metrics.py`); a scrape of
   any of them shows the whole group.
-- Admission limits: split evenly, each process takes ceil(limit / N).
+- Admission limits: split between the processes, the shares adding up to the limits (a limit
+  below N is refused at start). Connections are spread by hash, not by load: one process may
+  answer 429 while another still has room.
 
 Not shared: circuit breakers and in-flight counts are per serving process, over the traffic it
 sees (a dead worker's transport errors reach every process within a request or two anyway).
 
-The control process binds each socket itself, so a port in use is one clear error before anything
-starts, hands it to its serving process and closes its own copy (a serving process that exits
+The control process binds every socket before anything else, so a port in use is one clear error
+before anything starts, and hands each, bound but not listening, to its serving process, which
+listens once it is ready to serve; then it closes its own copy (a serving process that exits
 takes its socket and its backlog with it, and the kernel sends new connections to the others).
-A serving process that dies is restarted on a new socket with back-off; one that exits before it
-ever connected to the control process (it cannot start at all) stops the group with its exit
-status. SIGTERM or SIGINT drains: each serving process gets SIGTERM and the drain time.
+Each serving process gets its configuration (keys included) through a pipe and its control
+channel as an inherited socket: nothing of the group is in a file. A serving process that dies
+is restarted on a new socket with back-off; one that exits before it ever connected (it cannot
+start at all), or fails five times in a row within 30 s of its start, stops the group with its
+exit status. SIGTERM or SIGINT drains: each serving process gets SIGTERM and the drain time; a
+second signal ends them without waiting.
+
+SO_REUSEPORT lets any process of the same user bind the same port while the group runs and take
+a share of its connections: run the router under its own user (the chart runs it as nobody).
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ import asyncio
 import contextlib
 import dataclasses
 import math
+import os
 import shutil
 import signal
 import socket
@@ -63,6 +73,7 @@ __all__ = ["ProcessGroup", "split_limits"]
 _FIRST_RESTART_DELAY_S = 0.5
 _MAX_RESTART_DELAY_S = 10.0
 _STABLE_S = 30.0  # a process that ran this long is restarted after the first delay again
+_MAX_QUICK_FAILURES = 5  # then the group stops: a process that cannot stay up will not start to
 _PUBLISH_PERIOD_S = 0.05  # how often the control process looks for health changes to send
 _SUPERVISE_PERIOD_S = 0.1
 
@@ -73,9 +84,11 @@ class _Slot:
 
     index: int
     child: Child | None = None
+    sock: socket.socket | None = None  # bound for the next start, not yet handed over
     starts: int = 0
     started_at: float = 0.0
     connected: bool = False
+    quick_failures: int = 0  # exits in a row, each within _STABLE_S of its start
     delay_s: float = _FIRST_RESTART_DELAY_S
     restart_at: float | None = None
 
@@ -85,6 +98,12 @@ class ProcessGroup:
     RouterApp does); `serve()` runs the group until it is stopped."""
 
     def __init__(self, config: RouterConfig, *, worker_api_key: str, processes: int) -> None:
+        limit = config.max_concurrent_requests
+        if 0 < limit < processes:
+            raise ValueError(
+                f"--max-concurrent-requests {limit} is below --processes {processes}: each serving process "
+                "needs at least one slot. Raise the limit or run fewer processes."
+            )
         self.config = config
         self.processes = processes
         self.worker_api_key = worker_api_key
@@ -108,6 +127,12 @@ class ProcessGroup:
         self.discovery = (
             KubernetesDiscovery(self.registry, config.kubernetes) if config.kubernetes is not None else None
         )
+        self.server = ControlServer(
+            state=lambda: [w.state() for w in self.registry.all()],
+            handle=self._handle,
+            on_report=self._on_report,
+            on_hello=self._on_hello,
+        )
         self.slots = [_Slot(i) for i in range(processes)]
         self.stopping = False
         self.status = 0
@@ -118,56 +143,41 @@ class ProcessGroup:
         import uvloop
 
         configure_logging(self.config.log_level, {"router_process": "control"})
+        where = f"{self.config.host}:{self.config.port}"
         owner = port_in_use(self.config.host, self.config.port)
         if owner is not None:
-            print(
-                f"sglang-pd router: port {self.config.port} on {self.config.host} is in use by {owner}. "
-                "Stop that process or pass --port.",
-                file=sys.stderr,
-            )
+            print(f"sglang-pd router: {where} is in use by {owner}. Stop that process or pass --port.", file=sys.stderr)
             return 2
-        workdir = Path(tempfile.mkdtemp(prefix="sglang-pd-router-"))  # 0700: this user's only
         try:
-            self.socket_path = str(workdir / "control.sock")
-            self.metrics_dir = workdir / "metrics"
-            self.metrics_dir.mkdir()
-            # Read by each serving process at start: the config, secrets included, so that they
-            # are in no process listing.
-            self.member_file = workdir / "member.json"
-            self.member_file.touch(mode=0o600)
-            self.member_file.write_bytes(
-                orjson.dumps(
-                    {
-                        "config": dataclasses.asdict(self.config),
-                        "worker_api_key": self.worker_api_key,
-                        "processes": self.processes,
-                    }
-                )
-            )
+            # Every socket is bound now, before anything slow (the first health check), so that
+            # the port is ours from here on.
+            for slot in self.slots:
+                slot.sock = _bind(self.config.host, self.config.port)
+        except OSError as exc:
+            self._close_sockets()
+            print(f"sglang-pd router: cannot bind {where}: {exc}. Pass another --port.", file=sys.stderr)
+            return 2
+        self.metrics_dir = Path(tempfile.mkdtemp(prefix="sglang-pd-router-metrics-"))
+        try:
             with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
                 return runner.run(self._run())
         finally:
-            shutil.rmtree(workdir, ignore_errors=True)
+            self._close_sockets()
+            shutil.rmtree(self.metrics_dir, ignore_errors=True)
 
     async def _run(self) -> int:
-        self.server = ControlServer(
-            self.socket_path,
-            state=lambda: [w.state() for w in self.registry.all()],
-            handle=self._handle,
-            on_report=self._on_report,
-            on_hello=self._on_hello,
-        )
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
-        await self.server.start()
         await self.health.start()
+        if self.stopping:  # stopped during the first health check: nothing was started
+            return self.status
         if self.discovery is not None:
             self.discovery.start(loop)
         publisher = asyncio.create_task(self._publish_every(_PUBLISH_PERIOD_S))
         try:
             for slot in self.slots:
-                self._start(slot)
+                await self._start(slot)
             logger.info(
                 "router process group started",
                 extra={"processes": self.processes, "host": self.config.host, "port": self.config.port},
@@ -186,26 +196,40 @@ class ProcessGroup:
 
     # -- serving processes ----------------------------------------------------------------------
 
-    def _start(self, slot: _Slot) -> None:
+    async def _start(self, slot: _Slot) -> None:
         slot.restart_at = None
-        try:
-            sock = _listen(self.config.host, self.config.port)
-        except OSError as exc:
-            self._schedule_restart(slot, f"cannot bind {self.config.host}:{self.config.port}: {exc}")
-            return
+        if slot.sock is None:
+            try:
+                slot.sock = _bind(self.config.host, self.config.port)
+            except OSError as exc:
+                self._schedule_restart(slot, f"cannot bind {self.config.host}:{self.config.port}: {exc}")
+                return
+        sock, slot.sock = slot.sock, None
+        ours, theirs = socket.socketpair()
+        config_read, config_write = os.pipe()
         try:
             argv = [
-                sys.executable, "-m", __name__, "--member", str(self.member_file),
-                "--control-socket", self.socket_path, "--index", str(slot.index), "--listen-fd", str(sock.fileno()),
+                sys.executable, "-m", __name__, "--index", str(slot.index), "--listen-fd", str(sock.fileno()),
+                "--control-fd", str(theirs.fileno()), "--config-fd", str(config_read),
             ]  # fmt: skip
             slot.child = spawn(
                 f"router-{slot.index}",
                 argv,
                 env={"PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)},
-                pass_fds=[sock.fileno()],
+                pass_fds=[sock.fileno(), theirs.fileno(), config_read],
             )
         finally:
-            sock.close()  # the serving process holds it now; see the module docstring
+            # The serving process holds these now. Closing our copy of the listening socket
+            # matters: a socket that outlives its process would keep taking connections.
+            sock.close()
+            theirs.close()
+            os.close(config_read)
+        # The configuration, keys included, goes through a pipe: in no file, in no process listing.
+        member = {"config": dataclasses.asdict(self.config), "worker_api_key": self.worker_api_key,
+                  "processes": self.processes}  # fmt: skip
+        with open(config_write, "wb") as pipe:
+            pipe.write(orjson.dumps(member))
+        await self.server.attach(ours)
         slot.starts += 1
         slot.connected = False
         slot.started_at = asyncio.get_running_loop().time()
@@ -229,7 +253,7 @@ class ProcessGroup:
                     self._exited(slot, child)
                 restart_at = slot.restart_at
                 if slot.child is None and restart_at is not None and loop.time() >= restart_at and not self.stopping:
-                    self._start(slot)
+                    await self._start(slot)
             if self.stopping and all(slot.child is None for slot in self.slots):
                 return self.status
             if loop.time() >= self._kill_at:
@@ -248,14 +272,22 @@ class ProcessGroup:
             if code != 0:
                 self.status = 1
             return
+        ran_s = asyncio.get_running_loop().time() - slot.started_at
+        slot.quick_failures = slot.quick_failures + 1 if ran_s < _STABLE_S else 0
+        extra = {"index": slot.index, "status": code, "ran_s": round(ran_s, 1)}
         if slot.starts == 1 and not slot.connected:
+            logger.error("serving process could not start; stopping the router (see its lines above)", extra=extra)
+        elif slot.quick_failures >= _MAX_QUICK_FAILURES:
             logger.error(
-                "serving process could not start; stopping the router", extra={"index": slot.index, "status": code}
+                f"serving process failed {slot.quick_failures} times in a row, each within {_STABLE_S:g} s of its "
+                "start; stopping the router (see its lines above)",
+                extra=extra,
             )
-            self.status = code or 1
-            self._stop()
+        else:
+            self._schedule_restart(slot, f"exited with status {code}")
             return
-        self._schedule_restart(slot, f"exited with status {code}")
+        self.status = code if code > 0 else 1
+        self._stop()
 
     def _on_hello(self, index: int, pid: int) -> None:
         slot = self.slots[index]
@@ -263,10 +295,10 @@ class ProcessGroup:
             slot.connected = True
 
     def _on_signal(self, sig: int) -> None:
-        if self.stopping:  # a second Ctrl-C: stop without waiting (uvicorn's forced exit)
+        if self.stopping:  # a second signal: stop without waiting for the drain
             for slot in self.slots:
                 if slot.child is not None:
-                    slot.child.proc.send_signal(signal.SIGINT)
+                    slot.child.proc.send_signal(signal.SIGTERM)
             return
         logger.info("draining", extra={"signal": sig, "deadline_s": self.config.drain_timeout_s})
         self._stop()
@@ -278,6 +310,12 @@ class ProcessGroup:
             slot.restart_at = None
             if slot.child is not None:
                 slot.child.proc.send_signal(signal.SIGTERM)
+
+    def _close_sockets(self) -> None:
+        for slot in self.slots:
+            if slot.sock is not None:
+                slot.sock.close()
+                slot.sock = None
 
     # -- the control channel --------------------------------------------------------------------
 
@@ -310,19 +348,21 @@ class ProcessGroup:
             worker = self.registry.get(url, role)
             if worker is None:
                 return
-            if kind == "probe_failed":
-                self.health.book(worker, False, detail, "confirmation")
+            if kind in ("probe_passed", "probe_failed"):
+                self.health.book(worker, kind == "probe_passed", detail, "confirmation")
             elif kind == "stalled" and worker.healthy:
                 self.health.eject(worker, detail)
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to the router's port beside the group's others (SO_REUSEPORT), not yet
+    listening: the serving process listens once it is ready to serve, so the kernel sends it no
+    connection before then (asyncio's create_server calls listen())."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
-        sock.listen(4096)
     except OSError:
         sock.close()
         raise
@@ -343,12 +383,17 @@ def _config_from_json(data: dict[str, Any]) -> RouterConfig:
     )
 
 
-def split_limits(config: RouterConfig, processes: int) -> RouterConfig:
-    """One serving process's share of the router's admission limits (0 stays 'no limit')."""
+def split_limits(config: RouterConfig, processes: int, index: int) -> RouterConfig:
+    """Serving process `index`'s share of the router's admission limits: the shares add up to the
+    limits exactly (0 stays "no limit" for the concurrency, "no queue" for the queue)."""
+
+    def share(total: int) -> int:
+        return total // processes + (1 if index < total % processes else 0)
+
     return dataclasses.replace(
         config,
-        max_concurrent_requests=math.ceil(config.max_concurrent_requests / processes),
-        max_queued_requests=math.ceil(config.max_queued_requests / processes),
+        max_concurrent_requests=share(config.max_concurrent_requests),
+        max_queued_requests=share(config.max_queued_requests),
     )
 
 
@@ -358,17 +403,18 @@ def _serve_member(argv: list[str] | None = None) -> int:
     from .server import serve
 
     parser = argparse.ArgumentParser(prog="sglang-pd router (serving process)")
-    parser.add_argument("--member", required=True, help="the group's member file")
-    parser.add_argument("--control-socket", required=True)
     parser.add_argument("--index", type=int, required=True)
-    parser.add_argument("--listen-fd", type=int, required=True)
+    parser.add_argument("--listen-fd", type=int, required=True, help="the bound socket to serve on")
+    parser.add_argument("--control-fd", type=int, required=True, help="this process's end of the control channel")
+    parser.add_argument("--config-fd", type=int, required=True, help="a pipe with the configuration")
     args = parser.parse_args(argv)
-    member = orjson.loads(Path(args.member).read_bytes())
-    config = split_limits(_config_from_json(member["config"]), member["processes"])
+    with open(args.config_fd, "rb") as pipe:
+        member = orjson.loads(pipe.read())
+    config = split_limits(_config_from_json(member["config"]), member["processes"], args.index)
     app = RouterApp(
         config,
         worker_api_key=member["worker_api_key"],
-        control_socket=args.control_socket,
+        control_socket=socket.socket(fileno=args.control_fd),
         process_index=args.index,
     )
     return serve(app, sockets=[socket.socket(fileno=args.listen_fd)])

@@ -16,7 +16,7 @@ any of them for `stall_s`: a frozen engine (SIGSTOP, a hung GPU) keeps its conne
 nothing else notices until a probe times out. The next passing probe readmits it.
 
 In a serving process of a router process group (`group.py`) the group's control process owns
-health: such a checker is given `report` and runs no periodic checks; a failed confirmation probe
+health: such a checker is given `report` and runs no periodic checks; a confirmation probe's outcome
 and a stall are reported to the control process (which books and publishes them), and the stall
 also takes the worker out of this process at once.
 
@@ -165,8 +165,8 @@ class HealthChecker:
         ok, error = await self._probe(worker)
         if self.report is None:
             self._book(worker, ok, error, "confirmation")
-        elif not ok:
-            self.report("probe_failed", worker, error)
+        else:
+            self.report("probe_passed" if ok else "probe_failed", worker, error)
         return ok
 
     def book(self, worker: Worker, ok: bool, error: str, check: str) -> None:

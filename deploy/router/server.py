@@ -24,6 +24,8 @@ class RouterServer(uvicorn.Server):
         self.router = app
 
     def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.should_exit and sig == signal.SIGTERM:
+            self.force_exit = True  # a second SIGTERM: stop waiting for the drain (as a second Ctrl-C)
         if not self.router.draining:
             logger.info("draining", extra={"signal": sig, "deadline_s": self.router.config.drain_timeout_s})
         self.router.start_draining()

@@ -1,11 +1,11 @@
-"""The control channel of a router process group over a real Unix socket, in one process: state
+"""The control channel of a router process group over real socket pairs, in one process: state
 reaches every serving end, a request's change arrives before its reply, reports reach the control
 end, and a serving end that loses the control process fails what it waits on and says so."""
 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
+import socket
 from typing import Any
 
 import pytest
@@ -22,13 +22,13 @@ def _state(url: str, healthy: bool = True) -> dict[str, Any]:
 class Control:
     """A control end holding a list of worker states, answering "add" after `delay_s`."""
 
-    def __init__(self, path: Path, delay_s: float = 0.0) -> None:
+    def __init__(self, delay_s: float = 0.0) -> None:
         self.states: list[dict[str, Any]] = []
         self.reports: list[tuple[str, str, str, str]] = []
         self.hellos: list[tuple[int, int]] = []
         self.delay_s = delay_s
         self.server = ControlServer(
-            str(path), state=lambda: self.states, handle=self.handle, on_report=self.on_report,
+            state=lambda: self.states, handle=self.handle, on_report=self.on_report,
             on_hello=lambda index, pid: self.hellos.append((index, pid)),
         )  # fmt: skip
 
@@ -39,18 +39,23 @@ class Control:
             return 201, {"url": args["url"]}
         return 400, {"message": f"unknown {op}"}
 
+    async def link(self, index: int, registry: WorkerRegistry, on_lost: Any = lambda: None) -> ControlLink:
+        """A serving end on a new socket pair, as group.py hands one to each serving process."""
+        ours, theirs = socket.socketpair()
+        await self.server.attach(ours)
+        return ControlLink(theirs, index, registry.sync, on_lost=on_lost)
+
     def on_report(self, kind: str, url: str, role: str, detail: str) -> None:
         self.reports.append((kind, url, role, detail))
         self.states = [{**s, "healthy": False} if s["url"] == url else s for s in self.states]
 
 
-def test_state_requests_and_reports(tmp_path: Path) -> None:
+def test_state_requests_and_reports() -> None:
     async def main() -> None:
-        control = Control(tmp_path / "c.sock")
+        control = Control()
         control.states = [_state("http://127.0.0.1:7001")]
-        await control.server.start()
         registries = [WorkerRegistry(), WorkerRegistry()]
-        links = [ControlLink(control.server.path, i, registries[i].sync, on_lost=lambda: None) for i in range(2)]
+        links = [await control.link(i, registries[i]) for i in range(2)]
         for link in links:
             await link.connect(timeout_s=5)
         # Both ends hold the state from the moment connect() returns.
@@ -82,11 +87,10 @@ def test_state_requests_and_reports(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
-def test_a_slow_control_process_is_a_clear_error(tmp_path: Path) -> None:
+def test_a_slow_control_process_is_a_clear_error() -> None:
     async def main() -> None:
-        control = Control(tmp_path / "c.sock", delay_s=2.0)
-        await control.server.start()
-        link = ControlLink(control.server.path, 0, WorkerRegistry().sync, on_lost=lambda: None)
+        control = Control(delay_s=2.0)
+        link = await control.link(0, WorkerRegistry())
         await link.connect(timeout_s=5)
         with pytest.raises(ControlLost, match=r"did not answer within 0\.2 s"):
             await link.request("add", timeout_s=0.2, url="http://127.0.0.1:7003")
@@ -96,12 +100,11 @@ def test_a_slow_control_process_is_a_clear_error(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
-def test_losing_the_control_process_fails_waiters_and_signals(tmp_path: Path) -> None:
+def test_losing_the_control_process_fails_waiters_and_signals() -> None:
     async def main() -> None:
-        control = Control(tmp_path / "c.sock", delay_s=5.0)
-        await control.server.start()
+        control = Control(delay_s=5.0)
         lost = asyncio.Event()
-        link = ControlLink(control.server.path, 0, WorkerRegistry().sync, on_lost=lost.set)
+        link = await control.link(0, WorkerRegistry(), on_lost=lost.set)
         await link.connect(timeout_s=5)
         waiting = asyncio.ensure_future(link.request("add", url="http://127.0.0.1:7004"))
         await asyncio.sleep(0.1)
@@ -116,7 +119,21 @@ def test_losing_the_control_process_fails_waiters_and_signals(tmp_path: Path) ->
     asyncio.run(main())
 
 
-def test_connect_fails_when_no_control_process_listens(tmp_path: Path) -> None:
-    link = ControlLink(str(tmp_path / "absent.sock"), 0, WorkerRegistry().sync, on_lost=lambda: None)
-    with pytest.raises(OSError):
-        asyncio.run(link.connect(timeout_s=1))
+def test_a_change_not_yet_published_reaches_everyone_when_a_process_attaches() -> None:
+    async def main() -> None:
+        control = Control()
+        control.states = [_state("http://127.0.0.1:7001")]
+        first = WorkerRegistry()
+        first_link = await control.link(0, first)
+        await first_link.connect(timeout_s=5)
+        control.states = [_state("http://127.0.0.1:7001", healthy=False)]  # not published yet
+        second = WorkerRegistry()
+        second_link = await control.link(1, second)
+        await second_link.connect(timeout_s=5)
+        await asyncio.sleep(0.1)
+        assert not first.decode[0].healthy and not second.decode[0].healthy
+        for link in (first_link, second_link):
+            await link.aclose()
+        await control.server.aclose()
+
+    asyncio.run(main())

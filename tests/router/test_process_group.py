@@ -155,14 +155,14 @@ def test_a_dead_serving_process_is_replaced(group: Group) -> None:
 
 def test_sigterm_drains_every_process_and_leaves_nothing(group: Group) -> None:
     pids = group.serving_pids()
-    argv = Path(f"/proc/{pids[0]}/cmdline").read_bytes().split(b"\0")
-    workdir = Path(argv[argv.index(b"--member") + 1].decode()).parent
-    assert (workdir / "control.sock").exists() and any((workdir / "metrics").iterdir())
+    environ = dict(v.split(b"=", 1) for v in Path(f"/proc/{pids[0]}/environ").read_bytes().split(b"\0") if v)
+    workdir = Path(environ[b"PROMETHEUS_MULTIPROC_DIR"].decode())
+    assert any(workdir.iterdir())
     group.child.proc.send_signal(signal.SIGTERM)
     assert group.child.proc.wait(timeout=20) == 0
     for pid in pids:
         assert _gone(pid)
-    assert not workdir.exists()  # control socket, member file (it holds the keys), metrics files
+    assert not workdir.exists()  # the metrics files
     assert any(x["msg"] == "draining" and x.get("router_process") == 1 for x in group.lines())
 
 
@@ -178,7 +178,7 @@ def test_a_port_in_use_is_refused_naming_its_owner(workers: tuple[WorkerProcess,
             capture_output=True, text=True, timeout=30,
         )  # fmt: skip
     assert done.returncode == 2
-    assert f"port {port} on 127.0.0.1 is in use by pid {os.getpid()}" in done.stderr
+    assert f"127.0.0.1:{port} is in use by pid {os.getpid()}" in done.stderr
 
 
 def test_processes_must_be_positive() -> None:
@@ -214,9 +214,13 @@ def test_the_config_travels_to_serving_processes_whole() -> None:
 
 
 def test_admission_limits_are_split_between_processes() -> None:
-    config = RouterConfig(max_concurrent_requests=5, max_queued_requests=0)
-    share = split_limits(config, 2)
-    assert (share.max_concurrent_requests, share.max_queued_requests) == (3, 0)  # 0 stays "no limit"
+    config = RouterConfig(max_concurrent_requests=5, max_queued_requests=3)
+    shares = [split_limits(config, 3, i) for i in range(3)]
+    assert [(c.max_concurrent_requests, c.max_queued_requests) for c in shares] == [(2, 1), (2, 1), (1, 1)]
+    unlimited = split_limits(RouterConfig(max_concurrent_requests=0, max_queued_requests=0), 4, 3)
+    assert (unlimited.max_concurrent_requests, unlimited.max_queued_requests) == (0, 0)
+    with pytest.raises(ValueError, match="--max-concurrent-requests 3 is below --processes 4"):
+        ProcessGroup(RouterConfig(max_concurrent_requests=3), worker_api_key="", processes=4)
 
 
 def test_reports_from_serving_processes_move_health() -> None:
