@@ -10,7 +10,7 @@ What the processes share, and how:
 - The workers and their health: the control process is the one authority. It runs the health
   checks, Kubernetes discovery and every /workers change, and sends the workers' state to each
   serving process over the control channel (`control.py`); serving processes report back what
-  they see (a 5xx whose confirmation probe failed, streams that stalled). A /workers call reaches
+  they see (5xx-confirmation probes, streams that stalled). A /workers call reaches
   any serving process and is carried out by the control process.
 - Metrics: every serving process writes to PROMETHEUS_MULTIPROC_DIR (`metrics.py`); a scrape of
   any of them shows the whole group.
@@ -26,7 +26,7 @@ before anything starts, and hands each, bound but not listening, to its serving 
 listens once it is ready to serve; then it closes its own copy (a serving process that exits
 takes its socket and its backlog with it, and the kernel sends new connections to the others).
 Each serving process gets its configuration (keys included) through a pipe and its control
-channel as an inherited socket: nothing of the group is in a file. A serving process that dies
+channel as an inherited socket: no key is in a file, only the metrics are. A serving process that dies
 is restarted on a new socket with back-off; one that exits before it ever connected (it cannot
 start at all), or fails five times in a row within 30 s of its start, stops the group with its
 exit status. SIGTERM or SIGINT drains: each serving process gets SIGTERM and the drain time; a
