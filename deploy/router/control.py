@@ -6,7 +6,9 @@ socket pair between the control process, which owns the workers' health, and eac
                             on attach, then whenever the workers or their health change
                         {"type": "reply", "id": N, "status": S, "body": {...}}
                             the answer to a request; sent after the "workers" it caused
-    serving → control   {"type": "hello", "index": I, "pid": P}
+    serving → control   {"type": "alive", "index": I, "pid": P}
+                            on attach, then every second from its event loop (a process whose
+                            loop stops, frozen or stuck, stops sending it)
                         {"type": "request", "id": N, "op": "add" | "remove", "args": {...}}
                             a /workers change made through this process's admin API
                         {"type": "report", "kind": "probe_passed" | "probe_failed" | "stalled",
@@ -34,10 +36,13 @@ import orjson
 from .log import logger
 from .workers import Worker
 
-__all__ = ["ControlLink", "ControlLost", "ControlServer"]
+__all__ = ["HEARTBEAT_S", "ControlLink", "ControlLost", "ControlServer"]
 
 # One line holds every worker's state; far above what thousands of workers need.
 _LINE_LIMIT = 16 * 1024 * 1024
+# How often a serving process says it is alive; the control process kills one silent for
+# several of these (group.py).
+HEARTBEAT_S = 1.0
 # A /workers change runs one health check (bounded by the health timeout) in the control process.
 _REQUEST_TIMEOUT_S = 30.0
 
@@ -64,12 +69,12 @@ class ControlServer:
         state: Callable[[], list[dict[str, Any]]],
         handle: Handler,
         on_report: ReportHandler,
-        on_hello: Callable[[int, int], None],
+        on_alive: Callable[[int, int], None],
     ) -> None:
         self._state = state
         self._handle = handle
         self._on_report = on_report
-        self._on_hello = on_hello
+        self._on_alive = on_alive
         self._writers: set[asyncio.StreamWriter] = set()
         self._last = b""
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -113,8 +118,8 @@ class ControlServer:
                 elif kind == "report":
                     self._on_report(message["kind"], message["url"], message["role"], message.get("detail", ""))
                     self.publish()
-                elif kind == "hello":
-                    self._on_hello(int(message["index"]), int(message["pid"]))
+                elif kind == "alive":
+                    self._on_alive(int(message["index"]), int(message["pid"]))
         except (ConnectionError, ValueError, KeyError) as exc:
             logger.warning("control channel: dropped a serving process's connection", extra={"error": repr(exc)})
         finally:
@@ -154,6 +159,7 @@ class ControlLink:
         self._pending: dict[int, asyncio.Future[tuple[int, dict[str, Any]]]] = {}
         self._ids = itertools.count(1)
         self._first: asyncio.Future[None] | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
         self._closing = False
 
     async def connect(self, timeout_s: float = 10.0) -> None:
@@ -162,17 +168,25 @@ class ControlLink:
         self._writer = writer
         self._first = asyncio.get_running_loop().create_future()
         self._reader_task = asyncio.create_task(self._read(reader))
-        writer.write(_line({"type": "hello", "index": self.index, "pid": os.getpid()}))
+        self._heartbeat = asyncio.create_task(self._beat(writer))
         await asyncio.wait_for(asyncio.shield(self._first), timeout_s)
 
     async def aclose(self) -> None:
         self._closing = True
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
         if self._writer is not None:
             self._writer.close()
         if self._reader_task is not None:
             self._reader_task.cancel()
             with contextlib.suppress(BaseException):
                 await self._reader_task
+
+    async def _beat(self, writer: asyncio.StreamWriter) -> None:
+        alive = _line({"type": "alive", "index": self.index, "pid": os.getpid()})
+        while not writer.is_closing():
+            writer.write(alive)
+            await asyncio.sleep(HEARTBEAT_S)
 
     async def request(self, op: str, timeout_s: float = _REQUEST_TIMEOUT_S, **args: Any) -> tuple[int, dict[str, Any]]:
         """Run `op` in the control process; its (status, body). ControlLost when the control

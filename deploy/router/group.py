@@ -26,11 +26,13 @@ before anything starts, and hands each, bound but not listening, to its serving 
 listens once it is ready to serve; then it closes its own copy (a serving process that exits
 takes its socket and its backlog with it, and the kernel sends new connections to the others).
 Each serving process gets its configuration (keys included) through a pipe and its control
-channel as an inherited socket: no key is in a file, only the metrics are. A serving process that dies
-is restarted on a new socket with back-off; one that exits before it ever connected (it cannot
-start at all), or fails five times in a row within 30 s of its start, stops the group with its
-exit status. SIGTERM or SIGINT drains: each serving process gets SIGTERM and the drain time; a
-second signal ends them without waiting.
+channel as an inherited socket: no key is in a file, only the metrics are. A serving process that
+dies is restarted on a new socket with back-off; one that exits before it ever connected (it
+cannot start at all), or fails five times in a row within 30 s of its start, stops the group with
+its exit status. One that stops sending its heartbeat (its event loop froze) is killed and
+restarted, so that the connections the kernel hashes to its socket do not hang. SIGTERM or SIGINT
+drains: each serving process gets SIGTERM and the drain time; a second signal ends them without
+waiting.
 
 SO_REUSEPORT lets any process of the same user bind the same port while the group runs and take
 a share of its connections: run the router under its own user (the chart runs it as nobody).
@@ -59,7 +61,7 @@ from prometheus_client.multiprocess import mark_process_dead
 from sglang_pd.deploy.procs import Child, port_in_use, spawn
 
 from .config import KubernetesDiscoveryConfig, RouterConfig
-from .control import ControlServer
+from .control import HEARTBEAT_S, ControlServer
 from .discovery import KubernetesDiscovery
 from .exceptions import WorkerRegistrationError
 from .health import HealthChecker
@@ -74,6 +76,8 @@ _FIRST_RESTART_DELAY_S = 0.5
 _MAX_RESTART_DELAY_S = 10.0
 _STABLE_S = 30.0  # a process that ran this long is restarted after the first delay again
 _MAX_QUICK_FAILURES = 5  # then the group stops: a process that cannot stay up will not start to
+_SILENT_S = 5 * HEARTBEAT_S  # then a serving process counts as stuck and is killed
+_START_S = 60.0  # a serving process must connect within this of its start
 _PUBLISH_PERIOD_S = 0.05  # how often the control process looks for health changes to send
 _SUPERVISE_PERIOD_S = 0.1
 
@@ -88,6 +92,7 @@ class _Slot:
     starts: int = 0
     started_at: float = 0.0
     connected: bool = False
+    alive_at: float = 0.0  # its last heartbeat on the control channel
     quick_failures: int = 0  # exits in a row, each within _STABLE_S of its start
     delay_s: float = _FIRST_RESTART_DELAY_S
     restart_at: float | None = None
@@ -131,7 +136,7 @@ class ProcessGroup:
             state=lambda: [w.state() for w in self.registry.all()],
             handle=self._handle,
             on_report=self._on_report,
-            on_hello=self._on_hello,
+            on_alive=self._on_alive,
         )
         self.slots = [_Slot(i) for i in range(processes)]
         self.stopping = False
@@ -251,6 +256,8 @@ class ProcessGroup:
                 child = slot.child
                 if child is not None and not child.alive():
                     self._exited(slot, child)
+                elif child is not None and not self.stopping:
+                    self._kill_if_stuck(slot, child, loop.time())
                 restart_at = slot.restart_at
                 if slot.child is None and restart_at is not None and loop.time() >= restart_at and not self.stopping:
                     await self._start(slot)
@@ -262,6 +269,18 @@ class ProcessGroup:
                         logger.error("serving process did not drain in time; killing it", extra={"index": slot.index})
                         slot.child.kill()
                 self._kill_at = math.inf
+
+    def _kill_if_stuck(self, slot: _Slot, child: Child, now: float) -> None:
+        """A serving process whose event loop stopped (SIGSTOP, a blocking bug) still holds its
+        socket: the connections the kernel gives it would hang. Kill it; it is restarted."""
+        if slot.connected and now - slot.alive_at > _SILENT_S:
+            reason = f"sent no heartbeat for {_SILENT_S:g} s"
+        elif not slot.connected and now - slot.started_at > _START_S:
+            reason = f"did not connect within {_START_S:g} s of its start"
+        else:
+            return
+        logger.error("serving process is stuck; killing it", extra={"index": slot.index, "reason": reason})
+        child.kill()
 
     def _exited(self, slot: _Slot, child: Child) -> None:
         code = child.proc.returncode
@@ -289,10 +308,11 @@ class ProcessGroup:
         self.status = code if code > 0 else 1
         self._stop()
 
-    def _on_hello(self, index: int, pid: int) -> None:
+    def _on_alive(self, index: int, pid: int) -> None:
         slot = self.slots[index]
         if slot.child is not None and slot.child.pid == pid:
             slot.connected = True
+            slot.alive_at = asyncio.get_running_loop().time()
 
     def _on_signal(self, sig: int) -> None:
         if self.stopping:  # a second signal: stop without waiting for the drain

@@ -25,11 +25,11 @@ class Control:
     def __init__(self, delay_s: float = 0.0) -> None:
         self.states: list[dict[str, Any]] = []
         self.reports: list[tuple[str, str, str, str]] = []
-        self.hellos: list[tuple[int, int]] = []
+        self.alive: list[tuple[int, int]] = []
         self.delay_s = delay_s
         self.server = ControlServer(
             state=lambda: self.states, handle=self.handle, on_report=self.on_report,
-            on_hello=lambda index, pid: self.hellos.append((index, pid)),
+            on_alive=lambda index, pid: self.alive.append((index, pid)),
         )  # fmt: skip
 
     async def handle(self, op: str, args: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -74,7 +74,7 @@ def test_state_requests_and_reports() -> None:
         await asyncio.sleep(0.1)
         assert control.reports == [("stalled", "http://127.0.0.1:7001", "decode", "no bytes for 5 s")]
         assert not registries[0].decode[0].healthy  # the report's effect reached every end
-        assert sorted(i for i, _ in control.hellos) == [0, 1]
+        assert {i for i, _ in control.alive} == {0, 1}
 
         control.states = []  # a removal reaches every end at the next publish
         control.server.publish()

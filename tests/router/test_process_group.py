@@ -72,7 +72,7 @@ def _start(workers: tuple[WorkerProcess, WorkerProcess], tmp_path: Path, *flags:
         child = spawn("router group", argv, stdout=out, stderr=subprocess.STDOUT, text=False)
     group = Group(child, f"http://127.0.0.1:{port}", log, prefill, decode)
     try:
-        # Ready means every serving process is up and serves (each has said hello and started).
+        # Ready means every serving process is up and serves (each has sent its heartbeat and started).
         wait_until(lambda: sum(1 for x in group.lines() if x["msg"] == "router started") == 2, 30)
         wait_until(lambda: group.fresh("GET", "/readiness").status_code == 200, 10)
     except BaseException:

@@ -266,3 +266,28 @@ def test_a_serving_process_that_keeps_dying_stops_the_group(
         assert not list(short_tmp.iterdir())  # a clean stop removes the metrics files
     finally:
         group.stop()
+
+
+def test_a_frozen_serving_process_is_killed_and_replaced(
+    workers: tuple[WorkerProcess, WorkerProcess], tmp_path: Path, short_tmp: Path
+) -> None:
+    """A serving process whose event loop stops (SIGSTOP here; a blocking bug alike) keeps its
+    socket: the connections the kernel hashes to it would hang. Its heartbeat stops, so the
+    control process kills it within seconds, and a restarted one serves."""
+    prefill, decode = workers
+    group = Group(tmp_path / "router.log", free_port(), "--prefill", prefill.url, str(prefill.bootstrap_port),
+                  "--decode", decode.url, env={"TMPDIR": str(short_tmp)})  # fmt: skip
+    try:
+        wait_until(lambda: group.started() == 2, 30)
+        frozen = group.serving_pids()[0]
+        os.kill(frozen, signal.SIGSTOP)
+        took = wait_until(lambda: _gone(frozen), 15)
+        assert took < 8.0  # five missed heartbeats, then the next supervision round
+        stuck = [x for x in group.lines() if x.get("msg") == "serving process is stuck; killing it"]
+        assert stuck and "heartbeat" in stuck[0]["reason"], group.text()[-2000:]
+        wait_until(lambda: group.started() == 3, 30)
+        statuses = [httpx.post(group.url + CHAT, json=BODY, headers={"connection": "close"}, timeout=5).status_code
+                    for _ in range(20)]  # fmt: skip
+        assert statuses == [200] * 20
+    finally:
+        group.stop()
