@@ -35,7 +35,6 @@ import multiprocessing
 import os
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,6 +47,7 @@ from typing import Any
 import aiohttp
 
 from sglang_pd.deploy.procs import Child, spawn
+from tests.support.polling import free_port
 from tests.support.router_worker_server import WorkerProcess, start_workers
 
 CHAT = "/v1/chat/completions"
@@ -109,12 +109,6 @@ def _cpu_model() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return "unknown"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -414,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with contextlib.ExitStack() as stack:
             for target in targets:
-                port = _free_port()
+                port = free_port()
                 url = f"http://127.0.0.1:{port}"
                 if target == "direct":
                     senders[target] = direct(prefills, decodes, args.tokens)

@@ -180,16 +180,14 @@ class HealthChecker:
             worker.consecutive_health_failures = 0
             worker.consecutive_health_successes += 1
             if first or worker.consecutive_health_successes >= self.success_threshold:
-                worker.healthy = True
+                worker.set_healthy(True)  # readmitted: see the module docstring
         else:
             worker.consecutive_health_successes = 0
             worker.consecutive_health_failures += 1
             worker.last_error = error
             if first or worker.consecutive_health_failures >= self.failure_threshold:
-                worker.healthy = False
+                worker.set_healthy(False)
         worker.checked = True
-        if worker.healthy and not was_healthy and worker.breaker.state:
-            worker.breaker.record_success()  # readmitted: see the module docstring
         if self.registry.get(worker.url, worker.role) is worker:
             self.metrics.worker_healthy.labels(worker.role, worker.url).set(int(worker.healthy))
             self.metrics.breaker_state.labels(worker.role, worker.url).set(int(worker.breaker.state))

@@ -23,6 +23,7 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 
 class RouterMetrics:
     def __init__(self) -> None:
+        self.shared_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")  # prometheus_client reads it at import
         self.registry = r = CollectorRegistry(auto_describe=True)
         ns = "sglang_pd_router"
         by_worker = ["role", "worker"]
@@ -57,16 +58,15 @@ class RouterMetrics:
         self.aborts = Counter(f"{ns}_aborts", "abort_request calls sent to workers, by role.", ["role"], registry=r)
 
     def render(self) -> bytes:
-        shared = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-        if not shared:
+        if not self.shared_dir:
             return generate_latest(self.registry)
         merged = CollectorRegistry()
-        MultiProcessCollector(merged, path=shared)
+        MultiProcessCollector(merged, path=self.shared_dir)
         return generate_latest(merged)
 
     def forget_worker(self, role: str, url: str) -> None:
         for gauge in (self.in_flight, self.breaker_state, self.worker_healthy):
-            if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            if self.shared_dir:
                 # The shared files cannot drop a series: a removed worker reads 0 in each.
                 gauge.labels(role, url).set(0)
                 continue

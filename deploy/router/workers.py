@@ -77,6 +77,13 @@ class Worker:
     def available(self, now: float) -> bool:
         return self.healthy and self.breaker.can_dispatch(now)
 
+    def set_healthy(self, healthy: bool) -> None:
+        """Health as the checks see it. A worker coming back also gets its circuit breaker
+        closed: the probe has just shown that it answers (health.py says why)."""
+        if healthy and not self.healthy and self.breaker.state:
+            self.breaker.record_success()
+        self.healthy = healthy
+
     def set_dp_size(self, dp_size: int) -> None:
         dp_size = max(1, int(dp_size))
         if dp_size != self.dp_size:
@@ -205,15 +212,12 @@ class WorkerRegistry:
             worker = self._workers.get((role, url)) or self.add(
                 url, role, bootstrap_port=state["bootstrap_port"], source=state["source"]
             )
-            was_healthy = worker.healthy
             worker.bootstrap_port = state["bootstrap_port"]
-            worker.healthy = state["healthy"]
+            worker.set_healthy(state["healthy"])
             worker.set_dp_size(state["dp_size"])
             worker.models = list(state["models"])
             worker.last_error = state["last_error"]
             worker.checked = state["checked"]
-            if worker.healthy and not was_healthy and worker.breaker.state:
-                worker.breaker.record_success()  # readmitted by a passing probe (health.py)
 
     def _rebuild(self) -> None:
         self.prefill = [w for (r, _), w in self._workers.items() if r == "prefill"]

@@ -18,7 +18,7 @@ import uvicorn
 
 from sglang_pd.deploy.router import RouterApp, RouterConfig, create_app
 from sglang_pd.deploy.router.server import RouterServer, uvicorn_config
-from tests.support.router_worker_server import start_workers
+from tests.support.router_worker_server import WorkerProcess, start_workers
 from tests.support.router_workers import InProcessCluster
 
 FAST = RouterConfig(
@@ -140,6 +140,15 @@ def cluster_1p1d() -> Iterator[Cluster]:
 def router_1p1d(cluster_1p1d: Cluster) -> Iterator[RunningRouter]:
     with cluster_1p1d.serve(cluster_1p1d.config()) as running:
         yield running
+
+
+@pytest.fixture(scope="module")
+def worker_processes() -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
+    """One prefill and one decode test worker, as real processes."""
+    prefills, decodes = start_workers(1, 1, no_log=True)
+    yield prefills[0], decodes[0]
+    for w in prefills + decodes:
+        w.stop()
 
 
 @pytest.fixture

@@ -14,78 +14,40 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 
-from sglang_pd.deploy.procs import Child, spawn
 from sglang_pd.deploy.router.config import KubernetesDiscoveryConfig, RouterConfig
 from sglang_pd.deploy.router.group import ProcessGroup, _config_from_json, split_limits
 from tests.support.polling import free_port, wait_until
-from tests.support.router_worker_server import WorkerProcess, start_workers
+from tests.support.router_group import RouterGroup, gone
+from tests.support.router_worker_server import WorkerProcess
 
 CHAT = "/v1/chat/completions"
 ADMIN = {"authorization": "Bearer admin-key"}
 BODY = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
-@dataclasses.dataclass
-class Group:
-    child: Child
-    url: str
-    log: Path
+class Group(RouterGroup):
+    """A started group with the workers behind it."""
+
     prefill: WorkerProcess
     decode: WorkerProcess
 
-    def serving_pids(self) -> list[int]:
-        children = Path(f"/proc/{self.child.pid}/task/{self.child.pid}/children")
-        return [int(p) for p in children.read_text().split()] if self.child.alive() else []
-
-    def fresh(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        """A request on a new connection: the kernel picks the serving process for each one."""
-        return httpx.request(method, self.url + path, headers={"connection": "close", **kwargs.pop("headers", {})},
-                             timeout=10, **kwargs)  # fmt: skip
-
-    def lines(self) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in self.log.read_text().splitlines() if line.startswith("{")]
-
-
-@pytest.fixture(scope="module")
-def workers() -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
-    prefills, decodes = start_workers(1, 1, no_log=True)
-    yield prefills[0], decodes[0]
-    for w in prefills + decodes:
-        w.stop()
-
-
-def _start(workers: tuple[WorkerProcess, WorkerProcess], tmp_path: Path, *flags: str) -> Group:
-    prefill, decode = workers
-    port = free_port()
-    argv = [
-        sys.executable, "-m", "sglang_pd.deploy.router.cli", "--host", "127.0.0.1", "--port", str(port),
-        "--processes", "2", "--admin-key", "admin-key", "--prefill", prefill.url, str(prefill.bootstrap_port),
-        "--decode", decode.url, *flags,
-    ]  # fmt: skip
-    log = tmp_path / "router.log"
-    with log.open("wb") as out:
-        child = spawn("router group", argv, stdout=out, stderr=subprocess.STDOUT, text=False)
-    group = Group(child, f"http://127.0.0.1:{port}", log, prefill, decode)
-    try:
-        # Ready means every serving process is up and serves (each has sent its heartbeat and started).
-        wait_until(lambda: sum(1 for x in group.lines() if x["msg"] == "router started") == 2, 30)
-        wait_until(lambda: group.fresh("GET", "/readiness").status_code == 200, 10)
-    except BaseException:
-        child.stop(grace_s=1)
-        raise
-    return group
-
 
 @pytest.fixture
-def group(workers: tuple[WorkerProcess, WorkerProcess], tmp_path: Path) -> Iterator[Group]:
-    running = _start(workers, tmp_path)
-    yield running
-    running.child.stop(grace_s=10)
+def group(worker_processes: tuple[WorkerProcess, WorkerProcess], tmp_path: Path) -> Iterator[Group]:
+    prefill, decode = worker_processes
+    running = Group(tmp_path / "router.log", free_port(), "--admin-key", "admin-key",
+                    "--prefill", prefill.url, str(prefill.bootstrap_port), "--decode", decode.url)  # fmt: skip
+    running.prefill, running.decode = prefill, decode
+    try:
+        # Ready means every serving process is up and serves.
+        wait_until(lambda: running.started() == 2, 30)
+        wait_until(lambda: running.fresh("GET", "/readiness").status_code == 200, 10)
+        yield running
+    finally:
+        running.stop(grace_s=10)
 
 
 def test_every_serving_process_serves_the_one_port(group: Group) -> None:
@@ -161,17 +123,17 @@ def test_sigterm_drains_every_process_and_leaves_nothing(group: Group) -> None:
     group.child.proc.send_signal(signal.SIGTERM)
     assert group.child.proc.wait(timeout=20) == 0
     for pid in pids:
-        assert _gone(pid)
+        assert gone(pid)
     assert not workdir.exists()  # the metrics files
     assert any(x["msg"] == "draining" and x.get("router_process") == 1 for x in group.lines())
 
 
-def test_a_port_in_use_is_refused_naming_its_owner(workers: tuple[WorkerProcess, WorkerProcess]) -> None:
+def test_a_port_in_use_is_refused_naming_its_owner(worker_processes: tuple[WorkerProcess, WorkerProcess]) -> None:
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        prefill, decode = workers
+        prefill, decode = worker_processes
         done = subprocess.run(
             [sys.executable, "-m", "sglang_pd.deploy.router.cli", "--host", "127.0.0.1", "--port", str(port),
              "--processes", "2", "--prefill", prefill.url, "--decode", decode.url],
@@ -234,11 +196,3 @@ def test_reports_from_serving_processes_move_health() -> None:
     group._on_report("probe_failed", worker.url, "decode", "GET /health timed out")
     assert not worker.healthy and worker.last_error == "GET /health timed out"
     group._on_report("stalled", "http://127.0.0.1:2", "decode", "unknown worker: ignored")
-
-
-def _gone(pid: int) -> bool:
-    """The process has exited (a zombie not yet reaped by init counts as exited)."""
-    try:
-        return "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return True

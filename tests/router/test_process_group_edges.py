@@ -6,86 +6,30 @@ Real processes throughout."""
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
-import json
 import os
 import select
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
-from sglang_pd.deploy.procs import Child, spawn
 from tests.support.polling import free_port, wait_until
-from tests.support.router_worker_server import WorkerProcess, start_workers
+from tests.support.router_group import RouterGroup, gone
+from tests.support.router_worker_server import WorkerProcess
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
-class Group:
-    """A router process group started as a user starts it, its log in a file."""
-
-    def __init__(self, log: Path, port: int, *flags: str, env: dict[str, str] | None = None) -> None:
-        argv = [sys.executable, "-m", "sglang_pd.deploy.router.cli", "--host", "127.0.0.1", "--port", str(port),
-                "--processes", "2", *flags]  # fmt: skip
-        self.log, self.port, self.url = log, port, f"http://127.0.0.1:{port}"
-        with log.open("wb") as out:
-            self.child: Child = spawn("router group", argv, stdout=out, stderr=subprocess.STDOUT, text=False, env=env)
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def lines(self) -> list[dict[str, Any]]:
-        out = []
-        for line in self.text().splitlines():
-            with contextlib.suppress(ValueError):
-                if line.startswith("{"):
-                    out.append(json.loads(line))
-        return out
-
-    def started(self) -> int:
-        return sum(1 for x in self.lines() if x.get("msg") == "router started")
-
-    def serving_pids(self) -> list[int]:
-        with contextlib.suppress(OSError):
-            return [int(p) for p in Path(f"/proc/{self.child.pid}/task/{self.child.pid}/children").read_text().split()]
-        return []
-
-    def wait(self, timeout_s: float) -> int | None:
-        """The exit status, or None when it still runs after `timeout_s`."""
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            return self.child.proc.wait(timeout=timeout_s)
-        return None
-
-    def stop(self) -> None:
-        pids = self.serving_pids()
-        self.child.stop(grace_s=5)
-        for pid in pids:  # serving processes live in their own sessions: not in the group's killpg
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-
-
-@pytest.fixture(scope="module")
-def workers() -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
-    prefills, decodes = start_workers(1, 1, no_log=True)
-    yield prefills[0], decodes[0]
-    for w in prefills + decodes:
-        w.stop()
-
-
 @pytest.fixture
 def short_tmp() -> Iterator[Path]:
-    """A TMPDIR for the group, short enough for a Unix socket path, removed afterwards."""
+    """A TMPDIR of its own for the group (to see what it leaves there), removed afterwards."""
     path = Path(tempfile.mkdtemp(prefix="pgr-"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
@@ -105,19 +49,12 @@ def _silent_url(sock: socket.socket) -> str:
     return f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
-def _wait_for_probe(sock: socket.socket, group: Group, timeout_s: float = 30.0) -> None:
+def _wait_for_probe(sock: socket.socket, group: RouterGroup, timeout_s: float = 30.0) -> None:
     """Until the control process's first health check has connected to `sock` (it then waits the
     health timeout before it starts the serving processes)."""
     readable, _, _ = select.select([sock], [], [], timeout_s)
     assert readable, "the control process never probed the worker:\n" + group.text()[-3000:]
     assert group.serving_pids() == [], "serving processes started before the first check ended"
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return True
 
 
 # -- signals and ports during start-up ----------------------------------------------------------
@@ -129,8 +66,8 @@ def test_sigterm_during_the_first_health_check_stops_the_group_at_once(
     """Kubernetes may stop a pod while it starts: the group must not start serving processes
     after SIGTERM, and must exit 0 without waiting for a drain deadline."""
     url = _silent_url(silent_worker)
-    group = Group(tmp_path / "router.log", free_port(), "--prefill", url, "--decode", url, "--health-timeout", "3",
-                  "--drain-timeout", "2", env={"TMPDIR": str(short_tmp)})  # fmt: skip
+    group = RouterGroup(tmp_path / "router.log", free_port(), "--prefill", url, "--decode", url,
+                        "--health-timeout", "3", "--drain-timeout", "2", env={"TMPDIR": str(short_tmp)})  # fmt: skip
     try:
         _wait_for_probe(silent_worker, group)
         group.child.proc.send_signal(signal.SIGTERM)
@@ -151,8 +88,8 @@ def test_the_port_is_the_groups_before_its_first_health_check(
     another server cannot take the port in that window and leave the group unable to bind."""
     url = _silent_url(silent_worker)
     port = free_port()
-    group = Group(tmp_path / "router.log", port, "--prefill", url, "--decode", url, "--health-timeout", "3",
-                  env={"TMPDIR": str(short_tmp)})  # fmt: skip
+    group = RouterGroup(tmp_path / "router.log", port, "--prefill", url, "--decode", url, "--health-timeout", "3",
+                        env={"TMPDIR": str(short_tmp)})  # fmt: skip
     try:
         _wait_for_probe(silent_worker, group)
         with socket.socket() as other, pytest.raises(OSError):
@@ -167,20 +104,20 @@ def test_the_port_is_the_groups_before_its_first_health_check(
 
 
 def test_a_sigkilled_control_process_leaves_no_keys_behind(
-    workers: tuple[WorkerProcess, WorkerProcess], tmp_path: Path, short_tmp: Path
+    worker_processes: tuple[WorkerProcess, WorkerProcess], tmp_path: Path, short_tmp: Path
 ) -> None:
     """An OOM kill of the control process (SIGKILL: no `finally`) must leave no key and no
     socket behind (in a pod /tmp outlives container restarts): only the metrics files stay."""
-    prefill, decode = workers
-    group = Group(tmp_path / "router.log", free_port(), "--prefill", prefill.url, str(prefill.bootstrap_port),
-                  "--decode", decode.url, "--api-key", "client-secret", "--admin-key", "admin-secret",
+    prefill, decode = worker_processes
+    group = RouterGroup(tmp_path / "router.log", free_port(), "--prefill", prefill.url, str(prefill.bootstrap_port),
+                        "--decode", decode.url, "--api-key", "client-secret", "--admin-key", "admin-secret",
                   env={"TMPDIR": str(short_tmp)})  # fmt: skip
     try:
         wait_until(lambda: group.started() == 2, 30)
         pids = group.serving_pids()
         assert [p.name[:25] for p in short_tmp.iterdir()] == ["sglang-pd-router-metrics-"]
         os.kill(group.child.pid, signal.SIGKILL)
-        wait_until(lambda: all(_gone(pid) for pid in pids), 15)  # they drain and exit: no leak of processes
+        wait_until(lambda: all(gone(pid) for pid in pids), 15)  # they drain and exit: no leak of processes
         left = [p for p in short_tmp.rglob("*") if p.is_file()]
         assert left and all(p.suffix == ".db" and not p.is_socket() for p in left), left
         for secret in (b"client-secret", b"admin-secret"):
@@ -193,14 +130,14 @@ def test_a_sigkilled_control_process_leaves_no_keys_behind(
 
 
 def test_a_restarting_serving_process_takes_no_connections_before_it_serves(
-    workers: tuple[WorkerProcess, WorkerProcess], tmp_path: Path, short_tmp: Path
+    worker_processes: tuple[WorkerProcess, WorkerProcess], tmp_path: Path, short_tmp: Path
 ) -> None:
     """The control process listens on the new socket before it starts the serving process:
     connections the kernel hashes to that socket wait for the process's whole start-up
     (interpreter, imports, control channel) while the other process idles."""
-    prefill, decode = workers
-    group = Group(tmp_path / "router.log", free_port(), "--prefill", prefill.url, str(prefill.bootstrap_port),
-                  "--decode", decode.url, env={"TMPDIR": str(short_tmp)})  # fmt: skip
+    prefill, decode = worker_processes
+    group = RouterGroup(tmp_path / "router.log", free_port(), "--prefill", prefill.url, str(prefill.bootstrap_port),
+                        "--decode", decode.url, env={"TMPDIR": str(short_tmp)})  # fmt: skip
     try:
         wait_until(lambda: group.started() == 2, 30)
 
@@ -228,15 +165,15 @@ def test_a_restarting_serving_process_takes_no_connections_before_it_serves(
 
 
 def test_a_long_tmpdir_is_a_clear_error_or_works(
-    workers: tuple[WorkerProcess, WorkerProcess], tmp_path: Path, short_tmp: Path
+    worker_processes: tuple[WorkerProcess, WorkerProcess], tmp_path: Path, short_tmp: Path
 ) -> None:
     """The control socket lives under TMPDIR; a Unix socket path has at most 107 bytes (unix(7)).
     A long TMPDIR (CI workspaces) must not end in a traceback."""
     long_tmp = short_tmp / ("t" * 80)
     long_tmp.mkdir()
-    prefill, decode = workers
-    group = Group(tmp_path / "router.log", free_port(), "--prefill", prefill.url, str(prefill.bootstrap_port),
-                  "--decode", decode.url, env={"TMPDIR": str(long_tmp)})  # fmt: skip
+    prefill, decode = worker_processes
+    group = RouterGroup(tmp_path / "router.log", free_port(), "--prefill", prefill.url, str(prefill.bootstrap_port),
+                        "--decode", decode.url, env={"TMPDIR": str(long_tmp)})  # fmt: skip
     try:
         wait_until(lambda: group.started() == 2 or not group.child.alive(), 30)
         text = group.text()
@@ -248,14 +185,14 @@ def test_a_long_tmpdir_is_a_clear_error_or_works(
 
 
 def test_a_serving_process_that_keeps_dying_stops_the_group(
-    workers: tuple[WorkerProcess, WorkerProcess], tmp_path: Path, short_tmp: Path
+    worker_processes: tuple[WorkerProcess, WorkerProcess], tmp_path: Path, short_tmp: Path
 ) -> None:
     """Restarts are for accidents: a serving process that dies five times in a row, each time
     soon after its start, stops the group (and with it the growth of its metrics files), with an
     error naming what happened, instead of restarting forever."""
-    prefill, decode = workers
-    group = Group(tmp_path / "router.log", free_port(), "--prefill", prefill.url, str(prefill.bootstrap_port),
-                  "--decode", decode.url, env={"TMPDIR": str(short_tmp)})  # fmt: skip
+    prefill, decode = worker_processes
+    group = RouterGroup(tmp_path / "router.log", free_port(), "--prefill", prefill.url, str(prefill.bootstrap_port),
+                        "--decode", decode.url, env={"TMPDIR": str(short_tmp)})  # fmt: skip
     try:
         wait_until(lambda: group.started() == 2, 30)
         for death in range(5):
@@ -269,19 +206,19 @@ def test_a_serving_process_that_keeps_dying_stops_the_group(
 
 
 def test_a_frozen_serving_process_is_killed_and_replaced(
-    workers: tuple[WorkerProcess, WorkerProcess], tmp_path: Path, short_tmp: Path
+    worker_processes: tuple[WorkerProcess, WorkerProcess], tmp_path: Path, short_tmp: Path
 ) -> None:
     """A serving process whose event loop stops (SIGSTOP here; a blocking bug alike) keeps its
     socket: the connections the kernel hashes to it would hang. Its heartbeat stops, so the
     control process kills it within seconds, and a restarted one serves."""
-    prefill, decode = workers
-    group = Group(tmp_path / "router.log", free_port(), "--prefill", prefill.url, str(prefill.bootstrap_port),
-                  "--decode", decode.url, env={"TMPDIR": str(short_tmp)})  # fmt: skip
+    prefill, decode = worker_processes
+    group = RouterGroup(tmp_path / "router.log", free_port(), "--prefill", prefill.url, str(prefill.bootstrap_port),
+                        "--decode", decode.url, env={"TMPDIR": str(short_tmp)})  # fmt: skip
     try:
         wait_until(lambda: group.started() == 2, 30)
         frozen = group.serving_pids()[0]
         os.kill(frozen, signal.SIGSTOP)
-        took = wait_until(lambda: _gone(frozen), 15)
+        took = wait_until(lambda: gone(frozen), 15)
         assert took < 8.0  # five missed heartbeats, then the next supervision round
         stuck = [x for x in group.lines() if x.get("msg") == "serving process is stuck; killing it"]
         assert stuck and "heartbeat" in stuck[0]["reason"], group.text()[-2000:]
