@@ -3,17 +3,24 @@
 Runs on a CUDA machine where sglang, its kernel package and Mooncake's CUDA build import (see
 `scripts/gpu_bundle.py` for a machine without internet). In order:
 
-1. `single`: one plain (non-PD) sglang server; greedy outputs of the prompts, plain and streamed,
-   `/generate` and chat; TTFT/ITL at concurrency 1, 8 and 32.
-2. `pd`: `sglang-pd up single-h200` (prefill + decode sglang on GPU 0, KV over Mooncake TCP, our
-   router); the same prompts must give the same tokens; the official `openai` client; usage
-   counts; client disconnects abort both servers; 200 aborted requests leave KV usage at idle;
-   `sglang-pd eval gsm8k` end to end; TTFT/ITL; the decode server killed mid-stream.
+1. `single`: one plain (non-PD) sglang server; greedy outputs of the prompts in five forms
+   (`/generate` plain and streamed, chat plain and streamed, the `openai` client); TTFT/ITL at
+   concurrency 1, 8 and 32; what it answers at the HTTP level (`record_sglang_http.py`), written
+   to `sglang-<version>-http.json` for the tests' stand-ins.
+2. `pd`: `sglang-pd up single-h200` with the router's default settings (prefill + decode sglang on
+   GPU 0, KV over Mooncake TCP); the same prompts must give the same tokens in all five forms;
+   usage counts; client disconnects abort both servers; 200 aborted requests leave KV usage at
+   idle; `sglang-pd eval gsm8k` end to end; TTFT/ITL through the router and straight to the two
+   servers (the latency the router adds); the decode server killed mid-stream.
 3. `doctor`: `sglang-pd doctor` on this machine.
 
-Writes `report.json` (every check with its numbers) and the servers' logs under --out.
+Every wait has a stated limit: a server not ready within READY_S, or a stack whose router has no
+healthy prefill and decode within READY_S, fails the stage with each component's state (process
+alive, `/health`, the router's view of its workers, the log's last lines); the whole run stops
+after --deadline-s. Writes `report.json` (every check with its numbers, the commit checked) and the
+servers' logs under --out.
 
-    python scripts/gpu_pd_check.py --out $OUT --gsm8k-data .gpu_bundle/gsm8k-test.jsonl
+    python scripts/gpu_pd_check.py --out $OUT --gsm8k-data gsm8k-test.jsonl --commit SHA
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from typing import Any
 
 import aiohttp
 import httpx
+from record_sglang_http import record
 
 from sglang_pd.deploy.procs import Child, spawn
 
@@ -42,8 +50,14 @@ REPO = Path(__file__).resolve().parents[1]
 TOPOLOGY = "single-h200"
 SINGLE_PORT = 31000
 ROUTER = "http://127.0.0.1:8000"
+PREFILL = "http://127.0.0.1:30000"
+DECODE = "http://127.0.0.1:30001"
+BOOTSTRAP_PORT = 8998
 MAX_NEW_TOKENS = 32
 CONCURRENCIES = (1, 8, 32)
+# A cold start compiles FlashInfer's and sglang's JIT kernels (about 160 s on an H200); a second
+# server of the same model reuses the cache.
+READY_S = 420.0
 
 
 def prompts() -> list[str]:
@@ -161,18 +175,59 @@ async def outputs(base: str) -> dict[str, list[Any]]:
         gen_s = await asyncio.gather(*(generate(s, base, p, stream=True) for p in ps))
         ch = await asyncio.gather(*(chat(s, base, p, stream=False) for p in ps))
         ch_s = await asyncio.gather(*(chat(s, base, p, stream=True) for p in ps))
+    oa = await asyncio.to_thread(openai_texts, base, ps)
     return {
         "generate_ids": [g.get("output_ids") for g in gen],
         "generate_text": [g.get("text") for g in gen],
         "generate_stream_text": [g.get("text") for g in gen_s],
         "chat_text": [c["text"] for c in ch],
         "chat_stream_text": [c["text"] for c in ch_s],
+        "openai_text": oa,
         "statuses": sorted({g["status"] for g in [*gen, *gen_s, *ch, *ch_s]}),
     }
 
 
-async def latency(base: str, concurrency: int, *, prompt_len: int = 512, max_tokens: int = 64) -> dict[str, float]:
-    """Streamed completions in a closed loop: TTFT (includes the KV hand-off in PD) and ITL, in ms."""
+def openai_texts(base: str, ps: list[str]) -> list[str | None]:
+    """Greedy chat answers through the official `openai` client, one prompt at a time."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base}/v1", api_key="none", timeout=120, max_retries=0)
+    texts = []
+    for p in ps:
+        r = client.chat.completions.create(
+            model="tiny-deepseek-v3",
+            messages=[{"role": "user", "content": p}],
+            max_tokens=MAX_NEW_TOKENS,
+            temperature=0,
+        )
+        texts.append(r.choices[0].message.content)
+    return texts
+
+
+async def _direct_pd_stream(s: aiohttp.ClientSession, body: dict[str, Any]) -> aiohttp.ClientResponse:
+    """The PD protocol without a router: the same body plus bootstrap fields to both servers; the
+    decode's stream is returned, the prefill's answer drained in the background."""
+    room = int.from_bytes(os.urandom(8), "big") >> 1
+    body = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": BOOTSTRAP_PORT, "bootstrap_room": room}
+
+    async def drain_prefill() -> None:
+        async with s.post(f"{PREFILL}/v1/completions", json={**body, "stream": False}) as r:
+            await r.read()
+
+    task = asyncio.create_task(drain_prefill())
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+    return await s.post(f"{DECODE}/v1/completions", json=body)
+
+
+_BACKGROUND: set[asyncio.Task[None]] = set()
+
+
+async def latency(
+    base: str, concurrency: int, *, prompt_len: int = 512, max_tokens: int = 64, direct_pd: bool = False
+) -> dict[str, float]:
+    """Streamed completions in a closed loop: TTFT (includes the KV hand-off in PD) and ITL, in ms.
+    `direct_pd`: to the two PD servers without the router (`base` unused)."""
     prompt = ("benchmark text " * 200)[:prompt_len]
     n_requests = max(2 * concurrency, 16)
     ttft: list[float] = []
@@ -192,7 +247,8 @@ async def latency(base: str, concurrency: int, *, prompt_len: int = 512, max_tok
             }
             t0 = time.perf_counter()
             last = None
-            async with s.post(f"{base}/v1/completions", json=body) as r:
+            opened = _direct_pd_stream(s, body) if direct_pd else s.post(f"{base}/v1/completions", json=body)
+            async with await opened as r:
                 async for raw in r.content:
                     line = raw.decode().strip()
                     if not line.startswith("data:") or line[5:].strip() == "[DONE]":
@@ -205,8 +261,10 @@ async def latency(base: str, concurrency: int, *, prompt_len: int = 512, max_tok
                     last = now
 
     t0 = time.perf_counter()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
         await asyncio.gather(*(worker(s) for _ in range(concurrency)))
+        if _BACKGROUND:
+            await asyncio.wait(list(_BACKGROUND), timeout=30)
     wall = time.perf_counter() - t0
     return {
         "concurrency": concurrency,
@@ -332,23 +390,106 @@ def single_server_argv(plan: dict[str, Any]) -> list[str]:
     return [sys.executable, *clean, "--port", str(SINGLE_PORT), "--mem-fraction-static", "0.3"]
 
 
-def stage_single(stack: Stack, report: dict[str, Any]) -> dict[str, list[Any]]:
+class NotReady(RuntimeError):
+    """A component did not come up within its limit; the message says which, with the evidence."""
+
+
+def _health(base: str) -> str:
+    try:
+        r = httpx.get(f"{base}/health", timeout=25)
+        return f"GET /health answered {r.status_code}"
+    except httpx.HTTPError as exc:
+        return f"GET /health failed: {type(exc).__name__} {exc}"
+
+
+def _log_tail(path: Path, lines: int = 15) -> list[str]:
+    with contextlib.suppress(OSError):
+        return path.read_text(errors="replace").splitlines()[-lines:]
+    return []
+
+
+def diagnose(stack: Stack) -> dict[str, Any]:
+    """Each component's state, for a stack that did not come up."""
+    state: dict[str, Any] = {
+        "processes": {
+            name: ("alive" if c.alive() else f"exited {c.proc.returncode}") for name, c in stack.children.items()
+        },
+        "prefill": _health(PREFILL),
+        "decode": _health(DECODE),
+    }
+    try:
+        state["router_workers"] = httpx.get(f"{ROUTER}/workers", timeout=5).json()
+    except (httpx.HTTPError, ValueError) as exc:
+        state["router_workers"] = f"GET /workers failed: {type(exc).__name__} {exc}"
+    logs = sorted(stack.out.glob("*.log")) + sorted((stack.out / "engines").glob("*.log"))
+    state["log_tails"] = {str(p.relative_to(stack.out)): _log_tail(p) for p in logs}
+    return state
+
+
+def wait_server(stack: Stack, name: str, base: str, timeout_s: float) -> dict[str, Any]:
+    """Poll `GET /health` until 200, noting what the server answered before (sglang: 503 while it
+    starts). NotReady when the process exits or `timeout_s` passes."""
+    child, t0 = stack.children[name], time.monotonic()
+    first_answer, before_ready = None, {}
+    while time.monotonic() - t0 < timeout_s:
+        if not child.alive():
+            raise NotReady(f"{name} exited with code {child.proc.returncode} before it was ready: {diagnose(stack)}")
+        with contextlib.suppress(httpx.HTTPError):
+            status = httpx.get(f"{base}/health", timeout=25).status_code
+            first_answer = first_answer if first_answer is not None else time.monotonic() - t0
+            if status == 200:
+                return {
+                    "ready_s": time.monotonic() - t0,
+                    "first_http_answer_s": first_answer,
+                    "statuses_before_ready": before_ready,
+                }
+            before_ready[str(status)] = before_ready.get(str(status), 0) + 1
+        time.sleep(1.0)
+    raise NotReady(f"{name} was not ready within {timeout_s:g} s: {diagnose(stack)}")
+
+
+def wait_stack(stack: Stack, timeout_s: float) -> dict[str, Any]:
+    """Wait until the router has a healthy prefill and decode (its /readiness is 200 as soon as it
+    serves, with or without workers: the workers' health is in GET /workers)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if not stack.children["up"].alive():
+            raise NotReady(f"`sglang-pd up` exited with code {stack.children['up'].proc.returncode}: {diagnose(stack)}")
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+            workers = httpx.get(f"{ROUTER}/workers", timeout=5).json()
+            if all(any(w["healthy"] for w in workers[role]) for role in ("prefill", "decode")):
+                readiness = httpx.get(f"{ROUTER}/readiness", timeout=5)
+                return {"ready_s": time.monotonic() - t0, "readiness": readiness.status_code}
+        time.sleep(1.0)
+    raise NotReady(f"the PD stack was not ready within {timeout_s:g} s: {diagnose(stack)}")
+
+
+def stage_single(stack: Stack, report: dict[str, Any], recording: dict[str, Any]) -> dict[str, list[Any]]:
     argv = single_server_argv(rendered_commands())
     report["single"] = {"argv": argv}
-    t0 = time.monotonic()
     base = f"http://127.0.0.1:{SINGLE_PORT}"
-    stack.start("single", argv).wait_http(f"{base}/health", 600, interval_s=1.0)
-    report["single"]["ready_s"] = time.monotonic() - t0
+    stack.start("single", argv)
+    start = wait_server(stack, "single", base, READY_S)
+    report["single"].update(start)
     ref = asyncio.run(outputs(base))
     report["single"]["latency"] = [asyncio.run(latency(base, c)) for c in CONCURRENCIES]
+    recording["servers"]["single"] = {"start": start, **asyncio.run(record(base, "single"))}
     stack.stop("single")
     return ref
 
 
-def stage_pd(stack: Stack, report: dict[str, Any], ref: dict[str, list[Any]] | None, gsm8k: Path | None) -> None:
+FORMS = ("generate_ids", "generate_text", "generate_stream_text", "chat_text", "chat_stream_text", "openai_text")
+
+
+def stage_pd(
+    stack: Stack,
+    report: dict[str, Any],
+    ref: dict[str, list[Any]] | None,
+    gsm8k: Path | None,
+    recording: dict[str, Any],
+) -> None:
     pd: dict[str, Any] = {}
     report["pd"] = pd
-    t0 = time.monotonic()
     engine_logs = stack.out / "engines"
     up = [
         sys.executable,
@@ -361,27 +502,46 @@ def stage_pd(stack: Stack, report: dict[str, Any], ref: dict[str, list[Any]] | N
         "--log-dir",
         str(engine_logs),
     ]
-    stack.start("up", up).wait_http(f"{ROUTER}/readiness", 900, interval_s=1.0)
-    pd["ready_s"] = time.monotonic() - t0
+    pd["argv"] = up[1:]
+    stack.start("up", up)
+    pd.update(wait_stack(stack, READY_S))
+    pd["router_workers_at_ready"] = httpx.get(f"{ROUTER}/workers", timeout=5).json()
 
     got = asyncio.run(outputs(ROUTER))
     pd["statuses"] = got["statuses"]
     if ref is not None:
-        for key in ("generate_ids", "generate_text", "generate_stream_text", "chat_text", "chat_stream_text"):
+        for key in FORMS:
             same = [a == b for a, b in zip(ref[key], got[key], strict=True)]
             pd[f"identical_{key}"] = f"{sum(same)}/{len(same)}"
         pd["first_mismatch"] = next(
             (
-                {"prompt": i, "single": ref["generate_ids"][i], "pd": got["generate_ids"][i]}
-                for i in range(len(got["generate_ids"]))
-                if ref["generate_ids"][i] != got["generate_ids"][i]
+                {"form": key, "prompt": i, "single": ref[key][i], "pd": got[key][i]}
+                for key in FORMS
+                for i in range(len(got[key]))
+                if ref[key][i] != got[key][i]
             ),
             None,
         )
     pd["openai"] = check_openai_client()
-    pd["latency"] = [asyncio.run(latency(ROUTER, c)) for c in CONCURRENCIES]
+    routed = [asyncio.run(latency(ROUTER, c)) for c in CONCURRENCIES]
+    direct = [asyncio.run(latency(ROUTER, c, direct_pd=True)) for c in CONCURRENCIES]
+    pd["latency"] = routed
+    pd["latency_direct_pd"] = direct
+    pd["router_adds_ms"] = [
+        {
+            "concurrency": r["concurrency"],
+            "ttft_p50": r["ttft_p50_ms"] - d["ttft_p50_ms"],
+            "itl_p50": r["itl_p50_ms"] - d["itl_p50_ms"],
+        }
+        for r, d in zip(routed, direct, strict=True)
+    ]
+    recording["servers"]["prefill"] = asyncio.run(record(PREFILL, "prefill"))
+    recording["servers"]["decode"] = asyncio.run(record(DECODE, "decode"))
+    with contextlib.suppress(httpx.HTTPError):
+        r = httpx.get(f"http://127.0.0.1:{BOOTSTRAP_PORT}/health", timeout=5)
+        recording["servers"]["prefill"]["bootstrap_health"] = {"status": r.status_code, "body": r.text[:200]}
 
-    servers = {"prefill": "http://127.0.0.1:30000", "decode": "http://127.0.0.1:30001"}
+    servers = {"prefill": PREFILL, "decode": DECODE}
     idle = {r: metric(u, "sglang:num_used_tokens") for r, u in servers.items()}
     n_streams = asyncio.run(disconnect_after_first_chunk(ROUTER, 200))
     time.sleep(5)
@@ -398,6 +558,7 @@ def stage_pd(stack: Stack, report: dict[str, Any], ref: dict[str, list[Any]] | N
     }
     if gsm8k is not None:
         pd["gsm8k"] = run_gsm8k(stack.out, gsm8k)
+    pd["router_workers_before_kill"] = httpx.get(f"{ROUTER}/workers", timeout=5).json()
     decode = find_child("sglang.launch_server", "--disaggregation-mode decode")
     if decode is not None:
         pd["decode_killed_mid_stream"] = asyncio.run(kill_mid_stream(ROUTER, os.getpgid(decode)))
@@ -484,36 +645,64 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--gsm8k-data", type=Path, default=None)
     parser.add_argument("--stages", default="single,pd,doctor")
+    parser.add_argument("--commit", default="unknown", help="the commit of the checkout being checked")
+    parser.add_argument("--deadline-s", type=float, default=560.0, help="stop every stage after this long")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     stages = args.stages.split(",")
-    report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "argv": sys.argv}
+    date = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    report: dict[str, Any] = {"date": date, "commit": args.commit, "argv": sys.argv}
     with contextlib.suppress(Exception):
         report["gpu"] = subprocess.run(
             ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
             capture_output=True,
             text=True,
         ).stdout.strip()
+    import sglang
+
+    recording: dict[str, Any] = {
+        "sglang": sglang.__version__,
+        "source": "recorded from live servers by scripts/gpu_pd_check.py (scripts/record_sglang_http.py)",
+        "gpu": report.get("gpu"),
+        "date": date,
+        "commit": args.commit,
+        "servers": {},
+    }
+
+    def out_of_time(*_: object) -> None:
+        raise TimeoutError(f"the check's deadline of {args.deadline_s:g} s passed")
+
+    signal.signal(signal.SIGALRM, out_of_time)
+    signal.alarm(int(args.deadline_s))
     stack = Stack(args.out)
     ref = None
     try:
         for stage in stages:
+            t0 = time.monotonic()
             try:
                 if stage == "single":
-                    ref = stage_single(stack, report)
+                    ref = stage_single(stack, report, recording)
                 elif stage == "pd":
-                    stage_pd(stack, report, ref, args.gsm8k_data)
+                    stage_pd(stack, report, ref, args.gsm8k_data, recording)
                 elif stage == "doctor":
                     p = subprocess.run(
-                        [sys.executable, "-m", "sglang_pd.deploy.cli", "doctor"], capture_output=True, text=True
+                        [sys.executable, "-m", "sglang_pd.deploy.cli", "doctor"],
+                        capture_output=True,
+                        text=True,
+                        timeout=120,
                     )
                     report["doctor"] = {"exit_code": p.returncode, "output": p.stdout + p.stderr}
             except Exception:
                 report.setdefault("errors", {})[stage] = traceback.format_exc()
             finally:
                 stack.stop_all()
+                report.setdefault("stage_seconds", {})[stage] = round(time.monotonic() - t0, 1)
             (args.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+            if recording["servers"]:
+                name = f"sglang-{recording['sglang']}-http.json"
+                (args.out / name).write_text(json.dumps(recording, indent=2, default=str))
     finally:
+        signal.alarm(0)
         stack.stop_all()
     print(json.dumps(report, indent=2, default=str)[-6000:])
     return 1 if report.get("errors") else 0
