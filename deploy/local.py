@@ -1,14 +1,16 @@
 """`sglang-pd up [TOPOLOGY]`: run a whole PD topology on this machine.
 
 Starts the prefill and decode engines (the reference engine on a CPU topology; sglang itself where
-CUDA and sglang are installed) and the router, as child processes, after checking that none of
-their ports is taken (the holder is named); prints a line as each component starts and becomes
-healthy; writes each engine's log to a file in a run folder (printed; the router logs to the
-console), with a note after Mooncake's expected error-looking lines (kv/mooncake_logs.py); prints
-the time to ready, the OpenAI base URL and a curl example. On Ctrl-C or SIGTERM the router is
-stopped first with its drain time, then the engines (their whole process groups; children also die
-with this process: `procs.py`). A child that dies once the stack is up is restarted with a
-doubling back-off while the others keep running.
+CUDA and sglang are installed: without them `--engine sglang` refuses at once) and the router, as
+child processes, after checking that none of their ports is taken (the holder is named); prints a
+line as each component starts and becomes healthy; writes each engine's log to a file in a run
+folder (printed; the router logs to the console), with a note after Mooncake's expected
+error-looking lines (kv/mooncake_logs.py); prints the time to ready, the OpenAI base URL, one chat
+exchange through the router (the smoke request, sent with the first key of
+SGLANG_PD_ROUTER_API_KEYS when that is set; `--no-smoke` skips it) and a curl example. On Ctrl-C
+or SIGTERM the router is stopped first with its drain time, then the engines (their whole process
+groups; children also die with this process: `procs.py`). A child that dies once the stack is up
+is restarted with a doubling back-off while the others keep running.
 
 The worker key (SGLANG_PD_WORKER_API_KEY) reaches the children as it does in the cluster: sglang
 engines get `--api-key` from `launch.worker_key_args`, the reference engines and the router read it
@@ -29,14 +31,14 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TextIO
 
 import httpx
 
-from sglang_pd.deploy.contract import ENV_WORKER_API_KEY, WORKER_AUTH_HEADER, Role
+from sglang_pd.deploy.contract import ENV_ROUTER_API_KEYS, ENV_WORKER_API_KEY, WORKER_AUTH_HEADER, Role
 from sglang_pd.deploy.kv.listeners import EXPOSURE_MARK
 from sglang_pd.deploy.kv.mooncake_logs import LogAnnotator
 from sglang_pd.deploy.launch import API_KEY_SHOWN, LaunchError, checked_worker_key, worker_key_args
@@ -75,6 +77,8 @@ class ChildSpec:
     secrets: tuple[str, ...] = ()
     # Sent with each health probe: the worker key, which the reference engine requires on /health too.
     health_headers: dict[str, str] = field(default_factory=dict)
+    # Whether `health_url` says ready: (url, headers=...) -> bool; a 200 unless a child needs more.
+    health_probe: Callable[..., bool] = http_ok
 
 
 # The router's drain time on SIGTERM (RouterConfig.drain_timeout_s), and the extra it gets to exit.
@@ -199,7 +203,22 @@ def _router_child(t: Topology, host: str, port: int, eps: dict[str, list[Instanc
         log_to_file=False,
         stop_grace_s=ROUTER_DRAIN_S + 5,
         drains=True,
+        health_probe=router_has_a_pair,
     )
+
+
+def router_has_a_pair(url: str, headers: Mapping[str, str] | None = None) -> bool:
+    """Whether the router's /readiness at `url` counts a healthy prefill and a healthy decode worker.
+
+    The count, not the status alone: a router may answer ready before its own probes have found the
+    engines healthy, and the smoke request would then get a 503.
+    """
+    try:
+        resp = httpx.get(url, timeout=2.0, headers=headers)
+        doc = resp.json()
+        return resp.status_code == 200 and int(doc["prefill"]) >= 1 and int(doc["decode"]) >= 1
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return False
 
 
 def busy_ports(specs: list[ChildSpec]) -> list[str]:
@@ -239,10 +258,7 @@ def sglang_children(t: Topology, *, host: str, port: int, env: Mapping[str, str]
     """
     from sglang_pd.deploy.sglang_args import render_plan
 
-    if t.prefill.nodes > 1 or t.decode.nodes > 1:
-        raise TopologyError(
-            f"{t.name}: instances span several nodes; run `sglang-pd launch` on each node (or use Helm) instead of up."
-        )
+    check_fits_this_machine(t)
     installed = installed_options()
     if installed is None:
         raise TopologyError(
@@ -267,7 +283,7 @@ def sglang_children(t: Topology, *, host: str, port: int, env: Mapping[str, str]
                     argv,
                     f"{ep.url}/health",
                     c.env,
-                    sequential=True,
+                    sequential=t.colocated,
                     ports=bound,
                     secrets=secrets,
                     health_headers=probe,
@@ -276,17 +292,33 @@ def sglang_children(t: Topology, *, host: str, port: int, env: Mapping[str, str]
     return [*children, dataclasses.replace(_router_child(t, host, port), secrets=secrets)]
 
 
-def _sglang_available() -> bool:
+def check_fits_this_machine(t: Topology) -> None:
+    """TopologyError unless every instance of `t` runs on this one node: `up` starts each sglang
+    engine on this machine's first GPUs, which is right only where the topology shares them."""
+    if not t.colocated:
+        raise TopologyError(
+            f"{t.name}: prefill and decode have nodes of their own (hardware.colocated is false), but up runs "
+            "every engine on this machine's GPUs; run `sglang-pd launch` on each node (or use Helm), or set "
+            "hardware.colocated: true for a topology whose instances share one node."
+        )
+
+
+def sglang_unavailable() -> str | None:
+    """Why sglang cannot serve on this machine, or None: not installed, torch does not import, no CUDA device.
+
+    Cheap: sglang is only looked up, and torch is imported only when sglang is installed.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        return "sglang is not installed"
     try:
         import torch
-
-        if not torch.cuda.is_available():
-            return False
-        import importlib.util
-
-        return importlib.util.find_spec("sglang") is not None
-    except ImportError:
-        return False
+    except (ImportError, OSError) as exc:
+        return f"torch does not import ({exc})"
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible (torch.cuda.is_available() is false)"
+    return None
 
 
 class Stack:
@@ -317,10 +349,10 @@ class Stack:
         self._restart_at: dict[str, float] = {}
         self.restarts: collections.Counter[str] = collections.Counter()
 
-    def echo(self, line: str) -> None:
-        """Print a whole line to the console, never interleaved with a child's line."""
+    def echo(self, line: str, file: TextIO | None = None) -> None:
+        """Print a whole line to the console (`file`: stderr, say), never interleaved with a child's line."""
         with self._print_lock:
-            print(line, file=self._out, flush=True)
+            print(line, file=file or self._out, flush=True)
 
     def _pump(self, child: Child, secrets: tuple[str, ...]) -> None:
         assert child.proc.stdout is not None
@@ -414,7 +446,7 @@ class Stack:
         deadline = time.monotonic() + spec.ready_timeout_s
         child = self.procs[spec.name]
         while child.alive() and not self.stopping.is_set() and time.monotonic() < deadline:
-            if http_ok(spec.health_url, headers=spec.health_headers):
+            if spec.health_probe(spec.health_url, headers=spec.health_headers):
                 return
             time.sleep(0.5)
 
@@ -425,7 +457,7 @@ class Stack:
         """Poll every child's health URL until all answer 200; raise RuntimeError naming the laggard."""
         deadline = time.monotonic() + timeout_s
         pending = {s.name: s.health_url for s in self.specs}
-        probe_headers = {s.name: s.health_headers for s in self.specs}
+        by_name = {s.name: s for s in self.specs}
         last_note = time.monotonic()
         while pending:
             if self.stopping.is_set():
@@ -437,7 +469,7 @@ class Stack:
                 where = f"the end of {self.logs[name]}:\n{tail}" if tail else "its log lines above"
                 raise RuntimeError(f"{name} exited with code {rc} before it was ready; see {where}")
             for name, url in list(pending.items()):
-                if http_ok(url, headers=probe_headers[name]):
+                if by_name[name].health_probe(url, headers=by_name[name].health_headers):
                     del pending[name]
                     took = time.monotonic() - self._started.get(name, time.monotonic())
                     self.echo(f"{name}: healthy after {took:.1f} s")
@@ -491,10 +523,30 @@ def _grace(spec: ChildSpec | None) -> float:
 SMOKE_QUESTION = "What is the capital of France?"
 
 
-def smoke_check(base: str, model: str, timeout_s: float = 60.0) -> str:
+class SmokeCheckFailed(RuntimeError):
+    """The stack is healthy, but the chat completion `up` sends through its router failed."""
+
+
+def client_api_key(env: Mapping[str, str]) -> str | None:
+    """The first client key of SGLANG_PD_ROUTER_API_KEYS, split as the router splits it; None when unset."""
+    keys = [k.strip() for k in env.get(ENV_ROUTER_API_KEYS, "").split(",") if k.strip()]
+    return keys[0] if keys else None
+
+
+def _answer_problem(resp: httpx.Response) -> str:
+    """What an error answer says: its status and the OpenAI error message in its body."""
+    try:
+        detail = str(resp.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        detail = resp.text.strip()[:200]
+    return f"the router answered {resp.status_code} {resp.reason_phrase}" + (f": {detail}" if detail else "")
+
+
+def smoke_check(base: str, model: str, api_key: str | None = None, timeout_s: float = 60.0) -> str:
     """One greedy chat completion, then the same streamed, through the router: what `up` promises works.
 
     Returns the timing line and the exchange itself (question and answer), so a reader sees the model talk.
+    `api_key`: a client key of the router. Raises SmokeCheckFailed naming what went wrong.
     """
     body = {
         "model": model,
@@ -502,27 +554,38 @@ def smoke_check(base: str, model: str, timeout_s: float = 60.0) -> str:
         "max_tokens": 32,
         "temperature": 0,
     }
-
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     url = f"{base}/v1/chat/completions"
-    t = time.monotonic()
-    resp = httpx.post(url, json=body, timeout=timeout_s)
-    resp.raise_for_status()
-    answer = resp.json()
-    plain_ms = (time.monotonic() - t) * 1e3
-    tokens = answer["usage"]["completion_tokens"]
-    t = time.monotonic()
-    chunks, done = 0, False
-    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=timeout_s) as streamed:
-        streamed.raise_for_status()
-        for line in streamed.iter_lines():
-            if line.strip() == "data: [DONE]":
-                done = True
-                break
-            chunks += line.startswith("data: ")
+    try:
+        t = time.monotonic()
+        resp = httpx.post(url, json=body, headers=headers, timeout=timeout_s)
+        if resp.is_error:
+            raise SmokeCheckFailed(_answer_problem(resp))
+        plain_ms = (time.monotonic() - t) * 1e3
+        try:
+            answer = resp.json()
+            tokens = answer["usage"]["completion_tokens"]
+            reply = str(answer["choices"][0]["message"]["content"]).strip()
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise SmokeCheckFailed(f"the answer is not a chat completion ({type(exc).__name__}: {exc})") from exc
+        t = time.monotonic()
+        chunks, done = 0, False
+        with httpx.stream("POST", url, json={**body, "stream": True}, headers=headers, timeout=timeout_s) as streamed:
+            if streamed.is_error:
+                streamed.read()
+                raise SmokeCheckFailed(f"streamed: {_answer_problem(streamed)}")
+            for line in streamed.iter_lines():
+                if line.strip() == "data: [DONE]":
+                    done = True
+                    break
+                chunks += line.startswith("data: ")
+    except httpx.TimeoutException as exc:
+        raise SmokeCheckFailed(f"no answer from {url} within {timeout_s:g} s") from exc
+    except httpx.HTTPError as exc:
+        raise SmokeCheckFailed(f"the exchange with {url} broke off ({type(exc).__name__}: {exc})") from exc
     if not done:
-        raise RuntimeError("the streamed answer ended without `data: [DONE]`")
+        raise SmokeCheckFailed("the streamed answer ended without `data: [DONE]`")
     stream_ms = (time.monotonic() - t) * 1e3
-    reply = str(answer["choices"][0]["message"]["content"]).strip()
     return (
         f"smoke: chat completion ok in {plain_ms:.0f} ms ({tokens} tokens); "
         f"streamed ok in {stream_ms:.0f} ms ({chunks} chunks)\n"
@@ -570,8 +633,10 @@ def run(args: argparse.Namespace) -> int:
     host = args.host or t.router.host
     port = args.port or t.router.port
     engine = args.engine
+    # Asked only where it decides something: it imports torch, a second or more.
+    missing = None if engine == "reference" or (engine == "auto" and t.is_local) else sglang_unavailable()
     if engine == "auto":
-        engine = "reference" if t.is_local or not _sglang_available() else "sglang"
+        engine = "reference" if t.is_local or missing else "sglang"
     try:
         overrides = parse_ports(args.ports)
     except TopologyError as exc:
@@ -584,13 +649,30 @@ def run(args: argparse.Namespace) -> int:
             )
             return EXIT_INVALID
         try:
+            # What is wrong with the topology or the key is said first: it holds on any machine.
+            check_fits_this_machine(t)
+            worker_key(os.environ)
+        except (TopologyError, LaunchError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_INVALID
+        if missing:
+            # Started anyway, sglang fails only after a long start-up, or hangs retrying hub downloads.
+            print(
+                f"error: --engine sglang needs sglang and a CUDA GPU, but on this machine {missing}. Run it on a "
+                "GPU machine with sglang installed, or use the reference engine on a CPU topology here: "
+                "sglang-pd up local-cpu (or local-cpu-mla) --engine reference.",
+                file=sys.stderr,
+            )
+            return EXIT_INVALID
+        try:
             specs = sglang_children(t, host=host, port=port)
         except (TopologyError, LaunchError, SglangVersionError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_INVALID
     elif not t.is_local:
+        why = f"on this machine {missing}" if missing else "the reference engine runs only CPU topologies"
         print(
-            f"error: {t.name} is a GPU topology ({t.hardware.gpu}) and this machine has no CUDA or no sglang; "
+            f"error: {t.name} is a GPU topology ({t.hardware.gpu}) and {why}; "
             "run a CPU topology here (sglang-pd up local-cpu) or install sglang on a GPU machine.",
             file=sys.stderr,
         )
@@ -626,22 +708,29 @@ def run(args: argparse.Namespace) -> int:
         except RuntimeError as exc:
             if received:
                 return EXIT_OK
-            print(f"error: {exc}", file=sys.stderr)
+            stack.echo(f"error: {exc}", file=sys.stderr)
             return EXIT_FAILED
         base = f"http://{_client_host(host)}:{port}"
         body = json.dumps(
             {"model": t.model.name, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}
         )
+        # The router (which inherits this environment) requires a client key once any is set.
+        api_key = client_api_key(os.environ)
         # Through the stack's lock: the router's log lines go to the same console from another thread.
         stack.echo(f"ready in {time.monotonic() - t0:.1f} s ({engine} engine, topology {t.name})")
         stack.echo(f"OpenAI API: {base}/v1")
         if not args.no_smoke:
             try:
-                stack.echo(smoke_check(base, t.model.name))
-            except (httpx.HTTPError, ValueError, KeyError, RuntimeError) as exc:
-                print(f"error: the stack is up but a chat completion through it failed: {exc}", file=sys.stderr)
+                stack.echo(smoke_check(base, t.model.name, api_key))
+            except SmokeCheckFailed as exc:
+                stack.echo(
+                    f"error: the stack is healthy, but its smoke request (a chat completion through the router) "
+                    f"failed: {str(exc).rstrip('.')}. Stopping it; start with --no-smoke to skip the smoke request.",
+                    file=sys.stderr,
+                )
                 return EXIT_FAILED
-        stack.echo(f"try: curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'")
+        auth = f" -H 'Authorization: Bearer <a key of {ENV_ROUTER_API_KEYS}>'" if api_key else ""
+        stack.echo(f"try: curl -s {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
         while not stack.stopping.wait(0.5):
             stack.supervise()
         return EXIT_OK

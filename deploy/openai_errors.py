@@ -102,9 +102,10 @@ def normalize_error_body(status: int, body: bytes) -> bytes:
                 param=param if isinstance(param, str) else None,
                 code=str(code) if isinstance(code, str | int) and not isinstance(code, bool) else None,
             )
+        param = payload.get("param")  # sglang's flat shape names the field at fault
         for key in ("message", "detail", "error"):
             value = payload.get(key)
             if isinstance(value, str) and value:
-                return error_body(status, value, code="engine_error")
+                return error_body(status, value, param=param if isinstance(param, str) else None, code="engine_error")
     text = body[:500].decode("utf-8", "replace").strip() or f"The engine answered {status}."
     return error_body(status, text, code="engine_error")

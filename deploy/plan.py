@@ -34,15 +34,31 @@ class Plan:
     sglang_checks: list[dict[str, Any]] | None = None  # filled by `plan --check` when sglang is importable
     sglang_flags: FlagReport | None = None  # `plan --check`: the installed sglang against the rendered flags
 
+    # Colocated roles (`Topology.colocated`) run every instance on the same node and GPUs, so each
+    # role uses one node and `tp` GPUs, and the totals count those shared ones once.
     @property
     def nodes(self) -> dict[str, int]:
         t = self.topology
+        if t.colocated:
+            return {"prefill": 1, "decode": 1}
         return {"prefill": t.prefill.instances * t.prefill.nodes, "decode": t.decode.groups * t.decode.nodes}
 
     @property
     def gpus(self) -> dict[str, int]:
         t = self.topology
+        if t.is_local:  # the reference engines run on this host's CPUs
+            return {"prefill": 0, "decode": 0}
+        if t.colocated:
+            return {"prefill": t.prefill.tp, "decode": t.decode.tp}
         return {"prefill": t.prefill.instances * t.prefill.tp, "decode": t.decode.groups * t.decode.tp}
+
+    @property
+    def total_nodes(self) -> int:
+        return 1 if self.topology.colocated else sum(self.nodes.values())
+
+    @property
+    def total_gpus(self) -> int:
+        return max(self.gpus.values()) if self.topology.colocated else sum(self.gpus.values())
 
 
 def build_plan(t: Topology, rules: RuleReport) -> Plan:
@@ -91,8 +107,9 @@ def plan_document(p: Plan) -> dict[str, Any]:
         "model": t.model.path,
         "served_model_name": t.model.name,
         "gpu": t.hardware.gpu,
-        "nodes": {**p.nodes, "total": sum(p.nodes.values())},
-        "gpus": {**p.gpus, "total": sum(p.gpus.values())},
+        "colocated": t.colocated,
+        "nodes": {**p.nodes, "total": p.total_nodes},
+        "gpus": {**p.gpus, "total": p.total_gpus},
         "roles": {role: [_command_dict(c) for c in cmds] for role, cmds in p.commands.items()},
         "router": t.router.model_dump(),
         "warnings": p.rules.warnings,
@@ -135,9 +152,10 @@ def _table(p: Plan) -> str:
     policies = f"prefill {t.router.prefill_policy}, decode {t.router.decode_policy}"
     rows.append(("router", "1", "-", "-", policies, f"http {t.router.port}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    shared = ", shared by prefill and decode" if t.colocated and not t.is_local else ""
     lines = [
         f"topology {t.name}: {t.model.path} served as {t.model.name!r} on {t.hardware.gpu} "
-        f"x{t.hardware.gpus_per_node} per node; {sum(p.nodes.values())} nodes, {sum(p.gpus.values())} GPUs",
+        f"x{t.hardware.gpus_per_node} per node; {_count(p.total_nodes, 'node')}, {_count(p.total_gpus, 'GPU')}{shared}",
         "",
     ]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
@@ -163,6 +181,10 @@ def _table(p: Plan) -> str:
     if p.sglang_flags is not None:
         lines += ["", f"sglang flags: {flag_summary(p.sglang_flags)}"]
     return "\n".join(lines)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"no {noun}" if n == 0 else f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _effective_line(effective: dict[str, Any]) -> str:

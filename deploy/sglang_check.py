@@ -54,6 +54,7 @@ RESOLVED_KEYS = (
     "disaggregation_bootstrap_port",
     "disaggregation_transfer_backend",
     "tp_size",
+    "dp_size",
     "attn_dp_size",
     "ep_size",
     "moe_a2a_backend",

@@ -124,6 +124,11 @@ class HardwareSpec(_Strict):
         pattern=r"^\d+\.\d+$",
         description="CUDA compute capability, e.g. '9.0'; needed only for a GPU type sglang-pd does not know.",
     )
+    colocated: bool = Field(
+        False,
+        description="Prefill and decode run on one node and share its GPUs, each taking part of their memory "
+        "(mem_fraction_static), as `sglang-pd up` runs them; false: each instance has nodes of its own.",
+    )
 
     def capability(self) -> tuple[int, int] | None:
         """The GPUs' compute capability: the explicit field, else the known GPU type's, else None."""
@@ -279,6 +284,11 @@ class Topology(_Strict):
         """All roles on this one host (the reference stack), rather than GPU nodes."""
         return self.hardware.gpu.lower() == "cpu"
 
+    @property
+    def colocated(self) -> bool:
+        """Every instance on one node, sharing its GPUs: a CPU topology, or `hardware.colocated`."""
+        return self.is_local or self.hardware.colocated
+
     def model_path(self) -> str:
         """What sglang gets as --model-path: a model folder given relative to the topology file (as the
         shipped `single-h200` preset does) becomes absolute; hub ids and absolute paths pass through."""
@@ -312,12 +322,12 @@ class Topology(_Strict):
             raise TopologyError(f"model.config_json: {path} is not valid JSON ({exc}).") from exc
 
     def instance_endpoints(self, role: Role) -> list[InstanceEndpoint]:
-        """Where each prefill instance or decode group listens. On one host (the local stack)
+        """Where each prefill instance or decode group listens. On one host (a colocated topology)
         instances take consecutive ports from the role's; in a cluster each is its own pod and
         listens on the role's ports themselves."""
         spec = self.prefill if role == "prefill" else self.decode
         count = self.prefill.instances if role == "prefill" else self.decode.groups
-        step = 1 if self.is_local else 0
+        step = 1 if self.colocated else 0
         return [
             InstanceEndpoint(
                 role=role,
@@ -676,7 +686,14 @@ def check_rules(t: Topology, pod: PodSettings | None = None) -> RuleReport:
         "decode.port": d.port,
         "router.port": t.router.port,
     }
-    if t.is_local:
+    if t.colocated:
+        for role, spec in (("prefill", p), ("decode", d)):
+            if spec.nodes > 1:
+                why = "a CPU topology runs on this host" if t.is_local else "hardware.colocated puts all on one node"
+                errors.append(
+                    f"{role}.nodes: {spec.nodes}, but {why}; set {role}.nodes: 1"
+                    + ("." if t.is_local else " or hardware.colocated: false.")
+                )
         # One host: every listening port must be distinct (instances take consecutive ports).
         spans = {
             "prefill.port": p.instances,

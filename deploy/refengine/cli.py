@@ -46,6 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-running-requests", type=int, default=64)
     parser.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="prompt plus new tokens a request may use, as sglang's --context-length (default: the model's)",
+    )
+    parser.add_argument(
         "--bootstrap-timeout", type=float, default=30.0, metavar="SECONDS", help="both halves of a room arrive (30)"
     )
     parser.add_argument(
@@ -85,6 +92,7 @@ async def _serve(args: argparse.Namespace) -> int:
         page_size=args.page_size,
         kv_pages=args.kv_pages,
         max_running_requests=args.max_running_requests,
+        context_length=args.context_length,
         bootstrap_port=args.bootstrap_port if args.role == "prefill" else None,
         bootstrap_timeout_s=args.bootstrap_timeout,
         waiting_timeout_s=args.waiting_timeout,
@@ -97,6 +105,9 @@ async def _serve(args: argparse.Namespace) -> int:
         engine = RefEngine(config, model)
     except KVError as exc:
         print(f"error: the KV transfer engine could not start: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:  # a setting the model cannot take (--context-length)
+        print(f"error: {exc}", file=sys.stderr)
         return 1
     level = args.log_level
     servers = [

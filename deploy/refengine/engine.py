@@ -23,8 +23,9 @@ from typing import Any, Literal, TypeVar
 
 import httpx
 
-from sglang_pd.deploy.contract import ENV_WORKER_API_KEY, WORKER_AUTH_HEADER
+from sglang_pd.deploy.contract import DEFAULT_BOOTSTRAP_PORT, ENV_WORKER_API_KEY, WORKER_AUTH_HEADER
 from sglang_pd.deploy.kv import KVConfig, KVError, KVTransferEngine, PagedLayout, get_engine
+from sglang_pd.deploy.sglang_compat import DEPLOYED_VERSION as REPORTED_SGLANG_VERSION
 
 from .exceptions import PoolExhausted, RequestFailed
 from .kvpool import KVPool, default_num_pages
@@ -47,6 +48,9 @@ class EngineConfig:
     page_size: int = 16
     kv_pages: int | None = None  # None: kvpool.default_num_pages for the model
     max_running_requests: int = 64
+    # What a request may use, prompt and new tokens together (sglang's --context-length); None: the
+    # model's own. Larger than the model's is refused, as sglang refuses it by default.
+    context_length: int | None = None
     bootstrap_port: int | None = None
     bootstrap_timeout_s: float = 30.0  # both halves of a room must have arrived within this
     # Once both have, how long decode waits for the prefill to compute and send the KV (sglang's
@@ -58,6 +62,10 @@ class EngineConfig:
     # and overwrite one page with noise after its crc was taken (as if corrupted in transit).
     test_slow_transfer_s: float = 0.0
     test_corrupt_page: bool = False
+    # sglang's /health: a one-token generation, checked every tick, given up after the timeout
+    # (`health_generate` in sglang's srt/entrypoints/http_server.py: 1 s, SGLANG_HEALTH_CHECK_TIMEOUT).
+    health_tick_s: float = 1.0
+    health_timeout_s: float = 20.0
 
 
 @dataclass
@@ -110,6 +118,7 @@ class RefEngine:
         self.config = config
         self.model = model
         self.tokenizer = model.tokenizer
+        self.context_length = self._context_length(config.context_length, model)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         pages = config.kv_pages or default_num_pages(model.kv_shape, config.page_size)
         self.pool = KVPool(shape=model.kv_shape, page_size=config.page_size, num_pages=pages)
@@ -122,12 +131,27 @@ class RefEngine:
         self.started = time.time()
         self.counters = {"requests": 0, "tokens": 0, "prompt_tokens": 0, "failed": 0, "aborted": 0}
         self.transfers_in_flight = 0
+        # When the model thread last finished a step: sglang's health check passes once the
+        # scheduler has produced anything after the check began (its `last_receive_tstamp`).
+        self.last_step_at = time.monotonic()
         self._http: httpx.AsyncClient | None = None
+
+    @staticmethod
+    def _context_length(asked: int | None, model: LoadedModel) -> int:
+        if asked is None:
+            return model.context_length
+        if not 0 < asked <= model.context_length:
+            raise ValueError(
+                f"--context-length has value {asked}; {model.name} supports 1 to {model.context_length} tokens."
+            )
+        return asked
 
     # -- plumbing ---------------------------------------------------------------------------
 
     async def run_model(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        result = await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        self.last_step_at = time.monotonic()
+        return result
 
     def http(self) -> httpx.AsyncClient:
         if self._http is None:
@@ -167,12 +191,20 @@ class RefEngine:
         return len(targets)
 
     def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        """sglang's length checks (`TokenizerManager._validate_one_request`), in its words."""
         if not ids:
             raise RequestFailed("The prompt is empty; send some text or input_ids.", 400)
-        if len(ids) + params.max_new_tokens > self.model.context_length:
+        n, new, limit = len(ids), params.max_new_tokens, self.context_length
+        if n >= limit:
             raise RequestFailed(
-                f"The prompt has {len(ids)} tokens and max_new_tokens is {params.max_new_tokens}; together they "
-                f"exceed the context length {self.model.context_length}.",
+                f"The input ({n} tokens) is longer than the model's context length ({limit} tokens).", 400
+            )
+        if n + new > limit:
+            raise RequestFailed(
+                f"Requested token count exceeds the model's maximum context length of {limit} tokens. You requested "
+                f"a total of {n + new} tokens: {n} tokens from the input messages and {new} tokens for the "
+                "completion. Please reduce the number of tokens in the input messages or the completion to fit "
+                "within the limit.",
                 400,
             )
 
@@ -450,16 +482,25 @@ class RefEngine:
             "model_path": self.model.name,
             "served_model_name": c.served_name,
             "disaggregation_mode": "null" if c.role == "both" else c.role,
-            "disaggregation_bootstrap_port": c.bootstrap_port,
+            # sglang reports its --disaggregation-bootstrap-port (default 8998) in every role
+            "disaggregation_bootstrap_port": c.bootstrap_port or DEFAULT_BOOTSTRAP_PORT,
             "disaggregation_transfer_backend": "mooncake",
             "page_size": c.page_size,
             "max_running_requests": c.max_running_requests,
-            "context_length": self.model.context_length,
+            "context_length": self.context_length,
             "kv_pages": self.pool.num_pages,
             "kv_cache_shape": self.model.kv_shape.describe(),
             "kv_session_id": self.kv.session_id if self.kv else None,
             "weights_digest": self.model.weights_digest,
             "engine": "sglang-pd reference engine",
+            # The parallel layout as sglang 0.5.23 reports it (one engine: no TP, no DP attention).
+            "version": REPORTED_SGLANG_VERSION,
+            "tp_size": 1,
+            "dp_size": 1,
+            "attn_dp_size": 1,
+            "enable_dp_attention": False,
+            "max_total_num_tokens": self.pool.num_pages * c.page_size,
+            "chunked_prefill_size": -1,
             "pid": os.getpid(),
             "uptime_s": time.time() - self.started,
             "internal_states": [{"num_running_reqs": len(self.requests)}],

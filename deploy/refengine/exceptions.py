@@ -5,8 +5,7 @@
     ├── ClaimRejected   the prefill refused or failed a decode's claim of a room; carries a status
     └── PoolExhausted   no free KV pages are left for a request
 
-The HTTP layer (`server.py`) answers RequestFailed with an OpenAI-shaped error
-(`sglang_pd.deploy.openai_errors`).
+The HTTP layer answers RequestFailed with sglang's error body for the route (`server.sglang_error`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""KVPool: an engine's paged KV memory, one region registered once with the transfer engine."""
+"""KVPool: an engine's paged KV memory, one region registered once with the transfer engine.
+
+Pages are zeroed when freed, so the registered region holds no KV but that of requests in flight."""
 
 from __future__ import annotations
 
@@ -74,6 +76,10 @@ class KVPool:
         return pages
 
     def free(self, pages: Sequence[int]) -> None:
+        """Zero `pages`, then hand them back: the buffer is registered with the transfer engine, so a
+        peer able to read it must not find an earlier request's KV (and so its prompt) there."""
+        if pages:
+            self.buffer.index_fill_(1, torch.tensor(list(pages), dtype=torch.long), 0.0)
         with self._lock:
             self._free.extend(pages)
 

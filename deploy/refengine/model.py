@@ -37,7 +37,8 @@ class LoadedModel:
     model: Any
     tokenizer: Tokenizer
     kv_shape: KVCacheShape
-    context_length: int
+    context_length: int  # the model's own (its config's max_position_embeddings)
+    vocab_size: int  # token ids are 0 to vocab_size - 1
     weights_digest: str  # crc32 of every parameter: prefill and decode must run the same weights
 
     @property
@@ -178,5 +179,6 @@ def load_model(model: str | None = None, *, seed: int = DEFAULT_SEED, threads: i
         tokenizer=tokenizer,
         kv_shape=shape,
         context_length=int(getattr(net.config, "max_position_embeddings", 4096)),
+        vocab_size=int(net.get_input_embeddings().num_embeddings),
         weights_digest=_digest(net),
     )

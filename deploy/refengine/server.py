@@ -1,10 +1,15 @@
 """The reference engine's HTTP API: SGLang's subset and PD fields, plus the bootstrap server.
 
 Main port: `/generate`, `/v1/completions`, `/v1/chat/completions` (JSON or SSE), `/v1/models`,
-`/health`, `/health_generate`, `/server_info` (and `/get_server_info`), `/get_model_info`,
+`/health`, `/health_generate`, `/ping`, `/server_info` (and `/get_server_info`), `/get_model_info`,
 `/metrics`, `/abort_request`. Bootstrap port (prefill): `/kv/claim`, `/kv/cancel`, `/health`.
 PD fields come from the body (`bootstrap_host`, `bootstrap_port`, `bootstrap_room`) or from the
 `x-override-bootstrap-{host,port,room}` headers, as in sglang (docs/pd-protocol.md).
+
+Where a router can tell, the answers are sglang's, as recorded from a live sglang server
+(`tests/deploy/data/sglang-*-http.json`, checked by `tests/doubles/`): `/health` is a one-token
+generation answered on a 1 s tick, error bodies have sglang's two shapes (flat
+`{"object": "error", ...}` on the OpenAI routes, `{"error": {"message"}}` on the native ones).
 """
 
 from __future__ import annotations
@@ -23,14 +28,31 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sglang_pd.deploy.contract import DEFAULT_BOOTSTRAP_PORT, ENV_WORKER_API_KEY, WORKER_AUTH_HEADER
-from sglang_pd.deploy.openai_errors import error_body, error_dict, error_response
+from sglang_pd.deploy.openai_errors import error_dict
 
+from .chat import template_messages
 from .engine import Bootstrap, RefEngine, RequestContext, RequestFailed, SamplingParams, StepOutput
 from .pd import Claim, ClaimRejected
 
 __all__ = ["create_app", "create_bootstrap_app"]
 
 Kind = str  # "generate" | "completion" | "chat"
+
+
+# sglang's OpenAI routes name the error type by class (`serving_base.create_error_response`).
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 499: "BadRequestError"}
+
+
+def sglang_error(path: str, status: int, message: str, param: str | None = None) -> Response:
+    """An error as sglang answers it on `path`: its OpenAI routes' flat body (`param` naming the
+    field at fault, if any), else its native routes' `{"error": {"message"}}`
+    (`http_server._create_error_response`)."""
+    if path.startswith("/v1/"):
+        kind = _ERROR_TYPES.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
+        body: dict[str, Any] = {"object": "error", "message": message, "type": kind, "param": param, "code": status}
+    else:
+        body = {"error": {"message": message}}
+    return JSONResponse(body, status_code=status)
 
 
 def _bootstrap(body: dict[str, Any], request: Request) -> Bootstrap | None:
@@ -57,13 +79,27 @@ def _or(v: Any, default: float) -> Any:
     return default if v is None else v
 
 
-def _params(body: dict[str, Any], kind: Kind) -> SamplingParams:
+def _sampling_source(body: dict[str, Any], kind: Kind) -> dict[str, Any]:
     src = body.get("sampling_params") or {} if kind == "generate" else body
+    if not isinstance(src, dict):
+        raise RequestFailed("'sampling_params' must be an object.", 400)
+    return src
+
+
+def _asked_max_tokens(body: dict[str, Any], kind: Kind) -> Any:
+    """The request's token limit, None when it sets none."""
+    src = _sampling_source(body, kind)
+    # The first one given wins, 0 included (a falsy 0 must not fall through to the default).
+    given = [src.get("max_new_tokens")] if kind == "generate" else []
+    given += [src.get("max_completion_tokens"), src.get("max_tokens")]
+    return next((v for v in given if v is not None), None)
+
+
+def _params(body: dict[str, Any], kind: Kind, context_length: int) -> SamplingParams:
+    src = _sampling_source(body, kind)
+    asked = _asked_max_tokens(body, kind)
     try:
-        # The first one given wins, 0 included (a falsy 0 must not fall through to the default).
-        given = [src.get("max_new_tokens")] if kind == "generate" else []
-        given += [src.get("max_completion_tokens"), src.get("max_tokens")]
-        max_new = next((v for v in given if v is not None), 16 if kind != "chat" else 128)
+        max_new = (16 if kind != "chat" else 128) if asked is None else asked
         seed = src.get("seed", src.get("sampling_seed"))
         p = SamplingParams(
             max_new_tokens=int(max_new),
@@ -79,6 +115,13 @@ def _params(body: dict[str, Any], kind: Kind) -> SamplingParams:
         raise RequestFailed(f"Invalid sampling parameters: {exc}.", 400) from exc
     if p.max_new_tokens < 1:
         raise RequestFailed(f"max_tokens has value {p.max_new_tokens}; it must be at least 1.", 400)
+    if kind == "chat" and asked is not None and p.max_new_tokens > context_length:
+        # sglang's chat check (`OpenAIServingChat._validate_request`), in its words
+        raise RequestFailed(
+            f"max_completion_tokens is too large: {p.max_new_tokens}. "
+            f"This model supports at most {context_length} completion tokens.",
+            400,
+        )
     if not 0 < p.top_p <= 1:
         raise RequestFailed(f"top_p has value {p.top_p}; it must be in (0, 1].", 400)
     if not 0 <= p.temperature < float("inf"):
@@ -122,15 +165,14 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
 def _prompt_ids(engine: RefEngine, body: dict[str, Any], kind: Kind) -> list[int]:
     tok = engine.tokenizer
     if kind == "chat":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise RequestFailed("'messages' must be a non-empty list of {role, content} objects.", 400)
-        return tok.encode(tok.apply_chat_template(messages))
+        messages = template_messages(body.get("messages"))
+        try:
+            prompt = tok.apply_chat_template(messages)
+        except ValueError as exc:  # messages the template cannot render: a 400 in sglang too
+            raise RequestFailed(str(exc), 400) from exc
+        return tok.encode(prompt)
     if kind == "generate" and body.get("input_ids") is not None:
-        ids = body["input_ids"]
-        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-            raise RequestFailed("'input_ids' must be one list of token ids (batches are not supported).", 400)
-        return list(ids)
+        return _checked_input_ids(body["input_ids"], engine.model.vocab_size)
     text = body.get("text") if kind == "generate" else body.get("prompt")
     if isinstance(text, list) and len(text) == 1:
         text = text[0]
@@ -138,6 +180,23 @@ def _prompt_ids(engine: RefEngine, body: dict[str, Any], kind: Kind) -> list[int
         field = "text" if kind == "generate" else "prompt"
         raise RequestFailed(f"'{field}' must be a string (batches are not supported by the reference engine).", 400)
     return tok.encode(text)
+
+
+def _checked_input_ids(ids: Any, vocab_size: int) -> list[int]:
+    """`input_ids` as token ids of the model: an id outside the vocabulary is a 400, not an
+    IndexError in the embedding."""
+    if not isinstance(ids, list) or any(isinstance(i, list) for i in ids):
+        raise RequestFailed("'input_ids' must be one list of token ids (batches are not supported).", 400)
+    for at, i in enumerate(ids):
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise RequestFailed(f"input_ids[{at}] has value {json.dumps(i)}; token ids must be integers.", 400)
+        if not 0 <= i < vocab_size:
+            raise RequestFailed(
+                f"input_ids[{at}] has value {i}, outside the vocabulary: the model has {vocab_size} tokens, "
+                f"so ids must be in [0, {vocab_size}).",
+                400,
+            )
+    return list(ids)
 
 
 class _Formatter:
@@ -254,16 +313,14 @@ async def _until_disconnect(request: Request, work: Awaitable[Any], ctx: Request
 class WorkerKeyMiddleware:
     """Every route needs `Authorization: Bearer <worker key>` (401 otherwise), /health included:
     an engine's routes (`/abort_request` with `abort_all`, `/kv/claim`) act on other users'
-    requests, so only the router and the peer engine may call them."""
+    requests, so only the router and the peer engine may call them. (sglang leaves `/health*`,
+    `/ready` and `/metrics` open, `srt/utils/auth.py`; the router sends the key to all of them.)
+    The refusal is sglang's own body."""
 
     def __init__(self, app: ASGIApp, *, key: str) -> None:
         self.app = app
         self.expected = b"Bearer " + key.encode()
-        self.denied = error_body(
-            401,
-            f"Missing or wrong worker key. Send 'Authorization: Bearer <key>' with the key in {ENV_WORKER_API_KEY}.",
-            code="invalid_api_key",
-        )
+        self.denied = b'{"error":"Unauthorized"}'
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -281,25 +338,44 @@ def _guard(app: FastAPI, api_key: str | None) -> FastAPI:
     return app
 
 
+async def _one_token(engine: RefEngine) -> None:
+    """The health check's generation: one greedy token of a one-token prompt, on the model thread."""
+    try:
+        ctx = engine.begin(f"HEALTH_CHECK_{uuid.uuid4().hex}")
+    except RequestFailed:
+        return  # a full engine runs other requests: their steps answer the check
+    try:
+        params = SamplingParams(max_new_tokens=1, temperature=0.0)
+        async for _ in engine.generate(ctx, engine.tokenizer.encode("ok")[:1], params, None):
+            pass
+    except RequestFailed:
+        pass  # counted like any other step: the check looks at the model thread, not this answer
+    finally:
+        engine.end(ctx)
+
+
 def create_app(engine: RefEngine, *, api_key: str | None = None) -> FastAPI:
     """The engine's HTTP API; `api_key` (default: $SGLANG_PD_WORKER_API_KEY) guards every route."""
     app = FastAPI(title="sglang-pd reference engine", docs_url=None, redoc_url=None)
     _guard(app, api_key)
 
     @app.exception_handler(RequestFailed)
-    async def _failed(_: Request, exc: RequestFailed) -> Response:
-        return error_response(exc.status, str(exc), param=getattr(exc, "param", None))
+    async def _failed(request: Request, exc: RequestFailed) -> Response:
+        return sglang_error(request.url.path, exc.status, str(exc), getattr(exc, "param", None))
 
     async def serve(request: Request, kind: Kind) -> Response:
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
-            return error_response(400, "The request body is not valid JSON.")
+            return sglang_error(request.url.path, 400, "The request body is not valid JSON.")
         if not isinstance(body, dict):
-            return error_response(400, "The request body must be a JSON object.")
+            return sglang_error(request.url.path, 400, "The request body must be a JSON object.")
         bootstrap = _bootstrap(body, request)
-        params = _params(body, kind)
+        params = _params(body, kind, engine.context_length)
         ids = _prompt_ids(engine, body, kind)
+        if _asked_max_tokens(body, kind) is None:
+            # sglang caps a request that sets no limit at what the context has left, and serves it
+            params.max_new_tokens = max(1, min(params.max_new_tokens, engine.context_length - len(ids)))
         rid = str(body.get("rid") or request.headers.get("x-request-id") or uuid.uuid4().hex)
         prefix = {"generate": "", "completion": "cmpl-", "chat": "chatcmpl-"}[kind]
         fmt = _Formatter(engine, kind, prefix + rid if not rid.startswith(prefix) else rid, len(ids), body)
@@ -324,7 +400,7 @@ def create_app(engine: RefEngine, *, api_key: str | None = None) -> FastAPI:
 
                 await _until_disconnect(request, collect(), ctx)
                 if fmt.finish and fmt.finish["type"] == "abort":
-                    return error_response(499, f"Request {rid} was aborted.")
+                    return sglang_error(request.url.path, 499, f"Request {rid} was aborted.")
                 return JSONResponse(fmt.full())
             # Start the work before answering 200, so that a failed handshake is a clean 5xx.
             try:
@@ -373,26 +449,31 @@ def create_app(engine: RefEngine, *, api_key: str | None = None) -> FastAPI:
         return await serve(request, "chat")
 
     @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200)
-
     @app.get("/health_generate")
-    async def health_generate() -> Response:
-        # PD engines probe themselves without a peer: one local step of the model.
-        ctx = engine.begin(f"health-{uuid.uuid4().hex}")
+    async def health() -> Response:
+        # As sglang's `health_generate`: submit a one-token generation, then look every tick for any
+        # step of the model since the check began (a busy engine passes at the first tick); 503
+        # when nothing ran within the timeout. PD engines probe themselves without a peer.
+        began = time.monotonic()
+        probe = asyncio.ensure_future(_one_token(engine))
         try:
-            params = SamplingParams(max_new_tokens=1, temperature=0.0)
-            async for _ in engine.generate(ctx, engine.tokenizer.encode("ok"), params, None):
-                pass
+            while time.monotonic() - began < engine.config.health_timeout_s:
+                await asyncio.sleep(engine.config.health_tick_s)
+                if engine.last_step_at > began:
+                    return Response(status_code=200)
+            return Response(status_code=503)
         finally:
-            engine.end(ctx)
+            probe.cancel()
+
+    @app.get("/ping")
+    async def ping() -> Response:
         return Response(status_code=200)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         name = engine.config.served_name
-        card = {"id": name, "object": "model", "created": int(engine.started), "owned_by": "sglang-pd", "root": name}
-        card["max_model_len"] = engine.model.context_length
+        card = {"id": name, "object": "model", "created": int(engine.started), "owned_by": "sglang", "root": name}
+        card.update(parent=None, max_model_len=engine.context_length)
         return {"object": "list", "data": [card]}
 
     @app.get("/server_info")
@@ -419,10 +500,11 @@ def create_app(engine: RefEngine, *, api_key: str | None = None) -> FastAPI:
         return PlainTextResponse(engine.metrics_text(), media_type="text/plain; version=0.0.4")
 
     @app.post("/abort_request")
-    async def abort_request(request: Request) -> dict[str, Any]:
+    async def abort_request(request: Request) -> Response:
+        # sglang answers 200 with no body, also for an id it does not know.
         body = await request.json()
-        n = engine.abort(None if body.get("abort_all") else str(body.get("rid") or ""))
-        return {"aborted": n}
+        engine.abort(None if body.get("abort_all") else str(body.get("rid") or ""))
+        return Response(status_code=200)
 
     @app.post("/flush_cache")
     async def flush_cache() -> Response:

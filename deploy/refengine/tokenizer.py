@@ -15,7 +15,9 @@ class Tokenizer(Protocol):
 
     def decode_bytes(self, ids: list[int]) -> bytes: ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        """The prompt of `messages` (string content); ValueError if the template cannot render them."""
+        ...
 
 
 class ByteTokenizer:
@@ -32,12 +34,8 @@ class ByteTokenizer:
         return bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < 256 + self.OFFSET)
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
-        parts = []
-        for m in messages:
-            content = m.get("content") or ""
-            if isinstance(content, list):  # OpenAI content parts: keep the text ones
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            parts.append(f"<|{m.get('role', 'user')}|>\n{content}\n")
+        """Messages with string content (`chat.template_messages`) as one prompt."""
+        parts = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
         return "".join(parts) + "<|assistant|>\n"
 
 
@@ -57,9 +55,14 @@ class HFTokenizer:
         return str(self._tok.decode(ids, skip_special_tokens=True)).encode("utf-8")
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
-        if getattr(self._tok, "chat_template", None):
+        if not getattr(self._tok, "chat_template", None):
+            return ByteTokenizer().apply_chat_template(messages)
+        import jinja2  # transformers renders chat templates with it
+
+        try:
             return str(self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-        return ByteTokenizer().apply_chat_template(messages)
+        except (jinja2.TemplateError, TypeError) as exc:  # sglang's `_CHAT_TEMPLATE_CLIENT_ERRORS`
+            raise ValueError(f"The chat template cannot render these messages: {exc}") from exc
 
 
 class IncrementalDetokenizer:

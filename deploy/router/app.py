@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import re
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -28,7 +26,7 @@ from .discovery import KubernetesDiscovery
 from .exceptions import ClientGone, WorkerRegistrationError
 from .health import HealthChecker
 from .legs import Legs
-from .log import logger, request_id_var
+from .log import client_request_id_var, logger, request_id_var
 from .metrics import CONTENT_TYPE_LATEST, RouterMetrics
 from .middleware import AdmissionMiddleware, AuthMiddleware, BodyLimitMiddleware
 from .openapi import OPENAPI
@@ -36,13 +34,12 @@ from .pairs import PairPicker
 from .policies import make_policy
 from .proxy import PDProxy
 from .relay import ClientWatch, RelayResponse
+from .request_ids import RequestIds, request_ids
 from .transport import HttpWorkerClient, WorkerClient
 from .validation import ENDPOINTS, parse_body, validate
 from .workers import WorkerRegistry
 
 __all__ = ["RouterApp", "create_app"]
-
-_RID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 
 
 def _json(data: Any, status: int = 200) -> Response:
@@ -72,6 +69,7 @@ class RouterApp:
         self.registry = WorkerRegistry(
             breaker_failure_threshold=config.breaker_failure_threshold,
             breaker_cooldown_s=config.breaker_cooldown_s,
+            allow_link_local=config.allow_link_local_workers,
         )
         self.control = (
             ControlLink(control_socket, process_index, self.registry.sync) if control_socket is not None else None
@@ -93,6 +91,7 @@ class RouterApp:
             interval_s=config.health_interval_s,
             failure_threshold=config.health_failure_threshold,
             success_threshold=config.health_success_threshold,
+            generate_interval_s=config.health_generate_interval_s,
             stall_s=config.stream_stall_s,
             report=self.control.report if self.control is not None else None,
         )
@@ -134,18 +133,25 @@ class RouterApp:
             await _NOT_ALLOWED(scope, receive, send)
             return
         started = time.perf_counter()
-        rid = _request_id(scope)
+        ids = request_ids(scope)
+        # Every log line of the request, its relayed stream's included, carries both ids.
+        tokens = request_id_var.set(ids.router), client_request_id_var.set(ids.client)
         try:
-            response = await self.serve(endpoint, scope, receive, rid)
-        except Exception as exc:
-            response = await _internal_error(None, exc)
-        self._ttfb[endpoint].observe(time.perf_counter() - started)
-        try:
-            await response(scope, receive, send)  # a relayed stream returns once it has ended
+            try:
+                response = await self.serve(endpoint, scope, receive, ids)
+            except Exception as exc:
+                response = await _internal_error(None, exc)
+                response.headers.update(ids.headers)
+            self._ttfb[endpoint].observe(time.perf_counter() - started)
+            try:
+                await response(scope, receive, send)  # a relayed stream returns once it has ended
+            finally:
+                # A stream the client left is a 499 (nginx's "client closed request"), not a 200.
+                status = 499 if isinstance(response, RelayResponse) and response.abandoned else response.status_code
+                self._observe(endpoint, status, started)
         finally:
-            # A stream the client left is a 499 (nginx's "client closed request"), not a 200.
-            status = 499 if isinstance(response, RelayResponse) and response.abandoned else response.status_code
-            self._observe(endpoint, status, started, rid)
+            request_id_var.reset(tokens[0])
+            client_request_id_var.reset(tokens[1])
 
     @property
     def draining(self) -> bool:
@@ -210,25 +216,22 @@ class RouterApp:
         app.add_exception_handler(Exception, _internal_error)
         return app
 
-    async def serve(self, endpoint: str, scope: Scope, receive: Receive, rid: str) -> Response:
+    async def serve(self, endpoint: str, scope: Scope, receive: Receive, ids: RequestIds) -> Response:
         """Validate the body and hand it to the proxy; errors become OpenAI-shaped answers."""
-        token = request_id_var.set(rid)
         try:
             payload = parse_body(await _read_body(receive))
             validate(endpoint, payload, self.registry.models())
             if payload.get("stream"):
-                return await self.proxy.stream(endpoint, payload, rid, ClientWatch(scope, receive))
-            return await self.proxy.unary(endpoint, payload, rid, ClientWatch(scope, receive))
+                return await self.proxy.stream(endpoint, payload, ids, ClientWatch(scope, receive))
+            return await self.proxy.unary(endpoint, payload, ids, ClientWatch(scope, receive))
         except ApiError as exc:
             response = exc.response()
-            response.headers["x-request-id"] = rid
+            response.headers.update(ids.headers)
             return response
         except ClientGone:
-            return Response(status_code=499, headers={"x-request-id": rid})
-        finally:
-            request_id_var.reset(token)
+            return Response(status_code=499, headers=ids.headers)
 
-    def _observe(self, endpoint: str, status: int, started: float, rid: str) -> None:
+    def _observe(self, endpoint: str, status: int, started: float) -> None:
         elapsed = time.perf_counter() - started
         counter = self._requests.get((endpoint, status))
         if counter is None:
@@ -237,13 +240,11 @@ class RouterApp:
         self._latency[endpoint].observe(elapsed)
         level = logging.WARNING if status >= 500 else logging.INFO
         if logger.isEnabledFor(level):
-            token = request_id_var.set(rid)
             logger.log(
                 level,
                 "request finished",
                 extra={"endpoint": endpoint, "status": status, "duration_ms": round(elapsed * 1000, 3)},
             )
-            request_id_var.reset(token)
 
     async def models(self) -> Response:
         created = 0
@@ -257,17 +258,11 @@ class RouterApp:
         return _json({"status": "ok"})
 
     async def readiness(self) -> Response:
+        # Ready whenever it serves, with or without a healthy worker: taking the router out of its
+        # Service would turn a clear 503 + Retry-After (no healthy worker, see GET /workers) into
+        # refused connections. The body says what it can serve now.
         if self.draining:
             return error_response(503, "The router is draining and takes no new requests.", code="draining")
-        if not self.registry.ready():
-            prefill = len(self.registry.available("prefill"))
-            decode = len(self.registry.available("decode"))
-            return error_response(
-                503,
-                f"Not ready: {prefill} healthy prefill and {decode} healthy decode workers; at least one "
-                "of each is needed. See GET /workers.",
-                code="not_ready",
-            )
         return _json(
             {
                 "status": "ready",
@@ -319,7 +314,9 @@ class RouterApp:
             worker = self.registry.add(url, role, bootstrap_port=port, source="api")
         except WorkerRegistrationError as exc:
             raise ApiError(400, str(exc), param="url", code="invalid_value") from exc
-        await self.health.check(worker)
+        # Answered once its first probe ended, or after the liveness timeout with the probe going on
+        # (a generation: sglang takes 1 s at best, 20 s at worst).
+        await self.health.check(worker, wait_s=self.config.health_timeout_s)
         return _json(worker.to_json(), status=201)
 
     async def remove_worker(self, request: Request) -> Response:
@@ -359,17 +356,6 @@ class RouterApp:
 
 
 _OPENAPI_BODY = orjson.dumps(OPENAPI)
-
-
-def _request_id(scope: Scope) -> str:
-    """The client's X-Request-ID when it is a sane token, else a new random one."""
-    for name, value in scope["headers"]:
-        if name == b"x-request-id":
-            given = value.decode("latin-1")
-            if _RID.match(given):
-                return given
-            break
-    return os.urandom(16).hex()
 
 
 async def _read_body(receive: Receive) -> bytes:

@@ -77,11 +77,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--stream-idle-timeout", type=float, default=None, metavar="SECONDS")
     limits.add_argument("--max-retries", type=int, default=None)
 
-    health = parser.add_argument_group("health and circuit breaker")
-    health.add_argument("--health-interval", type=float, default=None, metavar="SECONDS")
-    health.add_argument("--health-timeout", type=float, default=None, metavar="SECONDS")
-    health.add_argument("--health-failure-threshold", type=int, default=None)
-    health.add_argument("--health-success-threshold", type=int, default=None)
+    health = parser.add_argument_group(
+        "health and circuit breaker",
+        "A worker is admitted once GET /health passes (sglang: a one-token generation, 1-20 s), then kept by "
+        "GET /v1/models (instant) every --health-interval and /health every --health-generate-interval.",
+    )
+    health.add_argument(
+        "--health-interval", type=float, default=None, metavar="SECONDS", help="liveness probe period (default 2)"
+    )
+    health.add_argument(
+        "--health-timeout", type=float, default=None, metavar="SECONDS", help="liveness probe timeout (default 5)"
+    )
+    health.add_argument(
+        "--health-failure-threshold", type=int, default=None, help="failed liveness probes in a row that eject (3)"
+    )
+    health.add_argument(
+        "--health-success-threshold", type=int, default=None, help="passed /health probes that readmit (1)"
+    )
+    health.add_argument(
+        "--health-generate-interval",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="/health probe period of an admitted worker (default 30)",
+    )
+    health.add_argument(
+        "--health-generate-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="/health probe timeout (default 25: sglang's own 20 s limit plus margin)",
+    )
     health.add_argument(
         "--stream-stall", type=float, default=None, metavar="SECONDS", help="eject a worker whose streams stall; 0: off"
     )
@@ -96,6 +122,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"client API key; repeatable (or {contract.ENV_ROUTER_API_KEYS}=k1,k2)",
     )
     security.add_argument("--admin-key", default=None, help=f"key for /workers (or {contract.ENV_ROUTER_ADMIN_KEY})")
+    security.add_argument(
+        "--allow-link-local-workers",
+        action="store_true",
+        default=None,
+        help="accept workers on link-local (169.254.0.0/16, fe80::/10) and cloud metadata addresses, "
+        "refused by default from every source",
+    )
     security.add_argument(
         "--worker-api-key",
         default=None,
@@ -123,11 +156,14 @@ _FLAG_TO_FIELD = {
     "health_timeout": "health_timeout_s",
     "health_failure_threshold": "health_failure_threshold",
     "health_success_threshold": "health_success_threshold",
+    "health_generate_interval": "health_generate_interval_s",
+    "health_generate_timeout": "health_generate_timeout_s",
     "stream_stall": "stream_stall_s",
     "breaker_failure_threshold": "breaker_failure_threshold",
     "breaker_cooldown": "breaker_cooldown_s",
     "drain_timeout": "drain_timeout_s",
     "log_level": "log_level",
+    "allow_link_local_workers": "allow_link_local_workers",
 }
 
 

@@ -36,6 +36,17 @@ SPEC_FIELDS = (
     "request_timeout_s",
 )
 
+# RouterConfig fields that must be > 0.
+_POSITIVE = (
+    "queue_timeout_s",
+    "request_timeout_s",
+    "connect_timeout_s",
+    "health_interval_s",
+    "health_timeout_s",
+    "health_generate_interval_s",
+    "health_generate_timeout_s",
+)
+
 
 @dataclass(frozen=True, kw_only=True)
 class KubernetesDiscoveryConfig:
@@ -74,13 +85,19 @@ class RouterConfig:
     max_retries: int = 2
     retry_backoff_s: float = 0.05
     retry_max_backoff_s: float = 1.0
-    # Health checks, the stall watchdog and the per-worker circuit breaker. One failed probe
-    # ejects a worker and the next passing one readmits it: a frozen worker is out within
-    # interval + timeout (1.5 s), a falsely ejected one back within an interval.
-    health_interval_s: float = 0.5
-    health_timeout_s: float = 1.0
-    health_failure_threshold: int = 1
+    # Health checks (health.py says how they fit sglang's /health, a one-token generation that
+    # answers after 1 s at best and 20 s at worst), the stall watchdog and the circuit breaker.
+    # Liveness (GET /v1/models, instant) every health_interval_s with health_timeout_s, and
+    # health_failure_threshold failures in a row eject: a frozen worker is out within
+    # 3 x 2 + 5 = 11 s. The generation probe (GET /health) admits a worker (every
+    # health_interval_s until it passes) and checks an admitted one every
+    # health_generate_interval_s; health_generate_timeout_s is sglang's own 20 s limit plus margin.
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 5.0
+    health_failure_threshold: int = 3
     health_success_threshold: int = 1
+    health_generate_interval_s: float = 30.0
+    health_generate_timeout_s: float = 25.0
     stream_stall_s: float = 5.0  # open streams without bytes this long eject the worker; 0: off
     breaker_failure_threshold: int = 3
     breaker_cooldown_s: float = 10.0
@@ -88,6 +105,9 @@ class RouterConfig:
     # /workers. Empty means off (and /workers then only answers GET).
     api_keys: tuple[str, ...] = ()
     admin_key: str = ""
+    # Workers on link-local addresses (169.254.0.0/16, fe80::/10) and cloud metadata addresses
+    # are refused, from every source, unless this is set (workers.refused_address).
+    allow_link_local_workers: bool = False
     drain_timeout_s: float = 30.0
     log_level: str = "info"
     kubernetes: KubernetesDiscoveryConfig | None = None
@@ -107,6 +127,7 @@ class RouterConfig:
             request=self.request_timeout_s,
             stream_idle=self.stream_idle_timeout_s,
             health=self.health_timeout_s,
+            health_generate=self.health_generate_timeout_s,
         )
 
     def __post_init__(self) -> None:
@@ -117,7 +138,10 @@ class RouterConfig:
         for name in ("max_concurrent_requests", "max_queued_requests", "max_retries"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Config '{name}' has value {getattr(self, name)}. It must be >= 0.")
-        for name in ("queue_timeout_s", "request_timeout_s", "connect_timeout_s", "health_interval_s"):
+        for name in ("health_failure_threshold", "health_success_threshold"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Config '{name}' has value {getattr(self, name)}. It must be >= 1.")
+        for name in _POSITIVE:
             if getattr(self, name) <= 0:
                 raise ValueError(f"Config '{name}' has value {getattr(self, name)}. It must be > 0.")
 

@@ -43,7 +43,8 @@ _LINE_LIMIT = 16 * 1024 * 1024
 # How often a serving process says it is alive; the control process kills one silent for
 # several of these (group.py).
 HEARTBEAT_S = 1.0
-# A /workers change runs one health check (bounded by the health timeout) in the control process.
+# A /workers change waits for the new worker's first probe in the control process, at most the
+# health timeout (5 s by default).
 _REQUEST_TIMEOUT_S = 30.0
 
 Handler = Callable[[str, dict[str, Any]], Awaitable[tuple[int, dict[str, Any]]]]

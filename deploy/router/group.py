@@ -115,6 +115,7 @@ class ProcessGroup:
         self.registry = WorkerRegistry(
             breaker_failure_threshold=config.breaker_failure_threshold,
             breaker_cooldown_s=config.breaker_cooldown_s,
+            allow_link_local=config.allow_link_local_workers,
         )
         for url, bootstrap_port in config.prefill_workers:
             self.registry.add(url, "prefill", bootstrap_port=bootstrap_port)
@@ -128,6 +129,7 @@ class ProcessGroup:
             interval_s=config.health_interval_s,
             failure_threshold=config.health_failure_threshold,
             success_threshold=config.health_success_threshold,
+            generate_interval_s=config.health_generate_interval_s,
         )
         self.discovery = (
             KubernetesDiscovery(self.registry, config.kubernetes) if config.kubernetes is not None else None
@@ -351,7 +353,7 @@ class ProcessGroup:
                 worker = self.registry.add(
                     args["url"], args["role"], bootstrap_port=args.get("bootstrap_port"), source="api"
                 )
-                await self.health.check(worker)
+                await self.health.check(worker, wait_s=self.config.health_timeout_s)
                 return 201, worker.state()
             if op == "remove":
                 removed = self.registry.remove(args["url"], args.get("role"))

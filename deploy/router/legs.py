@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -63,7 +64,8 @@ class Legs:
 
     async def open_stream(self, worker: Worker, path: str, body: bytes, rid: str) -> Reply:
         """A streamed leg up to its first chunk. While the stream is open the worker's in-flight
-        count stays raised; a `PairStreamOutcome` ends it."""
+        count stays raised; a `PairStreamOutcome` ends it (or `end`, for a stream given up before
+        its relay)."""
         self._begin(worker)
         try:
             reply = await self.client.open_stream(worker, path, body, rid)
@@ -74,10 +76,6 @@ class Legs:
         if reply.stream is None:  # the engine refused the request (4xx)
             self.succeeded(worker)
             self.end(worker)
-        else:
-            if not worker.open_streams:
-                worker.last_stream_bytes = time.monotonic()
-            worker.open_streams += 1
         return reply
 
     # _no_verdict: a leg that ends in an exception frees its worker's half-open probe slot at
@@ -159,13 +157,26 @@ class Legs:
 
 
 class PairStreamOutcome:
-    """How a relayed decode stream ended, applied to the pair's books (a relay.StreamOutcome)."""
+    """How a relayed decode stream ended, applied to the pair's books (a relay.StreamOutcome); also
+    the stream's stall clock. From the moment the relay takes it over (its first byte has arrived)
+    it is one of the decode's `streams`, and its first byte counts as the decode's latest; its
+    clock runs only while the relay waits for the decode's next bytes (`waiting_since`), not while
+    the relay is sending to a slow client: that is no sign of the worker's health."""
+
+    __slots__ = ("legs", "pair", "waiting_since")
 
     def __init__(self, legs: Legs, pair: Pair) -> None:
         self.legs = legs
         self.pair = pair
+        self.waiting_since = math.inf
+        pair.decode.streams.add(self)
+        pair.decode.last_stream_bytes = time.monotonic()
+
+    def waiting(self) -> None:
+        self.waiting_since = time.monotonic()
 
     def progressed(self) -> None:
+        self.waiting_since = math.inf
         self.pair.decode.last_stream_bytes = time.monotonic()
 
     def completed(self) -> None:
@@ -187,5 +198,5 @@ class PairStreamOutcome:
         self._close()
 
     def _close(self) -> None:
-        self.pair.decode.open_streams -= 1
+        self.pair.decode.streams.discard(self)
         self.legs.end(self.pair.decode)

@@ -1,4 +1,6 @@
-"""Structured logs: one JSON object a line, with the request id of the request being served."""
+"""Structured logs: one JSON object a line, with the ids of the request being served: the router's
+own (`request_id`, the id the engines know it by) and the client's X-Request-ID, when it sent one
+(`client_request_id`)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,10 @@ from typing import Any
 
 import orjson
 
-__all__ = ["JsonFormatter", "configure_logging", "logger", "request_id_var"]
+__all__ = ["JsonFormatter", "client_request_id_var", "configure_logging", "logger", "request_id_var"]
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
+client_request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("client_request_id", default="")
 logger = logging.getLogger("sglang_pd.router")
 
 _RESERVED = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
@@ -35,6 +38,8 @@ class JsonFormatter(logging.Formatter):
         rid = request_id_var.get()
         if rid:
             entry["request_id"] = rid
+        if client_rid := client_request_id_var.get():
+            entry["client_request_id"] = client_rid
         for key, value in record.__dict__.items():
             if key not in _RESERVED and not key.startswith("_"):
                 entry[key] = value

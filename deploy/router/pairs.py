@@ -1,6 +1,7 @@
 """Pair selection: the routing policies pick a (prefill, decode) pair among the available workers,
-then the bootstrap fields are chosen for it (rooms on the least-loaded prefill DP ranks) and the
-two legs' bodies written."""
+then the bootstrap fields are chosen for it (rooms on prefill DP ranks by prefix and load,
+`bootstrap.py`) and the two legs' bodies written. The prompt's text is only extracted when a
+policy or the prefill's DP ranks need it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from .bootstrap import PDBodies, choose_rooms, pd_bodies
+from .bootstrap import PDBodies, choose_rooms, pd_bodies, prefix_rank
 from .exceptions import NoHealthyWorker
 from .policies import Policy, RoutingRequest
 from .types import Role
@@ -59,13 +60,18 @@ class PairPicker:
         decodes = self.registry.available("decode", exclude)
         if not decodes:
             raise NoHealthyWorker("decode")
-        request = RoutingRequest(text=routing_text(payload) if self._needs_text else "")
+        text = routing_text(payload) if self._needs_text else None
+        request = RoutingRequest(text=text or "")
         prefill = self.policies["prefill"].select(prefills, request)
         decode = self.policies["decode"].select(decodes, request)
         batch = batch_size(endpoint, payload)
+        preferred = None
+        if prefill.dp_size > 1:
+            preferred = prefix_rank(routing_text(payload) if text is None else text, prefill.dp_size)
         rooms, ranks = choose_rooms(
-            1 if batch is None else batch, self._rng, dp_in_flight=prefill.dp_in_flight, start=next(self._dp_counter)
-        )
+            1 if batch is None else batch, self._rng, dp_in_flight=prefill.dp_in_flight,
+            start=next(self._dp_counter), preferred=preferred,
+        )  # fmt: skip
         for rank in ranks:
             prefill.dp_in_flight[rank] += 1
         assert prefill.bootstrap_port is not None, "the registry gives every prefill worker a bootstrap port"

@@ -9,6 +9,7 @@ nothing has reached the client; the other leg of a given-up attempt is always ab
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -23,6 +24,7 @@ from .log import logger
 from .logprobs import merge_first_event, merge_logprobs, wants_input_logprobs
 from .pairs import Pair, PairPicker
 from .relay import ClientWatch, RelayResponse, openai_finish_reasons
+from .request_ids import RequestIds
 from .tasks import cancel_legs, finished_ok
 from .transport import Reply
 from .workers import Worker
@@ -42,10 +44,12 @@ class PDProxy:
         self.pairs = pairs
         self.legs = legs
         self._rng = random.Random()
+        # With no healthy worker: a worker can be admitted at the next probe round.
+        self._retry_after = str(max(1, math.ceil(config.health_interval_s)))
 
-    async def unary(self, endpoint: str, payload: dict[str, Any], rid: str, watch: ClientWatch) -> Response:
+    async def unary(self, endpoint: str, payload: dict[str, Any], ids: RequestIds, watch: ClientWatch) -> Response:
         try:
-            _, reply, prefill_t = await self._attempts(endpoint, payload, rid, self.legs.post, watch.gone)
+            _, reply, prefill_t = await self._attempts(endpoint, payload, ids.router, self.legs.post, watch.gone)
         finally:
             watch.stop()
         body = reply.body
@@ -53,19 +57,20 @@ class PDProxy:
             body = await self._with_prefill_logprobs(prefill_t, body, merge_logprobs)
         self._watch_prefill(prefill_t)
         if reply.status >= 400:
-            return _refused(reply, rid)
+            return _refused(reply, ids)
         if endpoint != "/generate":
             body = openai_finish_reasons(body)
-        return Response(body, status_code=reply.status, media_type=reply.content_type, headers={"x-request-id": rid})
+        return Response(body, status_code=reply.status, media_type=reply.content_type, headers=ids.headers)
 
-    async def stream(self, endpoint: str, payload: dict[str, Any], rid: str, watch: ClientWatch) -> Response:
+    async def stream(self, endpoint: str, payload: dict[str, Any], ids: RequestIds, watch: ClientWatch) -> Response:
         # One watch on the client for the whole request: the relay takes it over.
         try:
-            pair, reply, prefill_t = await self._attempts(endpoint, payload, rid, self.legs.open_stream, watch.gone)
+            open_decode = self.legs.open_stream
+            pair, reply, prefill_t = await self._attempts(endpoint, payload, ids.router, open_decode, watch.gone)
             if reply.stream is None:  # decode refused (4xx)
                 self._watch_prefill(prefill_t)
                 watch.stop()
-                return _refused(reply, rid)
+                return _refused(reply, ids)
             first = reply.body
             if wants_input_logprobs(endpoint, payload):
                 first = await self._with_prefill_logprobs(prefill_t, first, merge_first_event)
@@ -74,13 +79,14 @@ class PDProxy:
             raise
         self._watch_prefill(prefill_t)
         outcome = PairStreamOutcome(self.legs, pair)
-        return RelayResponse(reply, first, outcome, rid=rid, watch=watch, openai=endpoint != "/generate")
+        return RelayResponse(reply, first, outcome, headers=ids.headers, watch=watch, openai=endpoint != "/generate")
 
     async def _attempts(
         self, endpoint: str, payload: dict[str, Any], rid: str, open_decode: OpenLeg, disconnect: asyncio.Future[None]
     ) -> tuple[Pair, Reply, asyncio.Task[Reply]]:
         """Run attempts until decode gives an answer (or its first chunk), or `disconnect` (the
-        client left) ends them. Returns the pair, decode's reply and the prefill task (possibly
+        client left) ends them. `rid`: the router's id of the request (never the client's: the
+        engines abort by it). Returns the pair, decode's reply and the prefill task (possibly
         still running)."""
         exclude: list[Worker] = []
         last_error: UpstreamError | None = None
@@ -97,7 +103,10 @@ class PDProxy:
             except NoHealthyWorker as exc:
                 if last_error is not None:
                     raise _gave_up(last_error, attempt) from exc
-                raise ApiError(503, str(exc), code="no_healthy_worker", headers={"retry-after": "1"}) from exc
+                # Streamed or not, nothing has been sent yet: a plain OpenAI-shaped 503.
+                raise ApiError(
+                    503, str(exc), code="no_healthy_worker", headers={"retry-after": self._retry_after}
+                ) from exc
             prefill_t = asyncio.ensure_future(self.legs.post(pair.prefill, endpoint, pair.bodies.prefill, attempt_rid))
             if pair.dp_ranks:
                 prefill_t.add_done_callback(pair.release_ranks)
@@ -219,10 +228,10 @@ class PDProxy:
             prefill_t.add_done_callback(record)
 
 
-def _refused(reply: Reply, rid: str) -> Response:
+def _refused(reply: Reply, ids: RequestIds) -> Response:
     """An engine's own refusal (4xx), in the one OpenAI error shape."""
     body = normalize_error_body(reply.status, reply.body)
-    return Response(body, status_code=reply.status, media_type="application/json", headers={"x-request-id": rid})
+    return Response(body, status_code=reply.status, media_type="application/json", headers=ids.headers)
 
 
 def _timeout_error(seconds: float) -> ApiError:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Mapping
 from typing import Protocol
 
 from starlette.responses import Response
@@ -39,6 +40,9 @@ def openai_finish_reasons(chunk: bytes) -> bytes:
 
 
 class StreamOutcome(Protocol):
+    def waiting(self) -> None:
+        """The relay waits for the worker's next bytes (the stall watchdog's clock runs)."""
+
     def progressed(self) -> None:
         """Bytes arrived from the worker (the stall watchdog's heartbeat)."""
 
@@ -63,18 +67,18 @@ class RelayResponse(Response):
         first: bytes,
         outcome: StreamOutcome,
         *,
-        rid: str,
+        headers: Mapping[str, str],
         watch: ClientWatch | None = None,
         openai: bool = True,
     ) -> None:
-        """`watch`: the request's watch on the client, which the relay takes over (and stops);
-        without one the relay starts its own."""
+        """`headers`: the answer's own (its request ids). `watch`: the request's watch on the
+        client, which the relay takes over (and stops); without one the relay starts its own."""
         assert reply.stream is not None, "RelayResponse needs an open stream (WorkerClient.open_stream)"
         # Like StreamingResponse: no body attribute, so no Content-Length header.
         self.status_code = reply.status
         self.media_type = reply.content_type
         self.background = None
-        self.init_headers({"x-request-id": rid, "cache-control": "no-cache", "x-accel-buffering": "no"})
+        self.init_headers({**headers, "cache-control": "no-cache", "x-accel-buffering": "no"})
         self.stream: Body = reply.stream
         self.first = openai_finish_reasons(first) if openai else first
         self.openai = openai  # an OpenAI route: finish reasons are mapped to OpenAI's values
@@ -102,8 +106,11 @@ class RelayResponse(Response):
         if self.first:
             await send({"type": "http.response.body", "body": self.first, "more_body": True})
         try:
-            progressed = self.outcome.progressed
-            while chunk := await self.stream.next_chunk():
+            waiting, progressed = self.outcome.waiting, self.outcome.progressed
+            while True:
+                waiting()
+                if not (chunk := await self.stream.next_chunk()):
+                    break
                 progressed()
                 if self.openai:
                     chunk = openai_finish_reasons(chunk)

@@ -1,11 +1,12 @@
 """The one interface the router has to its workers: `WorkerClient`.
 
 `post` (a whole answer), `open_stream` (an answer whose body is relayed chunk by chunk), `abort`
-(`/abort_request`, best effort) and `get` (health and info probes). The base class holds what
-every transport must do alike: headers (the worker API key, the request id), timeouts, and the
-mapping of answers to errors (5xx, or a stream whose first event is an error, is an
-`UpstreamStatusError`; 4xx is the engine's verdict and goes back to the client). A transport
-implements one primitive, `_send`, and raises the `UpstreamError` subclasses from `exceptions`.
+(`/abort_request`, best effort) and `get` (health and info probes; a generation probe has a
+timeout of its own, `health.py` says why). The base class holds what every transport must do
+alike: headers (the worker API key, the request id), timeouts, and the mapping of answers to
+errors (5xx, or a stream whose first event is an error, is an `UpstreamStatusError`; 4xx is the
+engine's verdict and goes back to the client). A transport implements one primitive, `_send`,
+and raises the `UpstreamError` subclasses from `exceptions`.
 
 `HttpWorkerClient` is the real transport, on the router's own small HTTP/1.1 client (`http1`, which
 says why). Tests plug in an in-process transport behind the same class.
@@ -26,20 +27,21 @@ from .workers import Worker
 
 __all__ = ["Body", "HttpWorkerClient", "Reply", "Timeouts", "WorkerClient"]
 
-Purpose = Literal["unary", "stream", "abort", "health"]
+Purpose = Literal["unary", "stream", "abort", "health", "health_generate"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Timeouts:
     """Seconds. `request` bounds a whole unary answer; `stream_idle` each read of a stream (its
     first chunk included: the first byte's overall deadline is the proxy's); `abort` and `health`
-    bound those short calls."""
+    bound those short calls; `health_generate` a generation probe (sglang's `/health`)."""
 
     connect: float = 3.0
     request: float = 600.0
     stream_idle: float = 120.0
     abort: float = 2.0
     health: float = 2.0
+    health_generate: float = 25.0
 
 
 class Body(Protocol):
@@ -142,9 +144,9 @@ class WorkerClient(ABC):
         except UpstreamError as exc:
             logger.info("abort_request failed", extra={"worker": worker.url, "rid": rid, "error": str(exc)})
 
-    async def get(self, worker: Worker, path: str) -> tuple[int, bytes]:
+    async def get(self, worker: Worker, path: str, purpose: Purpose = "health") -> tuple[int, bytes]:
         """GET a probe or info path: (status, body). Raises UpstreamError when unreachable."""
-        status, _, stream = await self._send(worker, "GET", path, b"", self.headers, "health")
+        status, _, stream = await self._send(worker, "GET", path, b"", self.headers, purpose)
         return status, await _read_all(stream)
 
 
@@ -217,6 +219,7 @@ class HttpWorkerClient(WorkerClient):
             "stream": (t.connect, None, t.stream_idle),
             "abort": (min(t.connect, t.abort), t.abort, None),
             "health": (min(t.connect, t.health), t.health, None),
+            "health_generate": (min(t.connect, t.health), t.health_generate, None),
         }
         self._http = Http1Client(keepalive_s=keepalive_s)
 

@@ -1,12 +1,20 @@
-"""The worker registry: who the router may forward to, and how each worker is doing."""
+"""The worker registry: who the router may forward to, and how each worker is doing.
+
+Every way in (flags, the topology, `POST /workers`, Kubernetes discovery, a process group's
+control process) registers through `WorkerRegistry.add`, which refuses a worker on a link-local
+or cloud metadata address unless the router allows them (`refused_address`): a worker URL makes
+the router send requests there, the worker API key included.
+"""
 
 from __future__ import annotations
 
+import ipaddress
 import re
+import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from sglang_pd.deploy.contract import DEFAULT_BOOTSTRAP_PORT
@@ -15,7 +23,10 @@ from .breaker import CircuitBreaker
 from .exceptions import WorkerRegistrationError
 from .types import Role, WorkerURL
 
-__all__ = ["Worker", "WorkerRegistry", "normalize_url"]
+if TYPE_CHECKING:
+    from .legs import PairStreamOutcome
+
+__all__ = ["Worker", "WorkerRegistry", "normalize_url", "refused_address"]
 
 
 # A DNS name (RFC 1123 labels) or an IPv4 address, or an IPv6 address (urlsplit strips its brackets).
@@ -50,6 +61,58 @@ def normalize_url(url: str) -> WorkerURL:
     return f"{parts.scheme}://{netloc}"
 
 
+# Cloud instance metadata services (instance credentials among their answers): 169.254.169.254
+# (AWS, GCP, Azure, OCI and others), fd00:ec2::254 (AWS over IPv6) and GCP's name for its own.
+# Alibaba Cloud's 100.100.100.200 is not refused: it lies in 100.64.0.0/10, which some clusters
+# give their pods.
+_METADATA_ADDRESSES = frozenset(map(ipaddress.ip_address, ("169.254.169.254", "fd00:ec2::254")))
+_METADATA_NAMES = frozenset({"metadata.google.internal"})
+
+
+def _literal_address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP address `host` is written as, or None for a name."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        try:
+            # The short and numeric IPv4 forms (2852039166, 0xa9.0xfe.0xa9.0xfe, 169.254.43518)
+            # name an address too: getaddrinfo, and so connect, reads them as inet_aton does.
+            address = ipaddress.IPv4Address(socket.inet_aton(host))
+        except OSError:
+            return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+def refused_address(url: str) -> str | None:
+    """Why a worker URL may not be registered unless link-local workers are allowed: its host is
+    a link-local address (169.254.0.0/16, fe80::/10) or a cloud metadata address or name. None
+    when it may.
+
+    Only literal addresses and the metadata services' known names are checked: no DNS lookup on
+    the admin path (a lookup here could block it, and would prove nothing about the address the
+    name resolves to when the router connects)."""
+    host = (urlsplit(url if "://" in url else f"http://{url}").hostname or "").rstrip(".")
+    if host in _METADATA_NAMES:
+        what = f"{host}, a cloud metadata service"
+    else:
+        address = _literal_address(host)
+        if address is None:
+            return None
+        written = "" if str(address) == host else f" (written {host})"
+        if address in _METADATA_ADDRESSES:
+            what = f"{address}{written}, a cloud metadata address"
+        elif address.is_link_local:
+            what = f"the link-local address {address}{written}"
+        else:
+            return None
+    return (
+        f"Worker URL {url!r} names {what}, which the router sends no requests to "
+        "unless it is started with --allow-link-local-workers."
+    )
+
+
 @dataclass(eq=False)
 class Worker:
     url: WorkerURL
@@ -66,9 +129,9 @@ class Worker:
     consecutive_health_successes: int = 0
     last_error: str = ""
     checked: bool = False
-    # Relayed streams open on this worker, and when one of them last received bytes: a worker
-    # with open streams and no bytes for the stall time is ejected (health.HealthChecker).
-    open_streams: int = 0
+    # Relayed streams open on this worker (each from its first byte on, with its own stall clock),
+    # and when one of them last received bytes: the stall watchdog's input (health.py).
+    streams: set[PairStreamOutcome] = field(default_factory=set)
     last_stream_bytes: float = 0.0
 
     def __post_init__(self) -> None:
@@ -105,16 +168,21 @@ _SHARED = ("url", "role", "bootstrap_port", "source", "healthy", "dp_size", "mod
 
 
 class WorkerRegistry:
-    """Prefill and decode workers by URL. Single event loop: no locks needed."""
+    """Prefill and decode workers by URL. Single event loop: no locks needed.
+
+    `allow_link_local`: register workers on link-local and cloud metadata addresses too (see
+    `refused_address`)."""
 
     def __init__(
         self,
         *,
         breaker_failure_threshold: int = 3,
         breaker_cooldown_s: float = 10.0,
+        allow_link_local: bool = False,
     ) -> None:
         self._breaker_failure_threshold = breaker_failure_threshold
         self._breaker_cooldown_s = breaker_cooldown_s
+        self._allow_link_local = allow_link_local
         self._workers: dict[tuple[Role, WorkerURL], Worker] = {}
         self.prefill: list[Worker] = []
         self.decode: list[Worker] = []
@@ -136,6 +204,8 @@ class WorkerRegistry:
         if role not in ("prefill", "decode"):
             raise WorkerRegistrationError(f"Worker role {role!r} is not valid. Use 'prefill' or 'decode'.")
         norm = normalize_url(url)
+        if not self._allow_link_local and (refusal := refused_address(norm)) is not None:
+            raise WorkerRegistrationError(refusal)
         existing = self._workers.get((role, norm))
         if existing is not None:
             if role == "prefill" and bootstrap_port is not None:
@@ -191,9 +261,6 @@ class WorkerRegistry:
         now = time.monotonic()
         skip = set(map(id, exclude))
         return [w for w in self.of(role) if id(w) not in skip and w.available(now)]
-
-    def ready(self) -> bool:
-        return bool(self.available("prefill")) and bool(self.available("decode"))
 
     def models(self) -> list[str]:
         seen: dict[str, None] = {}

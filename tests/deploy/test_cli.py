@@ -47,6 +47,32 @@ def test_plan_json_lists_node_commands(capsys) -> None:
     }
 
 
+def test_plan_counts_the_gpu_and_node_colocated_roles_share_once(capsys) -> None:
+    # single-h200: prefill and decode share GPU 0 of one node.
+    code, out, _ = run(capsys, "plan", "single-h200")
+    assert code == 0
+    assert out.splitlines()[0].endswith("; 1 node, 1 GPU, shared by prefill and decode")
+    code, out, _ = run(capsys, "plan", "single-h200", "--format", "json")
+    doc = json.loads(out)
+    assert code == 0 and doc["colocated"] is True
+    assert doc["nodes"] == {"prefill": 1, "decode": 1, "total": 1}
+    assert doc["gpus"] == {"prefill": 1, "decode": 1, "total": 1}
+    # local-cpu: both reference engines on this host's CPUs.
+    code, out, _ = run(capsys, "plan", "local-cpu")
+    assert code == 0 and out.splitlines()[0].endswith("; 1 node, no GPU")
+
+
+def test_plan_counts_the_nodes_of_separate_roles_each(capsys) -> None:
+    # deepseek-r1-h200-1p1d: one prefill node of 8 GPUs, one decode group of 2 nodes of 8.
+    _, out, _ = run(capsys, "plan", "deepseek-r1-h200-1p1d", "--format", "json")
+    doc = json.loads(out)
+    assert doc["colocated"] is False
+    assert doc["nodes"] == {"prefill": 1, "decode": 2, "total": 3}
+    assert doc["gpus"] == {"prefill": 8, "decode": 16, "total": 24}
+    _, out, _ = run(capsys, "plan", "deepseek-r1-h200-1p1d")
+    assert out.splitlines()[0].endswith("; 3 nodes, 24 GPUs")
+
+
 def test_plan_yaml_and_shell(capsys) -> None:
     _, out, _ = run(capsys, "plan", "local-cpu", "--format", "yaml")
     assert yaml.safe_load(out)["name"] == "local-cpu"

@@ -227,6 +227,18 @@ def test_local_ports_must_not_collide(preset_dict) -> None:
     )
 
 
+def test_colocated_roles_share_one_node_and_its_ports(preset_dict) -> None:
+    d = preset_dict("single-h200")
+    d["decode"].update(nodes=2, tp=2)
+    assert only_error(d) == (
+        "decode.nodes: 2, but hardware.colocated puts all on one node; "
+        "set decode.nodes: 1 or hardware.colocated: false."
+    )
+    d = preset_dict("single-h200")
+    d["decode"]["port"] = d["prefill"]["port"]
+    assert only_error(d).startswith("decode.port: port 30000 is also used by prefill.port on this host")
+
+
 def test_heads_divisible_by_attention_tp(preset_dict, write_topology, tmp_path) -> None:
     d = preset_dict()
     d["prefill"]["attn_dp_size"] = 1  # attention TP 8

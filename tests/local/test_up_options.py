@@ -1,9 +1,10 @@
 """`up`'s options and guards without starting engines: busy ports are refused with the holder
-named, `--ports` moves components, the topology's router settings reach the router, and on stop
-the router drains before the engines get SIGTERM."""
+named, `--ports` moves components, the topology's router settings reach the router, sglang is
+refused at once where it cannot run, and on stop the router drains before the engines get SIGTERM."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import itertools
 import os
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_pd.deploy.local import ChildSpec, Stack, local_children, parse_ports
+from sglang_pd.deploy.local import ChildSpec, Stack, check_fits_this_machine, local_children, parse_ports
 from sglang_pd.deploy.topology import TopologyError, load_checked_topology
 
 from .test_up import _topology
@@ -66,6 +67,52 @@ def test_bad_ports_are_clear_errors(tmp_path: Path, text: str) -> None:
     t, _ = load_checked_topology(str(topo))
     with pytest.raises(TopologyError, match=r"prefill-0|NAME=PORT"):
         local_children(t, host="127.0.0.1", port=28400, ports=parse_ports(text))
+
+
+def test_sglang_runs_only_topologies_whose_instances_share_this_node() -> None:
+    check_fits_this_machine(load_checked_topology("single-h200")[0])
+    r1, _ = load_checked_topology("deepseek-r1-h200-1p1d")
+    with pytest.raises(TopologyError, match=r"hardware\.colocated is false.*sglang-pd launch"):
+        check_fits_this_machine(r1)
+
+
+def _cuda_visible() -> bool:
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+@pytest.mark.skipif(_cuda_visible(), reason="this machine has CUDA: `up --engine sglang` would start sglang")
+def test_sglang_engine_without_cuda_is_refused_at_once() -> None:
+    started = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "sglang_pd.deploy.cli", "up", "single-h200", "--engine", "sglang"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert time.monotonic() - started < 30
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.startswith("error: --engine sglang needs sglang and a CUDA GPU, but on this machine "), r.stderr
+    assert any(
+        reason in r.stderr
+        for reason in ("no CUDA device is visible (torch.cuda.is_available() is false)", "sglang is not installed")
+    ), r.stderr
+    assert "sglang-pd up local-cpu" in r.stderr and "--engine reference" in r.stderr
+    assert "starting" not in r.stdout, "nothing was started"
+
+
+def test_sglang_engine_without_sglang_is_refused_without_importing_torch() -> None:
+    probe = (
+        "import sys; sys.modules['sglang'] = None; "  # as if it were not installed
+        "from sglang_pd.deploy.cli import main; rc = main(['up', 'single-h200', '--engine', 'sglang']); "
+        "assert 'torch' not in sys.modules, 'imported torch'; sys.exit(rc)"
+    )
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1, r.stderr
+    assert "needs sglang and a CUDA GPU, but on this machine sglang is not installed." in r.stderr
 
 
 def test_stop_drains_the_router_before_the_engines(tmp_path: Path) -> None:

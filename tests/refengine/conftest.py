@@ -73,10 +73,14 @@ def _wait_healthy(procs: list[Proc], timeout_s: float = 120) -> None:
         for p in list(pending):
             if p.proc.poll() is not None:
                 raise RuntimeError(f"{p.name} exited with {p.proc.returncode}:\n{p.log.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                # a router is ready once it has seen a healthy worker of each role
-                path = "/readiness" if p.name.startswith("router") else "/health"
-                if httpx.get(f"{p.url}{path}", timeout=2).status_code == 200:
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                if p.name.startswith("router"):
+                    # a router serves at once; it can route once it has seen a healthy worker of each role
+                    workers = httpx.get(f"{p.url}/workers", timeout=2).json()
+                    if all(any(w["healthy"] for w in workers[role]) for role in ("prefill", "decode")):
+                        pending.remove(p)
+                # an engine's /health is a generation answered on sglang's 1 s tick
+                elif httpx.get(f"{p.url}/health", timeout=25).status_code == 200:
                     pending.remove(p)
         if time.monotonic() > deadline:
             raise RuntimeError(f"not healthy after {timeout_s} s: {[p.name for p in pending]}")
@@ -190,3 +194,21 @@ def greedy_reference(model, ids: list[int], n: int, *, stop_at_eos: bool = False
             ).logits
             tokens.append(int(logits[0, -1].argmax()))
     return tokens
+
+
+def read_registered_region(peer: str, nbytes: int):  # type: ignore[no-untyped-def]
+    """The first `nbytes` of the memory the engine at Mooncake address `peer` (host:port) registered
+    (its KV pool), read over TCP as any Mooncake peer can: a uint8 tensor."""
+    import torch
+    from mooncake.engine import TransferEngine
+
+    te = TransferEngine()
+    assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    local = torch.ones(nbytes, dtype=torch.uint8)  # ones: a read that wrote nothing would not pass as zeros
+    assert te.register_memory(local.data_ptr(), nbytes) == 0
+    try:
+        remote = te.get_first_buffer_address(peer)
+        assert te.transfer_sync_read(peer, local.data_ptr(), remote, nbytes) == 0
+    finally:
+        te.unregister_memory(local.data_ptr())
+    return local

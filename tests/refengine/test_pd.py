@@ -6,10 +6,12 @@ import json
 import random
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 
-from .conftest import PDStack, greedy_reference
+from .conftest import PDStack, Proc, greedy_reference, read_registered_region
 
 NEW_TOKENS = 10
 # 20 prompt lengths from 1 to 400 tokens, around the 16-token page boundaries.
@@ -116,24 +118,24 @@ def test_short_request_is_not_blocked_by_a_long_one(pd_stack: PDStack) -> None:
 
 
 def test_abort_frees_pages_on_both_sides(pd_stack: PDStack) -> None:
-    rid = "abort-me-1"
     body = {
-        "rid": rid,
+        "rid": "abort-me-1",  # neither this nor the X-Request-ID names the request to the engines
         "text": "x" * 100,
         "stream": True,
         "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True},
     }
     finish = None
-    # the router names the request after its x-request-id and passes that on as rid
-    headers = {"x-request-id": rid}
+    headers = {"x-request-id": "abort-me-1"}
     with httpx.stream("POST", f"{pd_stack.router.url}/generate", json=body, headers=headers, timeout=60) as s:
+        rid = s.headers["x-router-request-id"]  # the router's own id, the one the engines know
         for line in s.iter_lines():
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
             if finish is None and len(chunk["output_ids"]) == 3:
+                assert chunk["meta_info"]["id"] == rid  # as the decode engine names the request
                 assert pd_stack.decode.metric("sglang_pd_refengine_kv_pages_used") > 0
-                assert httpx.post(f"{pd_stack.decode.url}/abort_request", json={"rid": rid}).json()["aborted"] == 1
+                assert httpx.post(f"{pd_stack.decode.url}/abort_request", json={"rid": rid}).status_code == 200
             finish = chunk["meta_info"]["finish_reason"]
     assert finish is not None and finish["type"] == "abort"
     deadline = time.monotonic() + 5
@@ -141,6 +143,80 @@ def test_abort_frees_pages_on_both_sides(pd_stack: PDStack) -> None:
         time.sleep(0.1)
     assert pd_stack.decode.metric("sglang_pd_refengine_kv_pages_used") == 0
     assert pd_stack.prefill.metric("sglang_pd_refengine_kv_pages_used") == 0
+
+
+def _data_lines(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
+    return (json.loads(line[6:]) for line in lines if line.startswith("data: {"))
+
+
+def _kv_rids(engine: Proc, event: str) -> set[str]:
+    """The rids of the requests whose KV `engine` sent or received (its `kv_sent`/`kv_received` log lines)."""
+    lines = [json.loads(line) for line in engine.log.read_text().splitlines() if line.startswith('{"event"')]
+    return {line["rid"] for line in lines if line["event"] == event}
+
+
+def test_a_reused_x_request_id_cannot_cut_another_clients_stream(pd_stack: PDStack) -> None:
+    # Before the router named requests itself, a client that sent another's X-Request-ID (or `rid`)
+    # and hung up made the router abort the other's request on both engines by that id.
+    tokens = 300
+    body = {
+        "model": "tiny-deepseek-v3",
+        "messages": [{"role": "user", "content": "Tell me a story"}],
+        "max_tokens": tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "rid": "shared",
+    }
+    headers = {"x-request-id": "shared"}
+    url = f"{pd_stack.router.url}/v1/chat/completions"
+    decode, router = pd_stack.decode, pd_stack.router
+    aborts = router.metric("sglang_pd_router_aborts_total")
+    # The attacker's request starts first: an engine keyed by rid holds the later one under it.
+    with httpx.Client(timeout=60) as client, client.stream("POST", url, json=body, headers=headers) as attacker:
+        attacker_chunks = _data_lines(attacker.iter_lines())
+        attacker_first = next(attacker_chunks)
+        with client.stream("POST", url, json=body, headers=headers) as victim:
+            victim_chunks = _data_lines(victim.iter_lines())
+            received = [next(victim_chunks)]
+            for _ in range(2):
+                next(attacker_chunks)
+            attacker_id = attacker.headers["x-router-request-id"]
+            attacker.close()  # hangs up mid-stream: the router aborts its request on both engines
+            deadline = time.monotonic() + 10
+            while router.metric("sglang_pd_router_aborts_total") < aborts + 2:
+                assert time.monotonic() < deadline, "the router never aborted the attacker's request"
+                time.sleep(0.05)
+            time.sleep(0.5)  # the aborts reach the engines
+            assert decode.metric("sglang_pd_refengine_running_requests") == 1, "the victim still runs"
+            received += list(victim_chunks)
+    assert victim.status_code == 200 and victim.headers["x-request-id"] == "shared"
+    victim_id = victim.headers["x-router-request-id"]
+    assert received[-1]["usage"]["completion_tokens"] == tokens, "the victim's answer is whole"
+    assert [c["choices"][0]["finish_reason"] for c in received if c["choices"]][-1] == "length"
+    # Both engines knew the two requests by the router's two ids, never by the client's.
+    assert attacker_id != victim_id
+    assert attacker_first["id"] == f"chatcmpl-{attacker_id}" and received[0]["id"] == f"chatcmpl-{victim_id}"
+    assert {attacker_id, victim_id} <= _kv_rids(pd_stack.prefill, "kv_sent")
+    assert {attacker_id, victim_id} <= _kv_rids(decode, "kv_received")
+    assert "shared" not in _kv_rids(pd_stack.prefill, "kv_sent") | _kv_rids(decode, "kv_received")
+
+
+def test_freed_pages_read_as_zeros_from_the_registered_buffers(pd_stack: PDStack, reference_model) -> None:  # type: ignore[no-untyped-def]
+    # A Mooncake peer can read an engine's whole registered KV buffer; once a request is done, no
+    # page of either engine may still hold its KV (from which its prompt could be recovered).
+    sent = pd_stack.prefill.metric("sglang_pd_kv_transfers_total")
+    body = {"input_ids": _prompt(100), "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    assert httpx.post(f"{pd_stack.router.url}/generate", json=body, timeout=60).status_code == 200
+    assert pd_stack.prefill.metric("sglang_pd_kv_transfers_total") > sent  # the prompt's KV was paged
+    for engine in (pd_stack.prefill, pd_stack.decode):
+        assert engine.metric("sglang_pd_refengine_kv_pages_used") == 0
+        info = httpx.get(f"{engine.url}/server_info").json()
+        shape = reference_model.kv_shape
+        nbytes = shape.num_buffers * info["kv_pages"] * shape.page_bytes(info["page_size"], element_bytes=4)
+        region = read_registered_region(info["kv_session_id"], nbytes)
+        assert region.count_nonzero() == 0, f"{engine.name}: freed KV pages still hold data"
 
 
 def test_client_disconnect_frees_pages(pd_stack: PDStack) -> None:
@@ -159,6 +235,7 @@ def test_bad_requests_are_clean_4xx(pd_stack: PDStack) -> None:
     url = pd_stack.decode.url
     assert httpx.post(f"{url}/generate", content=b"{not json").status_code == 400
     r = httpx.post(f"{url}/v1/chat/completions", json={"messages": []})
-    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    # sglang's two error shapes: flat on its OpenAI routes, nested on its native ones
+    assert r.status_code == 400 and "messages" in r.json()["message"] and r.json()["object"] == "error"
     r = httpx.post(f"{url}/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 10**6}})
     assert r.status_code == 400 and "context length" in r.json()["error"]["message"]

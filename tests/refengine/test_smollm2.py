@@ -77,6 +77,32 @@ def test_greedy_chat_through_pd_equals_single_process(smollm2_stack: PDStack, sm
     assert smollm2_stack.decode.metric("sglang_pd_refengine_kv_pages_used") == 0
 
 
+def test_openai_chat_shapes_through_pd_with_the_models_template(smollm2_stack: PDStack) -> None:
+    # SmolLM2's template concatenates `message['content']` as a string: content parts and null
+    # content must reach it as sglang hands them over (joined text, ""), not as a list or None.
+    url = f"{smollm2_stack.router.url}/v1/chat/completions"
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 2}'}}
+    history = [
+        {"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "2 + 2?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "4"},
+    ]
+    plain = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": ""}, history[2]]
+    answers = []
+    for messages in (history, plain):
+        body = {"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0}
+        r = httpx.post(url, json=body, timeout=180)
+        assert r.status_code == 200, r.text
+        answers.append(r.json())
+    assert answers[0]["usage"] == answers[1]["usage"]
+    assert answers[0]["choices"][0]["message"] == answers[1]["choices"][0]["message"]
+    # a text-only model refuses an image, as sglang does (the router words the error its own way)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [image]}], "max_tokens": 4}
+    r = httpx.post(url, json=body, timeout=60)
+    assert r.status_code == 400 and "unsupported content type 'image_url'" in r.text, r.text
+
+
 @pytest.mark.skipif(not GSM8K_TEST.exists(), reason=f"{GSM8K_TEST} is missing: CI keeps ../shared/data beside it")
 def test_gsm8k_gate_runs_against_the_stack(smollm2_stack: PDStack, tmp_path: Path) -> None:
     report = tmp_path / "report.json"

@@ -1,10 +1,15 @@
 """Factory fixtures: protocol-faithful test workers, in process (reached through the router's
 in-process transport) or as real processes on loopback, and a router served by uvicorn in a
-background thread on a free port."""
+background thread on a free port.
+
+The fixtures' workers answer `/health` at once (`INSTANT_HEALTH`) and `FAST` probes them often,
+so that a test starts in milliseconds; a test about health timing asks for sglang's (the
+workers' defaults: a pass takes one 1 s tick) and the router's default settings itself."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import threading
 import time
@@ -13,13 +18,18 @@ from dataclasses import replace
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 import uvicorn
 
 from sglang_pd.deploy.router import RouterApp, RouterConfig, create_app
+from sglang_pd.deploy.router.log import JsonFormatter, logger
 from sglang_pd.deploy.router.server import RouterServer, uvicorn_config
 from tests.support.router_worker_server import WorkerProcess, start_workers
 from tests.support.router_workers import InProcessCluster
+
+# Worker options of the fixtures: /health passes at once instead of after sglang's 1 s tick.
+INSTANT_HEALTH: dict[str, Any] = {"health_tick_s": 0.0}
 
 FAST = RouterConfig(
     host="127.0.0.1",
@@ -74,14 +84,22 @@ def serve_router(config: RouterConfig, **kwargs: Any) -> Iterator[RunningRouter]
         sock.close()
 
 
+def serves_a_pair(url: str) -> bool:
+    """The router is ready and has a healthy prefill and decode (its /readiness body counts them)."""
+    with contextlib.suppress(httpx.HTTPError, ValueError):
+        resp = httpx.get(url + "/readiness", timeout=1.0)
+        return resp.status_code == 200 and resp.json()["prefill"] > 0 and resp.json()["decode"] > 0
+    return False
+
+
 def wait_ready(url: str, timeout: float = 10.0) -> None:
+    """Until the router can serve a request: ready, with a healthy pair."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/readiness", timeout=1.0).status_code == 200:
-                return
+        if serves_a_pair(url):
+            return
         time.sleep(0.05)
-    raise RuntimeError(f"Router {url} did not become ready within {timeout} s.")
+    raise RuntimeError(f"Router {url} had no healthy pair within {timeout} s.")
 
 
 class Cluster:
@@ -127,8 +145,56 @@ class Cluster:
 
 
 def in_process(n_prefill: int, n_decode: int, **options: Any) -> Cluster:
-    workers = InProcessCluster(n_prefill, n_decode, **options)
+    workers = InProcessCluster(n_prefill, n_decode, **{**INSTANT_HEALTH, **options})
     return Cluster(workers.prefills, workers.decodes, workers)
+
+
+class RouterLog(logging.Handler):
+    """The router's log lines from INFO on, as its JsonFormatter writes them: with the request's
+    `request_id` (the router's own, the engines' rid) and `client_request_id`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(JsonFormatter())
+        self.entries: list[dict[str, Any]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.entries.append(orjson.loads(self.format(record)))
+
+    def finished(self, client_id: str, count: int = 1, timeout: float = 5.0) -> list[dict[str, Any]]:
+        """The "request finished" lines of the `count` requests sent with X-Request-ID `client_id`,
+        once they are there (a stream finishes after its client got the last byte, and a request
+        that outlives its client after the client left)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            lines = [
+                entry
+                for entry in list(self.entries)
+                if entry["msg"] == "request finished" and entry.get("client_request_id") == client_id
+            ]
+            if len(lines) >= count:
+                return lines
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{len(lines)} of {count} requests with X-Request-ID {client_id!r} finished")
+            time.sleep(0.02)
+
+    def router_id(self, client_id: str) -> str:
+        """The router's id of the one request sent with X-Request-ID `client_id`."""
+        (line,) = self.finished(client_id)
+        return str(line["request_id"])
+
+
+@pytest.fixture
+def router_log() -> Iterator[RouterLog]:
+    handler = RouterLog()
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +211,7 @@ def router_1p1d(cluster_1p1d: Cluster) -> Iterator[RunningRouter]:
 @pytest.fixture(scope="module")
 def worker_processes() -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
     """One prefill and one decode test worker, as real processes."""
-    prefills, decodes = start_workers(1, 1, no_log=True)
+    prefills, decodes = start_workers(1, 1, no_log=True, **INSTANT_HEALTH)
     yield prefills[0], decodes[0]
     for w in prefills + decodes:
         w.stop()
@@ -154,13 +220,14 @@ def worker_processes() -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
 @pytest.fixture
 def cluster_factory() -> Iterator[Callable[..., Cluster]]:
     """`make(n_prefill, n_decode, processes=False, **worker_options)`: in-process workers, or
-    real processes (for SIGKILL and for routers started from their CLI)."""
+    real processes (for SIGKILL and for routers started from their CLI); `INSTANT_HEALTH` unless
+    the options say otherwise."""
     made: list[Cluster] = []
 
     def make(n_prefill: int, n_decode: int, *, processes: bool = False, **options: Any) -> Cluster:
         if not processes:
             return in_process(n_prefill, n_decode, **options)
-        cluster = Cluster(*start_workers(n_prefill, n_decode, **options))
+        cluster = Cluster(*start_workers(n_prefill, n_decode, **{**INSTANT_HEALTH, **options}))
         made.append(cluster)
         return cluster
 

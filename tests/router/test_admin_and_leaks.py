@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 import httpx
+import orjson
 import pytest
 
 from sglang_pd.deploy.router.relay import openai_finish_reasons
@@ -54,7 +55,7 @@ def test_mid_stream_disconnect_is_499_and_aborts_both_legs(
     caplog.set_level(logging.INFO, logger="sglang_pd.router")
     with cluster.serve(cluster.config()) as running:
 
-        async def hang_up() -> None:
+        async def hang_up() -> str:
             body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 200, "stream": True}
             async with httpx.AsyncClient(timeout=10) as client:
                 headers = {"x-request-id": "leaver"}
@@ -64,14 +65,15 @@ def test_mid_stream_disconnect_is_499_and_aborts_both_legs(
                         seen += 1
                         if seen == 3:
                             break
+            return resp.headers["x-router-request-id"]
 
-        asyncio.run(hang_up())
+        rid = asyncio.run(hang_up())  # the legs are aborted by the router's id, never the client's
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
-            if all("leaver" in w.aborts for w in cluster.prefills + cluster.decodes):
+            if all(rid in w.aborts for w in cluster.prefills + cluster.decodes):
                 break
             time.sleep(0.02)
-        assert all("leaver" in w.aborts for w in cluster.prefills + cluster.decodes)
+        assert all(rid in w.aborts for w in cluster.prefills + cluster.decodes)
         time.sleep(0.1)
     finished = [r for r in caplog.records if r.getMessage() == "request finished"]
     assert any(getattr(r, "status", None) == 499 for r in finished), [vars(r) for r in finished]
@@ -84,12 +86,13 @@ def test_aborted_answer_reports_an_openai_finish_reason(cluster_factory: Callabl
 
         def abort_soon() -> None:
             time.sleep(0.3)
-            asyncio.run(decode.handle("POST", "/abort_request", {}, b'{"rid": "cut"}'))
+            (leg,) = decode.state()["requests"]
+            asyncio.run(decode.handle("POST", "/abort_request", {}, orjson.dumps({"rid": leg["rid"]})))
 
         thread = threading.Thread(target=abort_soon)
         thread.start()
         body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 200}
-        resp = httpx.post(running.url + CHAT, json=body, headers={"x-request-id": "cut"}, timeout=10)
+        resp = httpx.post(running.url + CHAT, json=body, timeout=10)
         thread.join()
         assert resp.status_code == 200
         assert resp.json()["choices"][0]["finish_reason"] == "length"

@@ -15,9 +15,9 @@ from dataclasses import replace
 import httpx
 
 from sglang_pd.deploy.procs import spawn
-from tests.support.polling import free_port
+from tests.support.polling import free_port, wait_until
 
-from .conftest import FAST, Cluster, wait_ready
+from .conftest import FAST, Cluster, serves_a_pair, wait_ready
 
 CHAT = "/v1/chat/completions"
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
@@ -62,7 +62,7 @@ def test_workers_added_and_removed_at_run_time(cluster_factory: Callable[..., Cl
     admin = {"Authorization": "Bearer admin-secret"}
     with cluster.serve(replace(FAST, admin_key="admin-secret"), ready=False) as running:
         url = running.url
-        assert httpx.get(url + "/readiness").status_code == 503
+        assert httpx.get(url + "/readiness").json() == {"status": "ready", "prefill": 0, "decode": 0}
         p, d = cluster.prefills[0], cluster.decodes[0]
         added = httpx.post(url + "/workers", json={"url": p.url, "role": "prefill", "bootstrap_port": p.bootstrap_port},
                            headers=admin)  # fmt: skip
@@ -77,7 +77,7 @@ def test_workers_added_and_removed_at_run_time(cluster_factory: Callable[..., Cl
         # An unreachable worker can be registered but is not used until it passes health checks.
         dead = httpx.post(url + "/workers", json={"url": "http://decode-9:30001", "role": "decode"}, headers=admin)
         assert dead.status_code == 201 and dead.json()["healthy"] is False
-        assert httpx.get(url + "/readiness").status_code == 503
+        assert httpx.get(url + "/readiness").json() == {"status": "ready", "prefill": 1, "decode": 0}
 
 
 def test_removing_a_worker_frees_its_policy_state(cluster_factory: Callable[..., Cluster]) -> None:
@@ -125,6 +125,7 @@ def test_sigterm_drains_in_flight_streams(cluster_factory: Callable[..., Cluster
     url = f"http://127.0.0.1:{port}"
     try:
         router.wait_http(url + "/readiness", timeout_s=20)
+        wait_until(lambda: serves_a_pair(url))
         with (
             httpx.Client(timeout=15) as client,
             client.stream("POST", url + CHAT, json={**BODY, "max_tokens": 30, "stream": True}) as resp,

@@ -1,6 +1,6 @@
 """What counts against a worker's circuit breaker, with real worker processes: a 5xx counts only
-when a health probe of the worker, run right away in the background, fails too (at most one such
-probe in flight per worker); a transport error counts at once. Request-caused 5xx from a worker
+when a liveness probe of the worker (`GET /v1/models`), run right away in the background, fails
+too (at most one such probe in flight per worker); a transport error counts at once. Request-caused 5xx from a worker
 that keeps serving are logged as not counted, and never open its breaker."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from .conftest import Cluster, RunningRouter
 CHAT = "/v1/chat/completions"
 NOT_COUNTED = "worker 5xx is request-caused, not counted"
 COUNTED = "worker 5xx confirmed by a failed health probe, counted"
-# Periodic probes are rare here: only the confirmation probes reach /health during a test.
+# Periodic probes are rare here: only the confirmation probes reach /v1/models during a test.
 QUIET = {"health_interval_s": 60.0, "breaker_failure_threshold": 2}
 
 
@@ -66,14 +66,13 @@ def test_request_caused_5xx_leave_the_breaker_closed(
     n_errors = 6  # three times the breaker threshold
     with cluster.serve(cluster.config(**QUIET)) as running, httpx.Client(timeout=20) as client:
         caplog.set_level(logging.INFO, logger="sglang_pd.router")
-        bad.configure(fail_status=500, fail_count=n_errors)  # its /health stays 200
-        sent: list[str] = []
+        bad.configure(fail_status=500, fail_count=n_errors)  # its /v1/models stays 200
+        sent: list[str] = []  # the router's ids of the requests
         while _status_errors(running) < n_errors:
             assert len(sent) < 40, "the failing decode was never picked"
-            rid = f"r{len(sent)}"
-            sent.append(rid)
-            resp = client.post(running.url + CHAT, json=_chat(rid), headers={"x-request-id": rid})
+            resp = client.post(running.url + CHAT, json=_chat(f"r{len(sent)}"))
             assert resp.status_code == 200, resp.text  # retried on the other decode
+            sent.append(resp.headers["x-router-request-id"])
         wait_until(lambda: _verdicts(running, confirmed=False) == n_errors)
         worker = _router_worker(running, bad.url)
         assert worker.breaker.state is BreakerState.CLOSED and worker.breaker.failures == 0
@@ -100,9 +99,9 @@ def test_5xx_with_a_failing_health_probe_opens_the_breaker_and_ejects(
     config = cluster.config(**QUIET, health_failure_threshold=1, health_timeout_s=3.0)
     with cluster.serve(config) as running:
         caplog.set_level(logging.INFO, logger="sglang_pd.router")
-        # The engine is broken, not the request: /health fails as well (slowly, so that the
+        # The engine is broken, not the request: /v1/models fails as well (slowly, so that the
         # burst's 5xx all wait on one probe).
-        bad.configure(fail_status=500, fail_count=1000, health_status=503, health_delay=0.5)
+        bad.configure(fail_status=500, fail_count=1000, models_status=503, models_delay=0.5)
         statuses = asyncio.run(_burst(running.url, 10))
         assert statuses == [200] * 10  # retried on the other decode meanwhile
         errors = _status_errors(running)
@@ -111,7 +110,7 @@ def test_5xx_with_a_failing_health_probe_opens_the_breaker_and_ejects(
         worker = _router_worker(running, bad.url)
         assert worker.breaker.state is BreakerState.OPEN
         assert not worker.healthy and worker.consecutive_health_failures == 1
-        assert bad.state()["health_in_flight_max"] == 1
+        assert bad.state()["models_in_flight_max"] == 1
         # Traffic goes to the other decode only.
         before = len(bad.state()["requests"])
         with httpx.Client(timeout=20) as client:
@@ -130,21 +129,21 @@ def test_one_confirmation_probe_per_worker_under_a_burst(cluster_factory: Callab
     cluster = cluster_factory(1, 2, processes=True)
     bad, _ = cluster.decodes
     with cluster.serve(cluster.config(**QUIET, health_timeout_s=3.0)) as running:
-        bad.configure(fail_status=500, fail_count=1000, health_delay=1.0)
-        probes_before = bad.state()["health_checks"]
+        bad.configure(fail_status=500, fail_count=1000, models_delay=1.0)
+        probes_before = bad.state()["models_checks"]
         assert asyncio.run(_burst(running.url, 16)) == [200] * 16
         errors = _status_errors(running)
         assert errors >= 6, errors
         wait_until(lambda: _verdicts(running, confirmed=False) == errors)
         state = bad.state()
-        assert state["health_checks"] - probes_before == 1, (state["health_checks"], probes_before, errors)
-        assert state["health_in_flight_max"] == 1
+        assert state["models_checks"] - probes_before == 1, (state["models_checks"], probes_before, errors)
+        assert state["models_in_flight_max"] == 1
         assert _router_worker(running, bad.url).breaker.state is BreakerState.CLOSED
         # The probe finished: the next 5xx gets a probe of its own.
         with httpx.Client(timeout=20) as client:
             while _status_errors(running) == errors:
                 assert client.post(running.url + CHAT, json=_chat("again")).status_code == 200
-        wait_until(lambda: bad.state()["health_checks"] - probes_before == 2)
+        wait_until(lambda: bad.state()["models_checks"] - probes_before == 2)
 
 
 def test_transport_errors_count_at_once(cluster_factory: Callable[..., Cluster]) -> None:
@@ -258,11 +257,11 @@ def test_a_cancelled_leg_frees_a_half_open_probe_slot(leg: str) -> None:
     asyncio.run(scenario())
 
 
-# -- HealthChecker: the confirmation probe is a health check like the others ---------------------
+# -- HealthChecker: the confirmation probe is a liveness probe like the others -------------------
 
 
 def test_confirmation_probe_is_shared_and_booked_as_a_health_check(caplog: pytest.LogCaptureFixture) -> None:
-    workers = InProcessCluster(0, 1)
+    workers = InProcessCluster(0, 1, health_tick_s=0.0)
     decode = workers.decodes[0]
     registry = WorkerRegistry()
     checker = HealthChecker(
@@ -274,15 +273,15 @@ def test_confirmation_probe_is_shared_and_booked_as_a_health_check(caplog: pytes
         worker = registry.add(decode.url, "decode")
         assert await checker.check(worker) and worker.healthy
         await asyncio.sleep(0.01)  # the check that registering the worker started is over too
-        probes_before = decode.health_checks
-        decode.configure(health_status=503, health_delay=0.05)
+        probes_before = decode.models_checks
+        decode.configure(models_status=503, models_delay=0.05)
         first, second = checker.confirm(worker), checker.confirm(worker)
         assert first is second, "one probe in flight per worker"
         assert await first is False
         assert worker.healthy and worker.consecutive_health_failures == 1  # below the threshold of 2
         third = checker.confirm(worker)
         assert third is not first and await third is False
-        assert not worker.healthy and decode.health_checks - probes_before == 2
+        assert not worker.healthy and decode.models_checks - probes_before == 2
         await checker.aclose()
 
     asyncio.run(scenario())

@@ -34,6 +34,24 @@ def test_flags_as_smg_spells_them() -> None:
     assert "sk-one-111" not in repr(config) and "sk-admin-zzz" not in repr(config), "secrets are masked"
 
 
+def test_health_flags() -> None:
+    args = _parse("--health-interval", "1", "--health-timeout", "3", "--health-failure-threshold", "4",
+                  "--health-success-threshold", "2", "--health-generate-interval", "60",
+                  "--health-generate-timeout", "40", "--stream-stall", "0")  # fmt: skip
+    config, _ = build_config(args, environ={})
+    assert (config.health_interval_s, config.health_timeout_s, config.health_failure_threshold) == (1, 3, 4)
+    assert (config.health_success_threshold, config.stream_stall_s) == (2, 0)
+    assert (config.health_generate_interval_s, config.health_generate_timeout_s) == (60, 40)
+    assert (config.timeouts.health, config.timeouts.health_generate) == (3, 40)
+    with pytest.raises(ValueError, match="'health_failure_threshold' has value 0"):
+        build_config(_parse("--health-failure-threshold", "0"), environ={})
+
+
+def test_link_local_workers_are_refused_unless_the_flag_allows_them() -> None:
+    assert build_config(_parse(), environ={})[0].allow_link_local_workers is False
+    assert build_config(_parse("--allow-link-local-workers"), environ={})[0].allow_link_local_workers is True
+
+
 def test_bad_prefill_port_names_the_flag() -> None:
     with pytest.raises(ValueError, match="bootstrap port 'abc' is not an integer"):
         build_config(_parse("--prefill", "http://p:1", "abc"), environ={})

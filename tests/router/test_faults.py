@@ -17,7 +17,8 @@ import httpx
 from sglang_pd.deploy.router.breaker import BreakerState
 from tests.support.polling import wait_until
 
-from .conftest import FAST, Cluster, RunningRouter, serve_router
+from .conftest import FAST, Cluster, RouterLog, RunningRouter, serve_router
+from .test_bad_input import assert_openai_error
 
 DEADLINE = 12.0  # every request must end well within this (request timeout is 10 s)
 CHAT = "/v1/chat/completions"
@@ -122,9 +123,10 @@ def test_kill_prefill_retries_transparently(cluster_factory: Callable[..., Clust
             assert status == 200 and elapsed < DEADLINE, body[:300]
             assert _complete(body), body[-300:]
         _wait_ejected(running, "prefill", victim.url)
-        # The decode legs of the failed attempts were aborted by request id.
+        # The decode legs of the failed attempts were aborted by the request ids they were sent.
         aborts = [a for d in cluster.decodes for a in d.state()["aborts"]]
-        assert aborts and all(a[0] in "su" for a in aborts)
+        sent = {leg["rid"] for d in cluster.decodes for leg in d.state()["requests"]}
+        assert aborts and all(a in sent for a in aborts)
         assert running.app.registry.get(survivor.url, "prefill").healthy  # type: ignore[union-attr]
         survivor.configure(prefill_delay=0)
         _traffic_continues(running, [survivor])
@@ -140,7 +142,7 @@ def _wait_aborts(workers: list[Any], rid: str, timeout: float = 5.0) -> None:
 
 
 def _legs_of(cluster: Cluster, rid: str) -> list[Any]:
-    """The prefill and the decode worker that received request `rid`."""
+    """The prefill and the decode worker that received request `rid` (the router's id)."""
     return [w for w in cluster.prefills + cluster.decodes if any(r["rid"] == rid for r in w.state()["requests"])]
 
 
@@ -158,7 +160,7 @@ async def _hang_up(url: str, rid: str, stream: bool) -> None:
                                   timeout=0.15)  # fmt: skip
 
 
-def test_client_disconnect_aborts_both_legs(cluster_factory: Callable[..., Cluster]) -> None:
+def test_client_disconnect_aborts_both_legs(cluster_factory: Callable[..., Cluster], router_log: RouterLog) -> None:
     cluster = cluster_factory(2, 2, token_delay=0.02, prefill_delay=0.05)
     with cluster.serve(cluster.config()) as running:
 
@@ -171,7 +173,7 @@ def test_client_disconnect_aborts_both_legs(cluster_factory: Callable[..., Clust
 
         background = asyncio.run(scenario())
         assert all(status == 200 and _complete(body) for status, body, _ in background), "others unaffected"
-        for rid in [f"gone-{k}{i}" for k in "su" for i in range(3)]:
+        for rid in [router_log.router_id(f"gone-{k}{i}") for k in "su" for i in range(3)]:
             legs = _legs_of(cluster, rid)
             assert len(legs) == 2, (rid, legs)
             _wait_aborts(legs, rid)
@@ -188,7 +190,7 @@ def test_hung_worker_times_out_cleanly(cluster_factory: Callable[..., Cluster]) 
             )
             assert time.monotonic() - started < 3
             assert resp.status_code == 504 and resp.json()["error"]["code"] == "upstream_timeout"
-            _wait_aborts([cluster.prefills[0], cluster.decodes[0]], f"h{stream}")
+            _wait_aborts([cluster.prefills[0], cluster.decodes[0]], resp.headers["x-router-request-id"])
 
 
 def test_confirmed_5xx_trips_the_breaker_and_4xx_does_not(cluster_factory: Callable[..., Cluster]) -> None:
@@ -196,7 +198,7 @@ def test_confirmed_5xx_trips_the_breaker_and_4xx_does_not(cluster_factory: Calla
     bad, good = cluster.decodes
     # A 5xx counts once a probe of the worker fails too; failed probes alone never eject here.
     with cluster.serve(cluster.config(breaker_failure_threshold=3, health_failure_threshold=100)) as running:
-        bad.configure(fail_status=500, fail_count=100, health_status=503)
+        bad.configure(fail_status=500, fail_count=100, models_status=503)
         with httpx.Client(timeout=10) as client:
             for i in range(8):
                 resp = client.post(running.url + CHAT, json=_chat(i % 2 == 1, f"r{i}", tokens=2))
@@ -218,10 +220,30 @@ def test_confirmed_5xx_trips_the_breaker_and_4xx_does_not(cluster_factory: Calla
         assert good_worker is not None and good_worker.breaker.state is BreakerState.CLOSED
 
 
-def test_no_workers_is_503_and_not_ready() -> None:
+def _refused_for_want_of(resp: httpx.Response, role: str) -> None:
+    """A 503 in OpenAI's error shape with Retry-After, naming the missing role and GET /workers."""
+    assert_openai_error(resp, 503, code="no_healthy_worker")
+    assert resp.headers["content-type"] == "application/json"
+    assert int(resp.headers["retry-after"]) >= 1
+    message = resp.json()["error"]["message"]
+    assert f"No healthy {role} worker" in message and "GET /workers" in message, message
+
+
+def test_no_healthy_worker_is_503_with_retry_after_and_the_router_stays_ready(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    # The router serves, and says so, also without a worker: a clear 503 beats refused connections.
     with serve_router(FAST) as running:
-        resp = httpx.post(running.url + CHAT, json=_chat(False, "n"))
-        assert resp.status_code == 503 and resp.headers["retry-after"]
-        assert resp.json()["error"]["code"] == "no_healthy_worker"
-        assert httpx.get(running.url + "/readiness").status_code == 503
+        for stream in (False, True):
+            _refused_for_want_of(httpx.post(running.url + CHAT, json=_chat(stream, "n")), "prefill")
+        ready = httpx.get(running.url + "/readiness")
+        assert ready.status_code == 200 and ready.json() == {"status": "ready", "prefill": 0, "decode": 0}
         assert httpx.get(running.url + "/health").status_code == 200
+
+    cluster = cluster_factory(1, 1)
+    cluster.decodes[0].configure(health_status=503)  # never admitted
+    with cluster.serve(cluster.config(), ready=False) as running:
+        wait_until(lambda: httpx.get(running.url + "/readiness").json()["prefill"] == 1)
+        for stream in (False, True):
+            _refused_for_want_of(httpx.post(running.url + CHAT, json=_chat(stream, "m")), "decode")
+        assert httpx.get(running.url + "/readiness").json() == {"status": "ready", "prefill": 1, "decode": 0}

@@ -26,16 +26,18 @@ def test_client_headers_are_not_forwarded(cluster_1p1d: Cluster, router_1p1d: Ru
         "TE": "trailers",
         "X-Request-ID": "hdr-check-1",
     }
+    routed = []
     for stream in (False, True):
         resp = httpx.post(router_1p1d.url + CHAT, json={**BODY, "stream": stream}, headers=headers)
         assert resp.status_code == 200
         assert "server" not in resp.headers or resp.headers["server"] == "uvicorn"
         assert resp.headers["x-request-id"] == "hdr-check-1"
+        routed.append(resp.headers["x-router-request-id"])
     for worker in (cluster_1p1d.prefills[0], cluster_1p1d.decodes[0]):
-        seen = [r for r in worker.state()["requests"] if r["rid"] == "hdr-check-1"]
+        seen = [r for r in worker.state()["requests"] if r["rid"] in routed]
         assert len(seen) == 2
-        for r in seen:
-            assert r["headers"] == {"x-request-id": "hdr-check-1"}
+        for r in seen:  # workers see the router's id, never the client's
+            assert r["headers"] == {"x-request-id": r["rid"]}
 
 
 def test_worker_api_key_is_sent_to_workers(cluster_factory) -> None:  # type: ignore[no-untyped-def]

@@ -1,7 +1,8 @@
 """`sglang-pd router --processes N`: real router processes in front of protocol-faithful test
 workers (real processes too). Every serving process serves on the one port; worker health, admin
-changes and metrics are the group's, whichever process a connection lands on; a dead serving
-process is replaced; SIGTERM leaves nothing behind."""
+changes and metrics are the group's, whichever process a connection lands on; the control
+process's probes keep workers timed as sglang's healthy; a dead serving process is replaced;
+SIGTERM leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -12,16 +13,18 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from sglang_pd.deploy.router.config import KubernetesDiscoveryConfig, RouterConfig
+from sglang_pd.deploy.router.exceptions import WorkerRegistrationError
 from sglang_pd.deploy.router.group import ProcessGroup, _config_from_json, split_limits
 from tests.support.polling import free_port, wait_until
 from tests.support.router_group import RouterGroup, gone
-from tests.support.router_worker_server import WorkerProcess
+from tests.support.router_worker_server import WorkerProcess, start_workers
 
 CHAT = "/v1/chat/completions"
 ADMIN = {"authorization": "Bearer admin-key"}
@@ -35,16 +38,25 @@ class Group(RouterGroup):
     decode: WorkerProcess
 
 
+# Faster probes than the defaults (a frozen worker out within 3 x 0.5 + 1 = 2.5 s, not 11 s).
+FAST_PROBES = ("--health-interval", "0.5", "--health-timeout", "1")
+
+
+def _serves_a_pair(group: RouterGroup) -> bool:
+    ready = group.fresh("GET", "/readiness")
+    return ready.status_code == 200 and ready.json()["prefill"] == ready.json()["decode"] == 1
+
+
 @pytest.fixture
 def group(worker_processes: tuple[WorkerProcess, WorkerProcess], tmp_path: Path) -> Iterator[Group]:
     prefill, decode = worker_processes
-    running = Group(tmp_path / "router.log", free_port(), "--admin-key", "admin-key",
+    running = Group(tmp_path / "router.log", free_port(), "--admin-key", "admin-key", *FAST_PROBES,
                     "--prefill", prefill.url, str(prefill.bootstrap_port), "--decode", decode.url)  # fmt: skip
     running.prefill, running.decode = prefill, decode
     try:
         # Ready means every serving process is up and serves.
         wait_until(lambda: running.started() == 2, 30)
-        wait_until(lambda: running.fresh("GET", "/readiness").status_code == 200, 10)
+        wait_until(lambda: _serves_a_pair(running), 10)
         yield running
     finally:
         running.stop(grace_s=10)
@@ -78,6 +90,11 @@ def test_admin_changes_reach_every_process(group: Group) -> None:
         assert dead in [w["url"] for w in decodes]
     refused = group.fresh("POST", "/workers", json={"url": "http://bad host:1", "role": "decode"}, headers=ADMIN)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "url"
+    # The control process refuses the cloud metadata address as a single router does.
+    metadata = {"url": "http://169.254.169.254:80", "role": "decode"}
+    refused = group.fresh("POST", "/workers", json=metadata, headers=ADMIN)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "url"
+    assert "169.254.169.254" in refused.json()["error"]["message"]
     removed = group.fresh("DELETE", f"/workers?url={dead}", headers=ADMIN)
     assert removed.status_code == 200 and removed.json()["removed"][0]["url"] == dead
     for _ in range(8):
@@ -88,18 +105,38 @@ def test_admin_changes_reach_every_process(group: Group) -> None:
 
 
 def test_a_frozen_worker_is_out_of_every_process_and_back(group: Group) -> None:
-    def everyone(status: int) -> bool:
-        return all(group.fresh("GET", "/readiness").status_code == status for _ in range(6))
+    def everyone(decodes: int) -> bool:
+        return all(group.fresh("GET", "/readiness").json()["decode"] == decodes for _ in range(6))
 
     os.kill(group.decode.child.pid, signal.SIGSTOP)
     try:
-        took = wait_until(lambda: everyone(503), 5)
+        took = wait_until(lambda: everyone(0), 8)
     finally:
         os.kill(group.decode.child.pid, signal.SIGCONT)
-    assert took < 2.5  # one failed probe: interval 0.5 s + timeout 1 s, then one publish
-    back = wait_until(lambda: everyone(200), 5)
-    assert back < 2.0
+    assert took < 3.5  # three failed liveness probes: 3 x 0.5 s + timeout 1 s, then one publish
+    back = wait_until(lambda: everyone(1), 5)
+    assert back < 2.0  # the generation probe in flight, or the next one, passes
     assert group.fresh("POST", CHAT, json=BODY).status_code == 200
+
+
+def test_workers_timed_as_sglang_are_admitted_and_kept_with_the_defaults(tmp_path: Path) -> None:
+    # The control process probes, with the default settings, workers whose /health takes
+    # sglang's 1 s tick; every serving process sees them healthy through a stretch of traffic.
+    prefills, decodes = start_workers(1, 1, no_log=True, token_delay=0.01)
+    group = RouterGroup(tmp_path / "router.log", free_port(), "--prefill", prefills[0].url,
+                        str(prefills[0].bootstrap_port), "--decode", decodes[0].url)  # fmt: skip
+    try:
+        wait_until(lambda: group.started() == 2, 30)
+        wait_until(lambda: _serves_a_pair(group), 10)
+        end = time.monotonic() + 4.5  # two liveness rounds
+        while time.monotonic() < end:
+            assert group.fresh("POST", CHAT, json={**BODY, "stream": True}).status_code == 200
+            assert _serves_a_pair(group)
+        assert not [x for x in group.lines() if x.get("msg") in ("worker became unhealthy", "worker ejected")]
+    finally:
+        group.stop()
+        for worker in prefills + decodes:
+            worker.stop()
 
 
 def test_a_dead_serving_process_is_replaced(group: Group) -> None:
@@ -171,8 +208,17 @@ def test_the_config_travels_to_serving_processes_whole() -> None:
         prefill_workers=(("http://p:1", 8998), ("http://q:1", None)),
         decode_workers=("http://d:1",),
         kubernetes=KubernetesDiscoveryConfig(namespace="ns", port=31000),
+        allow_link_local_workers=True,
     )
     assert _config_from_json(json.loads(json.dumps(dataclasses.asdict(config)))) == config
+
+
+def test_the_control_process_refuses_link_local_workers_unless_allowed() -> None:
+    with pytest.raises(WorkerRegistrationError, match=r"169\.254\.169\.254"):
+        ProcessGroup(RouterConfig(decode_workers=("http://169.254.169.254:80",)), worker_api_key="", processes=2)
+    config = RouterConfig(decode_workers=("http://169.254.169.254:80",), allow_link_local_workers=True)
+    group = ProcessGroup(config, worker_api_key="", processes=2)
+    assert [w.url for w in group.registry.decode] == ["http://169.254.169.254:80"]
 
 
 def test_admission_limits_are_split_between_processes() -> None:
@@ -193,6 +239,6 @@ def test_reports_from_serving_processes_move_health() -> None:
     group._on_report("stalled", worker.url, "decode", "no bytes on its 1 open stream(s) for 5 s")
     assert not worker.healthy and "no bytes" in worker.last_error
     worker.healthy = True
-    group._on_report("probe_failed", worker.url, "decode", "GET /health timed out")
-    assert not worker.healthy and worker.last_error == "GET /health timed out"
+    group._on_report("probe_failed", worker.url, "decode", "GET /v1/models timed out")
+    assert not worker.healthy and worker.last_error == "GET /v1/models timed out"
     group._on_report("stalled", "http://127.0.0.1:2", "decode", "unknown worker: ignored")

@@ -112,13 +112,13 @@ def test_breaker_transitions_are_logged_and_502_hides_worker_addresses(
 ) -> None:
     cluster = cluster_factory(1, 1)
     decode = cluster.decodes[0]
-    # The 5xx count once a probe confirms them (/health fails too); failed probes alone never eject.
+    # The 5xx count once a probe confirms them (/v1/models fails too); failed probes alone never eject.
     config = cluster.config(
         breaker_failure_threshold=2, breaker_cooldown_s=0.2, max_retries=0, health_failure_threshold=100
     )
     with cluster.serve(config) as running, httpx.Client(timeout=10) as client:
         caplog.set_level(logging.INFO, logger="sglang_pd.router")
-        decode.configure(fail_status=500, fail_count=2, health_status=500)
+        decode.configure(fail_status=500, fail_count=2, models_status=500)
         for _ in range(2):
             resp = client.post(running.url + CHAT, json=_chat())
             assert_openai_error(resp, 502, code="upstream_error")
@@ -128,7 +128,7 @@ def test_breaker_transitions_are_logged_and_502_hides_worker_addresses(
         assert worker is not None
         # The confirmation probes run in the background.
         wait_until(lambda: worker.breaker.state is BreakerState.OPEN)
-        decode.configure(health_status=200)
+        decode.configure(models_status=200)
         # After the cooldown one probe request goes through, succeeds, and closes the breaker.
         time.sleep(0.25)
         assert client.post(running.url + CHAT, json=_chat()).status_code == 200

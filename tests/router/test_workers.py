@@ -33,11 +33,11 @@ def test_registry_add_remove_and_availability() -> None:
     d = registry.add("127.0.0.1:2", "decode")
     assert registry.add("http://127.0.0.1:1/", "prefill") is p, "adding twice is idempotent"
     assert p.bootstrap_host == "127.0.0.1" and p.bootstrap_port == 9000
-    assert not registry.ready(), "workers start unchecked"
+    assert registry.available("prefill") == registry.available("decode") == [], "workers start unchecked"
     p.healthy = d.healthy = True
-    assert registry.ready()
+    assert registry.available("prefill") == [p] and registry.available("decode") == [d]
     d.breaker.record_failure()
-    assert registry.available("decode") == [] and not registry.ready()
+    assert registry.available("decode") == []
     assert registry.remove("127.0.0.1:2") == [d]
     assert events == [("added", p.url), ("added", d.url), ("removed", d.url)]
 

@@ -34,8 +34,6 @@ _SCRIPT = Path(__file__).resolve()
 async def _serve(args: argparse.Namespace) -> None:
     from aiohttp import ClientSession, ClientTimeout, web
 
-    if __package__ in (None, ""):  # run as a script: the repository root holds `tests`
-        sys.path.insert(0, str(_SCRIPT.parents[2]))
     from tests.support.router_workers import FakeWorker
 
     session = ClientSession(timeout=ClientTimeout(total=args.handshake_timeout))
@@ -52,7 +50,8 @@ async def _serve(args: argparse.Namespace) -> None:
         except Exception as exc:
             return f"KV transfer for room {room} from {host}:{port} failed: {type(exc).__name__} {exc}"
 
-    options = ("model", "dp_size", "tokens", "token_delay", "prefill_delay", "handshake_timeout")
+    options = ("model", "dp_size", "tokens", "token_delay", "prefill_delay", "handshake_timeout", "health_tick_s",
+               "health_timeout_s", "starting_s", "sglang_version")  # fmt: skip
     worker = FakeWorker(
         args.role, fetch_kv=fetch_kv, keep_log=not args.no_log, **{k: getattr(args, k) for k in options}
     )
@@ -109,6 +108,10 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if __package__ in (None, ""):  # run as a script: the repository root holds `tests`
+        sys.path.insert(0, str(_SCRIPT.parents[2]))
+    from tests.support.router_workers import SGLANG_VERSIONS
+
     parser = argparse.ArgumentParser(description="A protocol-faithful PD test worker (no model).")
     parser.add_argument("--role", choices=["prefill", "decode"], required=True)
     parser.add_argument("--host", default="127.0.0.1")
@@ -120,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token-delay", type=float, default=0.0)
     parser.add_argument("--prefill-delay", type=float, default=0.0)
     parser.add_argument("--handshake-timeout", type=float, default=10.0)
+    parser.add_argument("--health-tick-s", type=float, default=1.0, help="sglang's /health checks once a second")
+    parser.add_argument("--health-timeout-s", type=float, default=20.0, help="sglang's SGLANG_HEALTH_CHECK_TIMEOUT")
+    parser.add_argument("--starting-s", type=float, default=0.0, help="/health answers 503 this long after start")
+    parser.add_argument("--sglang-version", choices=SGLANG_VERSIONS, default="0.5.23", help="/server_info's layout")
     parser.add_argument("--no-log", action="store_true", help="keep no per-request log (benchmarks)")
     args = parser.parse_args(argv)
     with contextlib.suppress(ImportError):
@@ -164,7 +171,7 @@ def _flags(options: dict[str, Any]) -> list[str]:
         flag = "--" + key.replace("_", "-")
         if value is True:
             out.append(flag)
-        elif value not in (None, False):
+        elif value is not None and value is not False:  # 0 is a value (`0 in (False,)` holds)
             out += [flag, str(value)]
     return out
 

@@ -9,8 +9,20 @@
   by room before it emits a token, so a router that sends the legs inconsistently (or a dead
   prefill) stalls the decode exactly as with sglang;
 - decode answers (SSE in OpenAI's chunk format when streaming), prefill answers with the input
-  logprobs when asked; `/abort_request` stops a request; `/health`, `/server_info`, `/v1/models`
-  and the other probes answer.
+  logprobs when asked; `/abort_request` stops a request;
+- `/health` and `/health_generate` answer as sglang's one handler `health_generate` does
+  (`srt/entrypoints/http_server.py`): 503 for the first `starting_s` seconds (sglang's
+  `ServerStatus.Starting`); otherwise the probe checks every `health_tick_s` (sglang: 1 s) whether
+  the engine produced output, 200 at the first check where it did, 503 after `health_timeout_s`
+  (sglang's `SGLANG_HEALTH_CHECK_TIMEOUT`, 20 s) of none. The engine produces output unless
+  `frozen` (its scheduler stopped while HTTP stays up: requests stall too). `health_status` /
+  `health_delay` replace that with a fixed answer after a fixed delay;
+- `/v1/models` (sglang's model card fields), `/get_model_info` and `/model_info`, `/ping` answer at
+  once, as sglang's HTTP process answers them alone; `models_status` / `models_delay` make
+  `/v1/models` fail or lag;
+- `/server_info` reports the DP layout as `sglang_version` does: "0.5.23" (the default) as
+  `dp_size=1, attn_dp_size=N` (`--attn-dp-size N`), "0.5.17" as `dp_size=N` with
+  `enable_dp_attention`.
 
 It runs two ways. In process (`InProcessCluster`): the router's `WorkerClient` calls the workers
 directly, the decode reaches the prefill's hand-off through the cluster, and a test reads and
@@ -37,10 +49,21 @@ from sglang_pd.deploy.router.transport import Purpose, Timeouts, WorkerClient
 from sglang_pd.deploy.router.validation import ENDPOINTS, batch_size
 from sglang_pd.deploy.router.workers import Worker
 
-__all__ = ["FakeReply", "FakeWorker", "InProcessClient", "InProcessCluster"]
+__all__ = ["SGLANG_VERSIONS", "FakeReply", "FakeWorker", "InProcessClient", "InProcessCluster"]
+
+# The sglang releases whose /server_info layout the worker can report.
+SGLANG_VERSIONS = ("0.5.17", "0.5.23")
 
 _SEEN_HEADERS = ("authorization", "x-request-id", "connection", "x-client-secret", "cookie", "te", "upgrade")
 _MAX_TOKENS = 512  # a fake engine has no context limit; this keeps fuzzed requests short
+_CONTEXT_LEN = 4096  # what /v1/models and /server_info report (the fake itself has no limit)
+# Settings `configure()` may change.
+_SETTINGS = frozenset(
+    {
+        "fail_status", "fail_count", "token_delay", "prefill_delay", "tokens", "keep_log", "health_status",
+        "health_delay", "health_tick_s", "health_timeout_s", "starting_s", "frozen", "models_status", "models_delay",
+    }
+)  # fmt: skip
 SSE = "text/event-stream"
 JSON = "application/json"
 
@@ -162,27 +185,44 @@ class FakeWorker:
     # Failure injection: the next `fail_count` requests get `fail_status` (500 when 0).
     fail_status: int = 0
     fail_count: int = 0
-    # /health answers `health_status` after `health_delay` s; `health_checks` counts the probes.
-    health_status: int = 200
-    health_delay: float = 0.0
+    # /health as sglang's health_generate (see the module docstring); `health_checks` counts the
+    # probes. `health_status` / `health_delay`, when set, make it a fixed answer instead.
+    health_tick_s: float = 1.0
+    health_timeout_s: float = 20.0
+    starting_s: float = 0.0
+    frozen: bool = False
+    health_status: int | None = None
+    health_delay: float | None = None
     health_checks: int = 0
     health_in_flight_max: int = 0
     _health_in_flight: int = 0
+    # /v1/models answers `models_status` after `models_delay` s; `models_checks` counts them.
+    models_status: int = 200
+    models_delay: float = 0.0
+    models_checks: int = 0
+    models_in_flight_max: int = 0
+    _models_in_flight: int = 0
+    sglang_version: str = "0.5.23"
     requests: list[dict[str, Any]] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     in_flight: int = 0
     _aborted: set[str] = field(default_factory=set)
     _rooms: dict[int, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
     _room_times: dict[int, float] = field(default_factory=dict)
+    _started: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        if self.sglang_version not in SGLANG_VERSIONS:
+            raise ValueError(f"FakeWorker sglang_version {self.sglang_version!r}: use one of {SGLANG_VERSIONS}.")
 
     def configure(self, **changes: Any) -> None:
-        """Change behaviour (fail_status, fail_count, token_delay, ...); `reset=True` clears the log."""
+        """Change behaviour (`_SETTINGS`: fail_status, token_delay, frozen, ...); `reset=True`
+        clears the log."""
         if changes.pop("reset", False):
             self.requests.clear()
             self.aborts.clear()
         for key, value in changes.items():
-            settings = ("fail_status", "fail_count", "token_delay", "prefill_delay", "tokens", "keep_log")
-            if key not in (*settings, "health_status", "health_delay"):
+            if key not in _SETTINGS:
                 raise ValueError(f"FakeWorker has no setting {key!r}.")
             setattr(self, key, value)
 
@@ -193,6 +233,8 @@ class FakeWorker:
             "in_flight": self.in_flight,
             "health_checks": self.health_checks,
             "health_in_flight_max": self.health_in_flight_max,
+            "models_checks": self.models_checks,
+            "models_in_flight_max": self.models_in_flight_max,
         }
 
     # -- the HTTP API --------------------------------------------------------------------------
@@ -213,11 +255,12 @@ class FakeWorker:
             return await self._health()
         if path in ("/server_info", "/get_server_info"):
             return _json(self.server_info())
-        if path == "/get_model_info":
+        if path in ("/get_model_info", "/model_info"):
             return _json({"model_path": self.model, "tokenizer_path": self.model, "is_generation": True})
         if path == "/v1/models":
-            card = {"id": self.model, "object": "model", "created": 0, "owned_by": "sglang"}
-            return _json({"object": "list", "data": [card]})
+            return await self._models()
+        if path == "/ping":
+            return FakeReply(200, "text/plain")
         if path == "/v1/loads":
             return _json({"loads": [{"dp_rank": 0, "num_reqs": self.in_flight}]})
         if path == "/metrics":
@@ -229,22 +272,66 @@ class FakeWorker:
         self._health_in_flight += 1
         self.health_in_flight_max = max(self.health_in_flight_max, self._health_in_flight)
         try:
-            if self.health_delay:
-                await asyncio.sleep(self.health_delay)
+            return FakeReply(await self._health_generate(), "text/plain")
         finally:
             self._health_in_flight -= 1
-        return FakeReply(self.health_status, "text/plain")
+
+    async def _health_generate(self) -> int:
+        """The status sglang's health_generate would answer (see the module docstring)."""
+        if self.health_status is not None or self.health_delay is not None:
+            await asyncio.sleep(self.health_delay or 0.0)
+            return 200 if self.health_status is None else self.health_status
+        if time.monotonic() - self._started < self.starting_s:
+            return 503
+        tic = time.monotonic()
+        while True:
+            # sglang sleeps a tick before its first look, so a pass takes one tick at least.
+            await asyncio.sleep(max(self.health_tick_s, 0.01) if self.frozen else self.health_tick_s)
+            if not self.frozen:
+                return 200
+            if time.monotonic() - tic >= self.health_timeout_s:
+                return 503
+
+    async def _models(self) -> FakeReply:
+        self.models_checks += 1
+        self._models_in_flight += 1
+        self.models_in_flight_max = max(self.models_in_flight_max, self._models_in_flight)
+        try:
+            if self.models_delay:
+                await asyncio.sleep(self.models_delay)
+        finally:
+            self._models_in_flight -= 1
+        if self.models_status != 200:
+            return _err(self.models_status, "injected failure")
+        created = int(time.time())
+        card = {"id": self.model, "object": "model", "created": created, "owned_by": "sglang", "root": self.model,
+                "parent": None, "max_model_len": _CONTEXT_LEN}  # fmt: skip
+        return _json({"object": "list", "data": [card]})
+
+    async def _scheduler_step(self) -> None:
+        """One step of the engine's scheduler: waits while it is frozen."""
+        while self.frozen:
+            await asyncio.sleep(0.01)
 
     def server_info(self) -> dict[str, Any]:
+        if self.sglang_version == "0.5.17":
+            layout: dict[str, Any] = {"dp_size": self.dp_size, "enable_dp_attention": self.dp_size > 1}
+        else:  # resolved_dict() reports the deprecated enable_dp_attention as attn_dp_size > 1
+            layout = {"dp_size": 1, "attn_dp_size": self.dp_size, "enable_dp_attention": self.dp_size > 1}
         return {
             "model_path": self.model,
             "served_model_name": self.model,
             "disaggregation_mode": self.role,
-            "dp_size": self.dp_size,
-            "enable_dp_attention": self.dp_size > 1,
+            **layout,
             "tp_size": 1,
+            "max_running_requests": 64,
+            "max_total_num_tokens": 1 << 20,
+            "context_length": _CONTEXT_LEN,
+            "page_size": 16,
+            "chunked_prefill_size": 8192,
             "disaggregation_bootstrap_port": self.bootstrap_port,
-            "version": "test-worker",
+            "internal_states": [{"dp_rank": rank} for rank in range(self.dp_size)],
+            "version": self.sglang_version,
         }
 
     async def _inference(self, path: str, headers: dict[str, str], raw: bytes) -> FakeReply:
@@ -316,6 +403,7 @@ class FakeWorker:
     async def _prefill(self, path: str, body: dict[str, Any], n: int | None, rids: list[str]) -> FakeReply:
         if self.prefill_delay:
             await asyncio.sleep(self.prefill_delay)
+        await self._scheduler_step()
         prompt = _prompt_len(body)
         aborted = any(r in self._aborted for r in rids)
         if not aborted:
@@ -405,6 +493,7 @@ class FakeWorker:
                 return
             if self.token_delay:
                 await asyncio.sleep(self.token_delay)
+            await self._scheduler_step()
             yield f" tok{i}", i == total - 1
 
     async def _decode_stream(
@@ -536,7 +625,11 @@ class InProcessClient(WorkerClient):
         target = self.cluster.workers.get(worker.url)
         if target is None or worker.url in self.cluster.dead:
             raise UpstreamUnreachable(f"{method} {path} to {worker.role} worker {worker.url} failed: refused", worker)
-        limit = {"unary": self.timeouts.request, "stream": self.timeouts.stream_idle}.get(purpose, self.timeouts.health)
+        limit = {
+            "unary": self.timeouts.request,
+            "stream": self.timeouts.stream_idle,
+            "health_generate": self.timeouts.health_generate,
+        }.get(purpose, self.timeouts.health)
         try:
             reply = await asyncio.wait_for(target.handle(method, path, headers, body), limit)
         except TimeoutError as exc:
