@@ -275,7 +275,12 @@ def test_abort_request_answers_as_sglang(refengine: str) -> None:
     r = httpx.post(refengine + "/abort_request", json={"rid": "no-such-rid"}, timeout=10)
     assert (r.status_code, r.text) == (recorded["unknown_rid"]["status"], recorded["unknown_rid"]["body"])
     rid = f"abort-{time.time_ns()}"
-    body = {"text": "abort me", "rid": rid, "stream": True, "sampling_params": {"max_new_tokens": 2000}}
+    body = {
+        "text": "abort me",
+        "rid": rid,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True},
+    }
     events: list[Any] = []
     with httpx.stream("POST", refengine + "/generate", json=body, timeout=60) as s:
         for line in s.iter_lines():
