@@ -17,10 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -30,10 +26,12 @@ from typing import Any
 import httpx
 import pytest
 
+from scripts.record_sglang_http import shape
 from sglang_pd.deploy.sglang_check import check_with_sglang, sglang_available
 from sglang_pd.deploy.topology import load_topology
-from tests.support.polling import free_port, wait_until
+from tests.support.polling import wait_until
 from tests.support.router_worker_server import WorkerProcess, start_worker
+from tests.support.standalone_engine import standalone_engine
 
 DATA = Path(__file__).resolve().parents[1] / "deploy" / "data"
 RECORDED = json.loads((DATA / "sglang-0.5.17-http.json").read_text())
@@ -42,15 +40,6 @@ SINGLE = RECORDED["servers"]["single"]
 PRESETS = Path(__file__).resolve().parents[2] / "deploy" / "presets"
 # What a 2-core CI machine adds to a 1 s tick: an answer later than this is not sglang's timing.
 TICK_SLACK_S = 0.8
-
-
-def shape(value: Any) -> Any:
-    """The same structure summary as record_sglang_http.shape: keys, a list's first item, types."""
-    if isinstance(value, dict):
-        return {k: shape(v) for k, v in sorted(value.items())}
-    if isinstance(value, list):
-        return [shape(value[0])] if value else []
-    return type(value).__name__
 
 
 def timed_get(url: str, **kwargs: Any) -> tuple[httpx.Response, float]:
@@ -87,26 +76,8 @@ def busy(url: str, path: str, body: dict[str, Any]) -> Iterator[None]:
 @pytest.fixture(scope="module")
 def refengine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One reference engine serving on its own (sglang's non-PD mode, as the recorded server ran)."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("refengine") / "engine.log"
-    argv = [sys.executable, "-m", "sglang_pd.deploy.cli", "engine", "--role", "both", "--port", str(port)]
-    argv += ["--model", "tiny-deepseek-v3", "--threads", "1"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-
-        def up() -> bool:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            with contextlib.suppress(httpx.HTTPError):
-                return httpx.get(url + "/ping", timeout=2).status_code == 200
-            return False
-
-        wait_until(up, timeout=120)
+    with standalone_engine(tmp_path_factory.mktemp("refengine") / "engine.log") as url:
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -10,52 +10,27 @@ by its type, `max_tokens` above the context length is refused on chat, and a pro
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.support.polling import free_port, wait_until
+from tests.support.polling import free_port
+from tests.support.standalone_engine import MODEL, engine_argv, standalone_engine
 
-MODEL = "tiny-deepseek-v3"
 MODEL_CONTEXT = 4096  # the tiny model's max_position_embeddings
 VOCAB_SIZE = 512  # and its vocab_size
 CONTEXT = 256  # what the engine below is started with
 
 
-def _engine_argv(port: int, *extra: str) -> list[str]:
-    argv = [sys.executable, "-m", "sglang_pd.deploy.cli", "engine", "--role", "both", "--port", str(port)]
-    return [*argv, "--model", MODEL, "--threads", "1", *extra]
-
-
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One reference engine on its own, with a context shorter than its model's."""
-    port = free_port()
     log = tmp_path_factory.mktemp("refengine-openai") / "engine.log"
-    with open(log, "wb") as out:
-        argv = _engine_argv(port, "--context-length", str(CONTEXT))
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-
-        def up() -> bool:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            with contextlib.suppress(httpx.HTTPError):
-                return httpx.get(url + "/ping", timeout=2).status_code == 200
-            return False
-
-        wait_until(up, timeout=120)
+    with standalone_engine(log, "--context-length", str(CONTEXT)) as url:
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
 
 
 def chat(url: str, messages: list[dict[str, Any]], **fields: Any) -> httpx.Response:
@@ -189,7 +164,7 @@ def test_a_chat_without_max_tokens_gets_what_the_context_has_left(engine: str) -
 
 
 def test_a_context_length_above_the_models_stops_the_engine() -> None:
-    argv = _engine_argv(free_port(), "--context-length", str(MODEL_CONTEXT + 1))
+    argv = engine_argv(free_port(), "--context-length", str(MODEL_CONTEXT + 1))
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     assert f"--context-length has value {MODEL_CONTEXT + 1}" in done.stderr and str(MODEL_CONTEXT) in done.stderr
