@@ -28,7 +28,7 @@ from .health import HealthChecker
 from .legs import Legs
 from .log import client_request_id_var, logger, request_id_var
 from .metrics import CONTENT_TYPE_LATEST, RouterMetrics
-from .middleware import AdmissionMiddleware, AuthMiddleware, BodyLimitMiddleware
+from .middleware import ADMIN_SCOPE_KEY, AdmissionMiddleware, AuthMiddleware, BodyLimitMiddleware
 from .openapi import OPENAPI
 from .pairs import PairPicker
 from .policies import make_policy
@@ -220,7 +220,7 @@ class RouterApp:
         """Validate the body and hand it to the proxy; errors become OpenAI-shaped answers."""
         try:
             payload = parse_body(await _read_body(receive))
-            validate(endpoint, payload, self.registry.models())
+            validate(endpoint, payload, self.registry.models(), admin=scope.get(ADMIN_SCOPE_KEY, False))
             if payload.get("stream"):
                 return await self.proxy.stream(endpoint, payload, ids, ClientWatch(scope, receive))
             return await self.proxy.unary(endpoint, payload, ids, ClientWatch(scope, receive))

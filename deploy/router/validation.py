@@ -16,8 +16,9 @@ from typing import Any
 import orjson
 
 from ..openai_errors import ApiError
+from .fields import refused_fields
 
-__all__ = ["ENDPOINTS", "MAX_JSON_DEPTH", "ROLES", "batch_size", "parse_body", "routing_text", "validate"]
+__all__ = ["ENDPOINTS", "MAX_JSON_DEPTH", "MAX_STOP", "ROLES", "batch_size", "parse_body", "routing_text", "validate"]
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/generate")
 
@@ -48,6 +49,15 @@ _SGLANG_RANGES: dict[str, tuple[float, float, bool, bool]] = {
 }
 _MAX_N = 128  # OpenAI's limit
 _MAX_TOP_LOGPROBS = 20  # chat; legacy completions allow 5
+# OpenAI's API reference: `stop` "up to 4 sequences", `tools` "a max of 128 functions",
+# `logit_bias` values "from -100 to 100", `metadata` "up to 16 key-value pairs". sglang's native
+# `/generate` documents no bound; the router holds it to the same 4 stop sequences and stop ids
+# to 64, so that no request makes every decode step scan a million strings.
+MAX_STOP = 4
+_MAX_STOP_TOKEN_IDS = 64
+_MAX_TOOLS = 128
+_MAX_METADATA = 16
+_LOGIT_BIAS = 100
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -131,14 +141,50 @@ def _check_common(payload: dict[str, Any]) -> None:
         value = payload.get(name)
         if value is not None and not _is_number(value):
             raise _type_error(name, "a number", value)
-    stop = payload.get("stop")
-    if stop is not None and not (
-        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
-    ):
-        raise _type_error("stop", "a string or a list of strings", stop)
+    _check_stop(payload, "")
     options = payload.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise _type_error("stream_options", "an object", options)
+    tools = payload.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise _type_error("tools", "a list of tool objects", tools)
+        if len(tools) > _MAX_TOOLS:
+            raise _range_error("tools", f"a list of at most {_MAX_TOOLS} tools", f"{len(tools)} tools")
+    metadata = payload.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, dict):
+            raise _type_error("metadata", "an object", metadata)
+        if len(metadata) > _MAX_METADATA:
+            raise _range_error("metadata", f"at most {_MAX_METADATA} key-value pairs", f"{len(metadata)} pairs")
+    _check_logit_bias(payload.get("logit_bias"), "logit_bias")
+
+
+def _check_stop(params: dict[str, Any], prefix: str) -> None:
+    param = prefix + "stop"
+    stop = params.get("stop")
+    if stop is not None and not (
+        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+    ):
+        raise _type_error(param, "a string or a list of strings", stop)
+    if isinstance(stop, list) and len(stop) > MAX_STOP:
+        raise _range_error(param, f"a list of at most {MAX_STOP} stop sequences", f"{len(stop)} sequences")
+    ids = params.get("stop_token_ids")
+    if ids is not None:
+        if not (isinstance(ids, list) and all(_is_int(i) for i in ids)):
+            raise _type_error(prefix + "stop_token_ids", "a list of token ids", ids)
+        if len(ids) > _MAX_STOP_TOKEN_IDS:
+            raise _range_error(prefix + "stop_token_ids", f"at most {_MAX_STOP_TOKEN_IDS} token ids", f"{len(ids)} ids")
+
+
+def _check_logit_bias(bias: Any, param: str) -> None:
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise _type_error(param, "an object mapping token ids to biases", bias)
+    for token, value in bias.items():
+        if not _is_number(value) or not -_LOGIT_BIAS <= value <= _LOGIT_BIAS:
+            raise _range_error(f"{param}.{token}", f"a number in [-{_LOGIT_BIAS}, {_LOGIT_BIAS}]", value)
 
 
 def _range_error(param: str, expected: str, value: Any) -> ApiError:
@@ -250,6 +296,8 @@ def _check_generate(payload: dict[str, Any]) -> None:
 
 def _check_sampling_params(params: dict[str, Any], prefix: str) -> None:
     _check_ranges(params, _SGLANG_RANGES, prefix)
+    _check_stop(params, prefix)
+    _check_logit_bias(params.get("logit_bias"), prefix + "logit_bias")
     for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
         value = params.get(name)
         if value is not None and not _is_int(value):
@@ -272,7 +320,10 @@ _CHECKS = {
 }
 
 
-def validate(endpoint: str, payload: dict[str, Any], known_models: list[str]) -> None:
+def validate(endpoint: str, payload: dict[str, Any], known_models: list[str], *, admin: bool = False) -> None:
+    """Raise an ApiError (4xx, OpenAI-shaped) for the first problem of `payload`; `admin`: the
+    request carries the admin key, so engine-internal fields may pass (`fields.py`)."""
+    refused_fields(endpoint, payload, admin=admin)
     _check_common(payload)
     _CHECKS[endpoint](payload)
     model = payload.get("model")

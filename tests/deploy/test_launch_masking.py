@@ -29,7 +29,7 @@ from sglang_pd.deploy.launch import supervise
 sys.exit(supervise(sys.argv[1:], dict(os.environ), (os.environ[{ENV_WORKER_API_KEY!r}],)))
 """
 
-# Stands in for sglang: prints its pid and the key on stdout and stderr (sglang logs
+# Stands in for sglang: prints the key on stderr, then its pid and the key on stdout (sglang logs
 # `server_args=ServerArgs(api_key=...)` at start), then sleeps. With an exit code in argv[2], it
 # exits with it on SIGTERM or SIGINT, as a graceful stop; without one, the signal's default applies.
 STAND_IN = """
@@ -41,8 +41,10 @@ if len(sys.argv) > 2:
         sys.exit(int(sys.argv[2]))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop)
-print(f"{os.getpid()} server_args=ServerArgs(api_key='{key}', port=30000)", flush=True)
+# stderr first: the test signals on seeing the stdout line, and a signal arriving between the two
+# prints would end the stand-in before its stderr line was written.
 print(f"stderr: api_key={key}", file=sys.stderr, flush=True)
+print(f"{os.getpid()} server_args=ServerArgs(api_key='{key}', port=30000)", flush=True)
 time.sleep(120)
 """
 

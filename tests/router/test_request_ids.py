@@ -23,8 +23,7 @@ ROUTER_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
 def _stream_body(content: str) -> dict[str, Any]:
-    # The body's `rid` is the other client's too: it must not reach the engines either.
-    return {"messages": [{"role": "user", "content": content}], "max_tokens": TOKENS, "stream": True, "rid": "shared"}
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": TOKENS, "stream": True}
 
 
 def _events(raw: bytes) -> list[dict[str, Any]]:
@@ -95,17 +94,34 @@ def test_answers_echo_the_client_id_and_logs_carry_both(
     assert all("client_request_id" not in e for e in router_log.entries if e.get("request_id") == rid)
 
 
-def test_a_rid_in_the_body_never_reaches_the_engines(cluster_1p1d: Cluster, router_1p1d: RunningRouter) -> None:
+def test_a_rid_in_the_body_is_refused_and_never_reaches_the_engines(
+    cluster_1p1d: Cluster, router_1p1d: RunningRouter
+) -> None:
     prefill, decode = cluster_1p1d.prefills[0], cluster_1p1d.decodes[0]
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "rid": "someone-else"}
     batch = {"text": ["one", "two"], "sampling_params": {"max_new_tokens": 1}, "rid": ["someone-else", "x"]}
+    before = [len(w.state()["requests"]) for w in (prefill, decode)]
     for path, body in ((CHAT, chat), ("/generate", batch)):
         resp = httpx.post(router_1p1d.url + path, json=body)
-        assert resp.status_code == 200, resp.text
-        rid = resp.headers["x-router-request-id"]
-        expected = rid if path == CHAT else [f"{rid}-0", f"{rid}-1"]
-        for worker in (prefill, decode):
-            assert worker.state()["requests"][-1]["rid"] == expected
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["param"] == "rid" and resp.json()["error"]["code"] == "internal_field"
+    assert [len(w.state()["requests"]) for w in (prefill, decode)] == before
+
+
+def test_an_admin_request_may_send_a_rid_and_the_engines_still_see_the_routers(
+    cluster_factory: Callable[..., Cluster],
+) -> None:
+    cluster = cluster_factory(1, 1)
+    prefill, decode = cluster.prefills[0], cluster.decodes[0]
+    batch = {"text": ["one", "two"], "sampling_params": {"max_new_tokens": 1}, "rid": ["someone-else", "x"]}
+    with cluster.serve(cluster.config(api_keys=("client",), admin_key="admin")) as running:
+        as_client = httpx.post(running.url + "/generate", json=batch, headers={"authorization": "Bearer client"})
+        assert as_client.status_code == 400 and as_client.json()["error"]["param"] == "rid"
+        resp = httpx.post(running.url + "/generate", json=batch, headers={"authorization": "Bearer admin"})
+    assert resp.status_code == 200, resp.text
+    rid = resp.headers["x-router-request-id"]
+    for worker in (prefill, decode):
+        assert worker.state()["requests"][-1]["rid"] == [f"{rid}-0", f"{rid}-1"]
 
 
 def test_the_legs_bodies_carry_the_routers_rid_over_the_clients() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .admission import AdmissionMiddleware
-from .auth import AuthMiddleware
+from .auth import ADMIN_SCOPE_KEY, AuthMiddleware
 from .body_limit import BodyLimitMiddleware
 
-__all__ = ["AdmissionMiddleware", "AuthMiddleware", "BodyLimitMiddleware"]
+__all__ = ["ADMIN_SCOPE_KEY", "AdmissionMiddleware", "AuthMiddleware", "BodyLimitMiddleware"]

@@ -1,7 +1,8 @@
 """Bearer-token checks: client API keys for the OpenAI endpoints, a separate admin key for /workers.
 
 /workers needs the admin key whenever any key is configured; with no key at all (a dev setup)
-only its GET is open."""
+only its GET is open. The admin key is also accepted on the inference routes, and such a request
+may set engine-internal fields (`router/fields.py`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ...openai_errors import error_body
 from .respond import send_json
 
-__all__ = ["AuthMiddleware"]
+__all__ = ["ADMIN_SCOPE_KEY", "AuthMiddleware"]
+
+# Set in the ASGI scope of an inference request: whether it carries the admin key.
+ADMIN_SCOPE_KEY = "sglang_pd.admin"
 
 _OPEN_PATHS = frozenset({"/health", "/readiness", "/metrics", "/openapi.json"})
 _BAD_KEY = (
@@ -52,9 +56,15 @@ class AuthMiddleware:
                 # list (internal addresses); with no key at all it is a dev setup and GET is fine.
                 await _deny(send, 403, self._no_admin)
                 return
-        elif self.api_keys and not _matches(_bearer(scope), self.api_keys):
-            await _deny(send, 401, self._bad_key)
-            return
+        else:
+            token = _bearer(scope)
+            # The admin key also serves the inference routes, where it lets engine-internal
+            # fields through (router/fields.py).
+            admin = bool(self.admin_key) and _matches(token, (self.admin_key,))
+            if self.api_keys and not admin and not _matches(token, self.api_keys):
+                await _deny(send, 401, self._bad_key)
+                return
+            scope[ADMIN_SCOPE_KEY] = admin
         await self.app(scope, receive, send)
 
 
