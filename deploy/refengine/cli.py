@@ -71,6 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 async def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from sglang_pd.deploy.http_limits import DEFAULT_LIMITS, limited_protocol, raise_descriptor_limit
     from sglang_pd.deploy.kv import KVConfig, KVError
 
     from .engine import EngineConfig, RefEngine
@@ -110,13 +111,21 @@ async def _serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     level = args.log_level
+    # The engine's ports take the same per-connection limits as the router's (head size, head and
+    # body timeouts, a connection cap fitted to the raised descriptor limit).
+    raise_descriptor_limit()
+    protocol = limited_protocol(DEFAULT_LIMITS)
     servers = [
-        uvicorn.Server(uvicorn.Config(create_app(engine), args.host, args.port, log_level=level, access_log=False))
+        uvicorn.Server(
+            uvicorn.Config(create_app(engine), args.host, args.port, log_level=level, access_log=False, http=protocol)
+        )
     ]
     if args.role == "prefill":
         boot = create_bootstrap_app(engine)
         servers.append(
-            uvicorn.Server(uvicorn.Config(boot, args.host, args.bootstrap_port, log_level=level, access_log=False))
+            uvicorn.Server(
+                uvicorn.Config(boot, args.host, args.bootstrap_port, log_level=level, access_log=False, http=protocol)
+            )
         )
     logging.getLogger("sglang_pd").info(
         '{"event": "engine_loaded", "role": "%s", "port": %d, "model": "%s", "kv": "%s", "seconds": %.2f}',

@@ -116,7 +116,9 @@ class RouterApp:
             queue_timeout_s=config.queue_timeout_s,
             metrics=self.metrics,
         )
-        body_limit = BodyLimitMiddleware(self.admission, max_bytes=config.max_body_bytes)
+        body_limit = BodyLimitMiddleware(
+            self.admission, max_bytes=config.max_body_bytes, max_in_flight=config.max_body_bytes_in_flight
+        )
         self.asgi: ASGIApp = AuthMiddleware(body_limit, api_keys=config.api_keys, admin_key=config.admin_key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -219,8 +221,12 @@ class RouterApp:
     async def serve(self, endpoint: str, scope: Scope, receive: Receive, ids: RequestIds) -> Response:
         """Validate the body and hand it to the proxy; errors become OpenAI-shaped answers."""
         try:
-            payload = parse_body(await _read_body(receive))
-            validate(endpoint, payload, self.registry.models(), admin=scope.get(ADMIN_SCOPE_KEY, False))
+            raw = await _read_body(receive)
+            admin = scope.get(ADMIN_SCOPE_KEY, False)
+            if len(raw) > _PARSE_ON_LOOP_BYTES:
+                payload = await asyncio.to_thread(self._checked_body, endpoint, raw, admin)
+            else:
+                payload = self._checked_body(endpoint, raw, admin)
             if payload.get("stream"):
                 return await self.proxy.stream(endpoint, payload, ids, ClientWatch(scope, receive))
             return await self.proxy.unary(endpoint, payload, ids, ClientWatch(scope, receive))
@@ -230,6 +236,11 @@ class RouterApp:
             return response
         except ClientGone:
             return Response(status_code=499, headers=ids.headers)
+
+    def _checked_body(self, endpoint: str, raw: bytes, admin: bool) -> dict[str, Any]:
+        payload = parse_body(raw)
+        validate(endpoint, payload, self.registry.models(), admin=admin)
+        return payload
 
     def _observe(self, endpoint: str, status: int, started: float) -> None:
         elapsed = time.perf_counter() - started
@@ -356,6 +367,9 @@ class RouterApp:
 
 
 _OPENAPI_BODY = orjson.dumps(OPENAPI)
+# Bodies larger than this are parsed and validated in a thread, so that other requests keep being
+# served meanwhile (parsing 8 MiB of JSON takes tens of milliseconds).
+_PARSE_ON_LOOP_BYTES = 256 * 1024
 
 
 async def _read_body(receive: Receive) -> bytes:

@@ -68,7 +68,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-concurrent-requests", type=int, default=None, help="0: no limit")
     limits.add_argument("--max-queued-requests", type=int, default=None)
     limits.add_argument("--queue-timeout", type=float, default=None, metavar="SECONDS")
-    limits.add_argument("--max-body-bytes", type=int, default=None)
+    limits.add_argument("--max-body-bytes", type=int, default=None, help="one request body; beyond: 413")
+    limits.add_argument(
+        "--max-body-bytes-in-flight", type=int, default=None, help="all bodies held at once; beyond: 503"
+    )
+    limits.add_argument("--header-timeout", type=float, default=None, metavar="SECONDS", help="to send a head: 408")
+    limits.add_argument("--body-timeout", type=float, default=None, metavar="SECONDS", help="to send a body: 408")
+    limits.add_argument(
+        "--max-connections", type=int, default=None, help="client connections open at once; beyond: 503"
+    )
+    limits.add_argument("--keep-alive-timeout", type=float, default=None, metavar="SECONDS")
     limits.add_argument("--max-header-bytes", type=int, default=None, help="whole request head; beyond: 431")
     limits.add_argument("--max-header-count", type=int, default=None, help="header fields; beyond: 431")
     limits.add_argument("--max-request-line-bytes", type=int, default=None, help="the URL; beyond: 414")
@@ -145,6 +154,11 @@ _FLAG_TO_FIELD = {
     "max_queued_requests": "max_queued_requests",
     "queue_timeout": "queue_timeout_s",
     "max_body_bytes": "max_body_bytes",
+    "max_body_bytes_in_flight": "max_body_bytes_in_flight",
+    "header_timeout": "header_timeout_s",
+    "body_timeout": "body_timeout_s",
+    "max_connections": "max_connections",
+    "keep_alive_timeout": "keep_alive_timeout_s",
     "max_header_bytes": "max_header_bytes",
     "max_header_count": "max_header_count",
     "max_request_line_bytes": "max_request_line_bytes",

@@ -17,6 +17,7 @@ from sglang_pd.deploy.contract import (
     policy_problem,
     worker_selector,
 )
+from sglang_pd.deploy.http_limits import ConnectionLimits
 from sglang_pd.deploy.topology import RouterSpec
 
 from .transport import Timeouts
@@ -38,6 +39,11 @@ SPEC_FIELDS = (
 
 # RouterConfig fields that must be > 0.
 _POSITIVE = (
+    "max_body_bytes",
+    "max_body_bytes_in_flight",
+    "header_timeout_s",
+    "body_timeout_s",
+    "keep_alive_timeout_s",
     "queue_timeout_s",
     "request_timeout_s",
     "connect_timeout_s",
@@ -72,11 +78,21 @@ class RouterConfig:
     max_concurrent_requests: int = _SPEC.max_concurrent_requests
     max_queued_requests: int = _SPEC.max_queued_requests
     queue_timeout_s: float = _SPEC.queue_timeout_s
-    max_body_bytes: int = 32 * 1024 * 1024
-    # The request head, checked while it arrives (before auth): 414 / 431 beyond these.
+    # A request body's bytes (413 beyond), and the bytes of all bodies the router holds at once
+    # (503 + Retry-After beyond): 8 MiB holds a 160k-token prompt even JSON-escaped, and the
+    # whole-router bound keeps many large bodies from taking the router's memory.
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_body_bytes_in_flight: int = 256 * 1024 * 1024
+    # Per connection (deploy/http_limits.py), checked while bytes arrive, before auth: the request
+    # head (414 / 431 beyond), the time to send a head and a body (408), the connections held
+    # open at once (503 beyond; 0: as many as descriptors allow), the idle keep-alive time.
     max_request_line_bytes: int = 8 * 1024
     max_header_bytes: int = 64 * 1024
     max_header_count: int = 100
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    max_connections: int = 10_000
+    keep_alive_timeout_s: float = 30.0
     # Timeouts towards workers. request_timeout_s bounds a whole non-streaming request and the
     # time to a stream's first byte; stream_idle_timeout_s bounds the gap between two chunks.
     connect_timeout_s: float = 3.0
@@ -120,6 +136,18 @@ class RouterConfig:
         return cls(**{**{name: getattr(spec, name) for name in SPEC_FIELDS}, **fields})
 
     @property
+    def connection_limits(self) -> ConnectionLimits:
+        """The limits every client connection is held to."""
+        return ConnectionLimits(
+            max_request_line_bytes=self.max_request_line_bytes,
+            max_head_bytes=self.max_header_bytes,
+            max_header_count=self.max_header_count,
+            header_timeout_s=self.header_timeout_s,
+            body_timeout_s=self.body_timeout_s,
+            max_connections=self.max_connections,
+        )
+
+    @property
     def timeouts(self) -> Timeouts:
         """The timeouts of requests to workers."""
         return Timeouts(
@@ -135,7 +163,7 @@ class RouterConfig:
             problem = policy_problem(role, name)
             if problem is not None:
                 raise ValueError(f"Config '{role}_policy' has value {name!r}: {problem}")
-        for name in ("max_concurrent_requests", "max_queued_requests", "max_retries"):
+        for name in ("max_concurrent_requests", "max_queued_requests", "max_retries", "max_connections"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Config '{name}' has value {getattr(self, name)}. It must be >= 0.")
         for name in ("health_failure_threshold", "health_success_threshold"):

@@ -1,6 +1,6 @@
 """The router's HTTP protocol, one instance per client connection: uvicorn's httptools protocol
-with the request-head limits (`head_limits.py`), plus a future that resolves when the connection
-is lost.
+with the connection limits (`deploy/http_limits.py`), plus a future that resolves when the
+connection is lost.
 
 Every request on the connection finds that future in its ASGI scope, under
 `scope["extensions"][CLIENT_GONE]["future"]`, so watching for a client that leaves takes no task per
@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import asyncio
 
-from .head_limits import HeadLimitedProtocol, HeadLimits
+from ..http_limits import ConnectionLimits, LimitedProtocol, limited_protocol
 
 __all__ = ["CLIENT_GONE", "RouterProtocol", "router_protocol"]
 
 CLIENT_GONE = "sglang_pd.client_gone"
 
 
-class RouterProtocol(HeadLimitedProtocol):
+class RouterProtocol(LimitedProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._gone: asyncio.Future[None] = self.loop.create_future()
         super().connection_made(transport)
@@ -35,6 +35,6 @@ class RouterProtocol(HeadLimitedProtocol):
         super().connection_lost(exc)
 
 
-def router_protocol(limits: HeadLimits) -> type[RouterProtocol]:
+def router_protocol(limits: ConnectionLimits, *, descriptors: int | None = None) -> type[LimitedProtocol]:
     """The protocol class (what uvicorn's `http=` option takes) enforcing `limits`."""
-    return type("RouterProtocol", (RouterProtocol,), {"limits": limits})
+    return limited_protocol(limits, RouterProtocol, descriptors=descriptors)

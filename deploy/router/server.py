@@ -10,9 +10,9 @@ from typing import Any
 
 import uvicorn
 
+from ..http_limits import raise_descriptor_limit, usable_connections
 from .app import RouterApp
 from .connection import router_protocol
-from .head_limits import HeadLimits
 from .log import configure_logging, logger
 
 __all__ = ["RouterServer", "serve"]
@@ -41,15 +41,10 @@ def uvicorn_config(app: RouterApp, **overrides: Any) -> uvicorn.Config:
         "host": cfg.host,
         "port": cfg.port,
         "loop": "uvloop",
-        # httptools, with limits on the request head enforced while it is parsed (head_limits)
-        # and a future per connection for requests to watch the client with (connection.py).
-        "http": router_protocol(
-            HeadLimits(
-                max_request_line_bytes=cfg.max_request_line_bytes,
-                max_head_bytes=cfg.max_header_bytes,
-                max_header_count=cfg.max_header_count,
-            )
-        ),
+        # httptools, with limits on each connection enforced while its bytes arrive
+        # (deploy/http_limits.py) and a future per connection for requests to watch the client
+        # with (connection.py).
+        "http": router_protocol(cfg.connection_limits),
         "lifespan": "on",
         "access_log": False,
         # The router logs request ids, not client addresses: skip X-Forwarded-* rewriting.
@@ -57,7 +52,7 @@ def uvicorn_config(app: RouterApp, **overrides: Any) -> uvicorn.Config:
         "log_config": None,
         "log_level": cfg.log_level,
         "timeout_graceful_shutdown": cfg.drain_timeout_s,
-        "timeout_keep_alive": 30,
+        "timeout_keep_alive": cfg.keep_alive_timeout_s,
         "backlog": 4096,
         "server_header": False,  # no "server: uvicorn" advertised to clients
     }
@@ -69,6 +64,14 @@ def serve(app: RouterApp, *, sockets: list[socket.socket] | None = None) -> int:
     """Serve until stopped; the exit status. `sockets`: already-listening sockets to serve on
     (a router process group's) instead of binding the configured host and port."""
     configure_logging(app.config.log_level, {"router_process": app.control.index} if app.control else None)
+    descriptors = raise_descriptor_limit()  # before the protocol class sizes its connection cap to it
+    logger.info(
+        "connection limits",
+        extra={
+            "open_files": descriptors,
+            "max_connections": usable_connections(app.config.connection_limits, descriptors),
+        },
+    )
     server = RouterServer(app, uvicorn_config(app))
     server.run(sockets=sockets)
     return 0 if server.started else 1

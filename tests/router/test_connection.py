@@ -9,8 +9,8 @@ from typing import Any
 
 import uvicorn
 
+from sglang_pd.deploy.http_limits import ConnectionLimits
 from sglang_pd.deploy.router.connection import CLIENT_GONE, router_protocol
-from sglang_pd.deploy.router.head_limits import HeadLimits
 from sglang_pd.deploy.router.relay import ClientWatch
 from tests.support.polling import free_port
 
@@ -38,7 +38,7 @@ class App:
 
 async def _serving(app: App) -> tuple[uvicorn.Server, asyncio.Task[None], int]:
     port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, http=router_protocol(HeadLimits()), lifespan="off",
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, http=router_protocol(ConnectionLimits()), lifespan="off",
                             log_config=None, loop="asyncio")  # fmt: skip
     server = uvicorn.Server(config)
     task = asyncio.ensure_future(server.serve())
