@@ -100,7 +100,8 @@ def _params(body: dict[str, Any], kind: Kind, context_length: int) -> SamplingPa
     asked = _asked_max_tokens(body, kind)
     try:
         max_new = (16 if kind != "chat" else 128) if asked is None else asked
-        seed = src.get("seed", src.get("sampling_seed"))
+        # sglang's /generate names it `sampling_seed`; its OpenAI routes take OpenAI's `seed`.
+        seed = src.get("sampling_seed" if kind == "generate" else "seed")
         p = SamplingParams(
             max_new_tokens=int(max_new),
             temperature=float(_or(src.get("temperature"), 1.0)),

@@ -51,7 +51,7 @@ def test_pd_greedy_is_token_identical_to_single_process(pd_stack: PDStack, refer
 def test_sampling_with_a_seed_is_reproducible_through_pd(pd_stack: PDStack) -> None:
     body = {
         "text": "Once upon a time",
-        "sampling_params": {"max_new_tokens": 8, "temperature": 0.8, "top_p": 0.9, "seed": 7},
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0.8, "top_p": 0.9, "sampling_seed": 7},
     }
     a = httpx.post(f"{pd_stack.router.url}/generate", json=body, timeout=60).json()["output_ids"]
     b = httpx.post(f"{pd_stack.router.url}/generate", json=body, timeout=60).json()["output_ids"]
@@ -119,13 +119,12 @@ def test_short_request_is_not_blocked_by_a_long_one(pd_stack: PDStack) -> None:
 
 def test_abort_frees_pages_on_both_sides(pd_stack: PDStack) -> None:
     body = {
-        "rid": "abort-me-1",  # neither this nor the X-Request-ID names the request to the engines
         "text": "x" * 100,
         "stream": True,
         "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True},
     }
     finish = None
-    headers = {"x-request-id": "abort-me-1"}
+    headers = {"x-request-id": "abort-me-1"}  # it does not name the request to the engines
     with httpx.stream("POST", f"{pd_stack.router.url}/generate", json=body, headers=headers, timeout=60) as s:
         rid = s.headers["x-router-request-id"]  # the router's own id, the one the engines know
         for line in s.iter_lines():
@@ -167,7 +166,6 @@ def test_a_reused_x_request_id_cannot_cut_another_clients_stream(pd_stack: PDSta
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "rid": "shared",
     }
     headers = {"x-request-id": "shared"}
     url = f"{pd_stack.router.url}/v1/chat/completions"
