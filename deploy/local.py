@@ -155,6 +155,8 @@ def local_children(
     key = worker_key(os.environ if env is None else env)
     probe, secrets = _key_probe(key), _secrets(key)
     common = [*_model_arg(t), "--served-model-name", t.model.name, "--page-size", str(t.model.page_size)]
+    if t.model.context_length is not None:  # as `launch` renders it for sglang
+        common += ["--context-length", str(t.model.context_length)]
     eps = endpoints(t, ports)
     children = []
     for ep in eps["prefill"]:

@@ -2,7 +2,9 @@
 
 One model thread runs every model step in arrival order, one step at a time (a prompt's
 prefill, or one decode token), so concurrent requests progress together and a long request never
-blocks a short one. Roles: `both` (prefill and decode here), `prefill` (compute the prompt's KV,
+blocks a short one. At most `max_running_requests` requests run; the others wait their turn
+(`scheduler.py`), and a request that finds no free KV pages waits for some, as sglang's scheduler
+keeps it queued rather than refusing it. Roles: `both` (prefill and decode here), `prefill` (compute the prompt's KV,
 write it into the decode engine's pages, answer with the first token) and `decode` (receive the
 KV, then generate). Without bootstrap fields every role serves a request on its own.
 """
@@ -30,7 +32,8 @@ from sglang_pd.deploy.sglang_compat import DEPLOYED_VERSION as REPORTED_SGLANG_V
 from .exceptions import PoolExhausted, RequestFailed
 from .kvpool import KVPool, default_num_pages
 from .model import LoadedModel, sample_token
-from .pd import Claim, ClaimRejected, RoomTable
+from .pd import Claim, ClaimRejected, Room, RoomTable
+from .scheduler import Scheduler, max_queued_from_env
 from .sources import DEFAULT_MODEL
 from .tokenizer import IncrementalDetokenizer
 
@@ -48,6 +51,8 @@ class EngineConfig:
     page_size: int = 16
     kv_pages: int | None = None  # None: kvpool.default_num_pages for the model
     max_running_requests: int = 64
+    # sglang's --max-queued-requests (None: unbounded); sglang ignores it in PD roles (scheduler.py).
+    max_queued_requests: int | None = field(default_factory=max_queued_from_env)
     # What a request may use, prompt and new tokens together (sglang's --context-length); None: the
     # model's own. Larger than the model's is refused, as sglang refuses it by default.
     context_length: int | None = None
@@ -98,6 +103,7 @@ class StepOutput:
 class RequestContext:
     rid: str
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    running: bool = False  # holds one of the scheduler's running slots
 
     async def guard(self, aw: Any) -> Any:
         """Await `aw` unless the request is aborted first (then raise RequestFailed)."""
@@ -105,6 +111,9 @@ class RequestContext:
         stop = asyncio.ensure_future(self.aborted.wait())
         try:
             done, _ = await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()  # the caller was cancelled: `aw` must not go on (and take a slot) without it
+            raise
         finally:
             stop.cancel()
         if task not in done:
@@ -126,7 +135,19 @@ class RefEngine:
         if config.role != "both":
             self.kv = get_engine(config.kv)
             self.kv.register(self.pool.base, self.pool.nbytes)
-        self.rooms = RoomTable()
+        # A room outlives no wait of its halves: both arriving, then the KV computed and sent.
+        ttl_s = 2 * config.bootstrap_timeout_s + config.waiting_timeout_s + config.kv.timeout_s + 60
+        self.rooms = RoomTable(ttl_s=ttl_s, remember_s=config.bootstrap_timeout_s)
+        pd_role = config.role != "both"
+        if pd_role and config.max_queued_requests is not None:
+            log.info(
+                json.dumps(
+                    {"event": "max_queued_requests_ignored", "role": config.role,
+                     "why": "sglang ignores --max-queued-requests in disaggregation mode"}
+                )
+            )  # fmt: skip
+        self.scheduler = Scheduler(config.max_running_requests, None if pd_role else config.max_queued_requests)
+        self._page_waiters: list[asyncio.Future[None]] = []
         self.requests: dict[str, RequestContext] = {}
         self.started = time.time()
         self.counters = {"requests": 0, "tokens": 0, "prompt_tokens": 0, "failed": 0, "aborted": 0}
@@ -171,16 +192,22 @@ class RefEngine:
         log.info(json.dumps({"event": event, "rid": rid, "role": self.config.role, **fields}))
 
     def begin(self, rid: str) -> RequestContext:
-        if len(self.requests) >= self.config.max_running_requests:
-            raise RequestFailed(
-                f"The engine already runs {len(self.requests)} requests (--max-running-requests); retry later.", 503
-            )
+        """A request is here; it runs once `run_slot` gives it a slot, and `end` lets it go."""
         ctx = self.requests[rid] = RequestContext(rid)
         self.counters["requests"] += 1
         return ctx
 
+    async def run_slot(self, ctx: RequestContext) -> None:
+        """Wait (abortable) for one of the scheduler's running slots."""
+        if not ctx.running:
+            await ctx.guard(self.scheduler.acquire(ctx))
+
     def end(self, ctx: RequestContext) -> None:
-        self.requests.pop(ctx.rid, None)
+        if self.requests.get(ctx.rid) is ctx:
+            del self.requests[ctx.rid]
+        if ctx.running:
+            ctx.running = False
+            self.scheduler.release()
 
     def abort(self, rid: str | None) -> int:
         """Abort one request (or all when rid is empty); returns how many were aborted."""
@@ -207,6 +234,14 @@ class RefEngine:
                 "within the limit.",
                 400,
             )
+        # The scheduler's own limit (`validate_input_length`): the prompt must also fit the KV pool.
+        max_input = min(limit, self.pool.num_pages * self.config.page_size) - 1
+        if n >= max_input:
+            raise RequestFailed(
+                f"Input length ({n} tokens) exceeds the maximum allowed length ({max_input} tokens). "
+                "Use a shorter input or enable --allow-auto-truncate.",
+                400,
+            )
 
     # -- generation -------------------------------------------------------------------------
 
@@ -220,10 +255,17 @@ class RefEngine:
         pages: list[int] = []
         try:
             if bootstrap is not None and self.config.role == "decode":
-                pages = self._alloc(len(ids))
+                # As sglang's decode: pages first (its prealloc queue), then the KV, then a running slot.
+                try:
+                    pages = await self._alloc(ctx, len(ids))
+                except RequestFailed:  # aborted before its claim: the prefill need not wait for one
+                    await self._cancel_room(bootstrap)
+                    raise
                 first, rows = await self._receive_kv(ctx, ids, pages, bootstrap)
+                await self.run_slot(ctx)
                 cache = await self.run_model(self.model.cache_from_rows, rows)
             else:
+                await self.run_slot(ctx)
                 logits, rows = await ctx.guard(self.run_model(self.model.prefill, ids))
                 first = self._sample(logits, params, seed, 0)
                 cache = await self.run_model(self.model.cache_from_rows, rows)
@@ -242,8 +284,7 @@ class RefEngine:
                 logits = await self.run_model(self.model.decode_step, cache, token, len(ids) + n - 1)
                 token = self._sample(logits, params, seed, n)
         finally:
-            if pages:
-                self.pool.free(pages)
+            self._free(pages)
 
     def _sample(self, logits: Any, params: SamplingParams, seed: int, step: int) -> int:
         return sample_token(
@@ -267,11 +308,30 @@ class RefEngine:
             return StepOutput(token, delta, {"type": "length", "length": n})
         return StepOutput(token, delta)
 
-    def _alloc(self, tokens: int) -> list[int]:
-        try:
-            return self.pool.alloc(tokens)
-        except PoolExhausted as exc:
-            raise RequestFailed(str(exc), 503) from exc
+    async def _alloc(self, ctx: RequestContext, tokens: int) -> list[int]:
+        """Pages for `tokens`, waiting (abortable) while the pool has too few free: sglang keeps such
+        a request queued. `check_prompt` has refused a prompt larger than the whole pool."""
+        while True:
+            try:
+                return self.pool.alloc(tokens)
+            except PoolExhausted:
+                waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                self._page_waiters.append(waiter)
+                try:
+                    await ctx.guard(waiter)
+                finally:
+                    with contextlib.suppress(ValueError):
+                        self._page_waiters.remove(waiter)
+
+    def _free(self, pages: list[int]) -> None:
+        if not pages:
+            return
+        self.pool.free(pages)
+        # Every waiter tries again: which of them fits depends on how many pages each needs.
+        waiters, self._page_waiters = self._page_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     # -- decode side of PD ------------------------------------------------------------------
 
@@ -295,12 +355,15 @@ class RefEngine:
             await self._cancel_room(b)
             raise
         except httpx.HTTPError as exc:
+            await self._cancel_room(b)  # a prefill that timed out may still be writing
             raise RequestFailed(
                 f"The prefill bootstrap server {b.host}:{b.port} did not answer for room {b.room} "
                 f"({type(exc).__name__}: {exc}); check the prefill engine and its --bootstrap-port.",
                 502,
             ) from exc
         if r.status_code != 200:
+            # The prefill may still hold the room: cancel it before these pages go back to the pool.
+            await self._cancel_room(b)
             detail = (
                 r.json().get("error", r.text)
                 if r.headers.get("content-type", "").startswith("application/json")
@@ -331,54 +394,68 @@ class RefEngine:
     async def prefill_and_send(
         self, ctx: RequestContext, ids: list[int], params: SamplingParams, b: Bootstrap
     ) -> StepOutput:
-        """Compute the prompt's KV, write it into the decode engine's pages, return the first token."""
+        """Wait for the decode's claim of the room, then compute the prompt's KV, write it into the
+        decode engine's pages and return the first token. The order is sglang's: a request waits
+        in the bootstrap queue for the decode's KV indices before it is prefilled, so a prefill
+        waiting for its decode holds no running slot (nor pages)."""
         assert self.kv is not None
         self.check_prompt(ids, params)
         self.counters["prompt_tokens"] += len(ids)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         pages: list[int] = []
-        self.rooms.get(b.room).arrived.set()
         try:
-            logits, rows = await ctx.guard(self.run_model(self.model.prefill, ids))
-            first = self._sample(logits, params, seed, 0)
-            pages = self._alloc(len(ids))
-            await self.run_model(self.pool.write, pages, rows)
+            room = self.rooms.join_prefill(b.room)
+        except ClaimRejected as exc:
+            self.counters["failed"] += 1
+            raise RequestFailed(str(exc), exc.status) from exc
+        try:
             try:
-                room, claim = await ctx.guard(self.rooms.wait_claim(b.room, self.config.bootstrap_timeout_s))
+                claim = await ctx.guard(self.rooms.wait_claim(room, self.config.bootstrap_timeout_s))
             except ClaimRejected as exc:
                 raise RequestFailed(str(exc), exc.status) from exc
             self._check_claim(claim, len(ids))
+            await self.run_slot(ctx)
+            logits, rows = await ctx.guard(self.run_model(self.model.prefill, ids))
+            first = self._sample(logits, params, seed, 0)
+            pages = await self._alloc(ctx, len(ids))
+            await self.run_model(self.pool.write, pages, rows)
             crc = await self.run_model(self.pool.checksum, pages, len(ids))
             if self.config.test_corrupt_page:
                 self._corrupt(pages[0])
-            t0 = time.perf_counter()
-            async with room.writing:
-                if room.cancelled:
-                    raise RequestFailed(f"The decode engine cancelled room {b.room}.", 499)
-                self.transfers_in_flight += 1
-                try:
-                    await asyncio.to_thread(self._write, claim, pages)
-                except KVError as exc:
-                    self._log("kv_transfer_failed", ctx.rid, room=b.room, error=type(exc).__name__, detail=str(exc))
-                    raise RequestFailed(
-                        f"KV transfer to the decode engine ({claim.session_id}) failed: {type(exc).__name__}: {exc}",
-                        502,
-                    ) from exc
-                finally:
-                    self.transfers_in_flight -= 1
-            seconds = time.perf_counter() - t0
-            self._log("kv_sent", ctx.rid, room=b.room, pages=len(pages), seconds=round(seconds, 6))
+            seconds = await self._send(ctx, room, claim, pages)
             if not room.result.done():
                 room.result.set_result({"first_token": first, "crc": crc, "seconds": seconds})
             self.counters["tokens"] += 1
             return self._step(first, 1, params, IncrementalDetokenizer(self.tokenizer))
         except BaseException as exc:
             self.counters["failed"] += 1
-            self.rooms.fail(b.room, exc if isinstance(exc, Exception) else RequestFailed("cancelled", 499))
+            self.rooms.fail(room, exc if isinstance(exc, Exception) else RequestFailed("cancelled", 499))
             raise
         finally:
-            if pages:
-                self.pool.free(pages)
+            self.rooms.leave_prefill(room)
+            self._free(pages)
+
+    async def _send(self, ctx: RequestContext, room: Room, claim: Claim, pages: list[int]) -> float:
+        """Write `pages` into the claimed pages of the decode engine, unless it cancelled the room;
+        returns the seconds the write took."""
+        t0 = time.perf_counter()
+        async with room.writing:
+            if room.cancelled:
+                raise RequestFailed(f"The decode engine cancelled room {room.id}.", 499)
+            self.transfers_in_flight += 1
+            try:
+                await asyncio.to_thread(self._write, claim, pages)
+            except KVError as exc:
+                self._log("kv_transfer_failed", ctx.rid, room=room.id, error=type(exc).__name__, detail=str(exc))
+                raise RequestFailed(
+                    f"KV transfer to the decode engine ({claim.session_id}) failed: {type(exc).__name__}: {exc}",
+                    502,
+                ) from exc
+            finally:
+                self.transfers_in_flight -= 1
+        seconds = time.perf_counter() - t0
+        self._log("kv_sent", ctx.rid, room=room.id, pages=len(pages), seconds=round(seconds, 6))
+        return seconds
 
     def _corrupt(self, page: int) -> None:
         # Test hook: noise over one page of the first layer, after its checksum was taken.
@@ -411,10 +488,7 @@ class RefEngine:
 
     async def serve_claim(self, claim: Claim) -> dict[str, Any]:
         """The bootstrap server's side: hand the claim to the prefill request, wait for its result."""
-        room = self.rooms.get(claim.room)
-        if room.claim.done():
-            raise ClaimRejected(f"Bootstrap room {claim.room} was already claimed.", 409)
-        room.claim.set_result(claim)
+        room = self.rooms.join_decode(claim)
         c = self.config
         try:
             arrival: asyncio.Future[Any] = asyncio.ensure_future(room.arrived.wait())
@@ -425,7 +499,6 @@ class RefEngine:
             finally:
                 arrival.cancel()
             if not room.arrived.is_set() and not room.result.done():
-                self.rooms.drop(claim.room)
                 raise ClaimRejected(
                     f"No prefill request arrived for bootstrap room {claim.room} within "
                     f"{c.bootstrap_timeout_s:.0f} s; the router must send the request to both engines.",
@@ -434,7 +507,6 @@ class RefEngine:
             try:
                 return await asyncio.wait_for(asyncio.shield(room.result), c.waiting_timeout_s + c.kv.timeout_s)
             except TimeoutError:
-                self.rooms.drop(claim.room)
                 raise ClaimRejected(
                     f"The prefill request for bootstrap room {claim.room} arrived but sent no KV within "
                     f"{c.waiting_timeout_s:.0f} s; the prefill engine is overloaded (lower the request rate).",
@@ -443,17 +515,25 @@ class RefEngine:
         except RequestFailed as exc:
             raise ClaimRejected(str(exc), 502) from exc
         finally:
-            if room.result.done():
-                self.rooms.drop(claim.room)
+            self.rooms.leave_decode(room)
 
     async def cancel_claim(self, room_id: int) -> None:
-        room = self.rooms.get(room_id)
+        """The decode gave the room up: once no write into its pages is in flight, fail the room."""
+        room = self.rooms.peek(room_id)
+        if room is None:  # the claim never came (or the room ended): a late prefill request fails at once
+            self.rooms.close_unclaimed(room_id)
+            return
         room.cancelled = True
         async with room.writing:  # wait out a write in flight
             pass
-        self.rooms.fail(room_id, RequestFailed("cancelled by the decode engine", 499))
+        self.rooms.fail(room, RequestFailed("cancelled by the decode engine", 499))
 
     # -- introspection ----------------------------------------------------------------------
+
+    @property
+    def waiting(self) -> int:
+        """Requests here that hold no running slot (queued, or waiting for their KV or their claim)."""
+        return max(0, len(self.requests) - self.scheduler.running)
 
     def metrics_text(self) -> str:
         p = "sglang_pd_refengine"
@@ -464,10 +544,12 @@ class RefEngine:
             ("aborted_requests_total", self.counters["aborted"], "counter"),
             ("generation_tokens_total", self.counters["tokens"], "counter"),
             ("prompt_tokens_total", self.counters["prompt_tokens"], "counter"),
-            ("running_requests", len(self.requests), "gauge"),
+            ("running_requests", self.scheduler.running, "gauge"),
+            ("waiting_requests", self.waiting, "gauge"),
             ("kv_pages_used", self.pool.used_pages, "gauge"),
             ("kv_pages_total", self.pool.num_pages, "gauge"),
             ("kv_transfers_in_flight", self.transfers_in_flight, "gauge"),
+            # Rooms held on this (prefill) engine: 0 once no PD request is in flight.
             ("bootstrap_rooms", len(self.rooms), "gauge"),
         ):
             lines += [f"# TYPE {p}_{name} {kind}", f'{p}_{name}{{role="{self.config.role}"}} {value}']
@@ -487,6 +569,7 @@ class RefEngine:
             "disaggregation_transfer_backend": "mooncake",
             "page_size": c.page_size,
             "max_running_requests": c.max_running_requests,
+            "max_queued_requests": c.max_queued_requests,
             "context_length": self.context_length,
             "kv_pages": self.pool.num_pages,
             "kv_cache_shape": self.model.kv_shape.describe(),
@@ -503,5 +586,5 @@ class RefEngine:
             "chunked_prefill_size": -1,
             "pid": os.getpid(),
             "uptime_s": time.time() - self.started,
-            "internal_states": [{"num_running_reqs": len(self.requests)}],
+            "internal_states": [{"num_running_reqs": self.scheduler.running, "num_waiting_reqs": self.waiting}],
         }

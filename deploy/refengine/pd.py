@@ -7,12 +7,19 @@ a crc32 of the KV it sent. sglang carries that step over ZMQ; here it is one lon
 to the bootstrap port (`POST /kv/claim`), so a decode engine that dies drops the call, and
 `POST /kv/cancel` lets an aborted decode request take its pages back safely (the call returns
 only once no write into them can still be in flight).
+
+A room is held from the first of its two halves (the prefill request, the decode's claim) to the
+end of the last: it is released on success, on failure, on abort and on a half that never comes
+(the other waits the bootstrap timeout, as sglang's `SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`).
+A room given up before its other half arrived is remembered for a while, so that the late half
+fails at once instead of holding a new room for the whole timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +57,7 @@ class Claim:
 
 @dataclass
 class Room:
+    id: int
     claim: asyncio.Future[Claim]
     result: asyncio.Future[dict[str, Any]]
     writing: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -57,48 +65,122 @@ class Room:
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled: bool = False
     created: float = field(default_factory=time.monotonic)
+    prefill_done: bool = False  # the prefill request came and ended
+    decode_done: bool = False  # the decode's claim came and was answered
+
+
+# Room ids given up before their other half came, remembered this many at most.
+_REMEMBERED_ROOMS = 4096
 
 
 class RoomTable:
-    """Rooms in flight on a prefill engine: whichever side arrives first waits for the other."""
+    """Rooms in flight on a prefill engine: whichever half arrives first waits for the other.
 
-    def __init__(self) -> None:
+    `ttl_s`: a room older than this is dropped whatever its state (a backstop: every path releases
+    its room itself). `remember_s`: how long a room given up early stays known as closed."""
+
+    def __init__(self, *, ttl_s: float = 900.0, remember_s: float = 300.0) -> None:
+        self.ttl_s = ttl_s
+        self.remember_s = remember_s
         self._rooms: dict[int, Room] = {}
+        self._closed: OrderedDict[int, tuple[float, ClaimRejected]] = OrderedDict()
 
     def __len__(self) -> int:
+        """The rooms held now."""
+        self._sweep()
         return len(self._rooms)
 
-    def get(self, room: int, *, ttl_s: float = 300.0) -> Room:
+    def _sweep(self) -> None:
         now = time.monotonic()
-        for k in [k for k, v in self._rooms.items() if now - v.created > ttl_s]:
-            self.fail(k, ClaimRejected(f"Bootstrap room {k} expired.", 504))
-            del self._rooms[k]
-        r = self._rooms.get(room)
-        if r is None:
+        for k in [k for k, v in self._rooms.items() if now - v.created > self.ttl_s]:
+            room = self._rooms.pop(k)
+            room.cancelled = True
+            self.fail(room, ClaimRejected(f"Bootstrap room {k} expired after {self.ttl_s:.0f} s.", 504))
+        while self._closed and now - next(iter(self._closed.values()))[0] > self.remember_s:
+            self._closed.popitem(last=False)
+
+    def _open(self, room_id: int) -> Room:
+        self._sweep()
+        closed = self._closed.get(room_id)
+        if closed is not None:
+            raise closed[1]
+        room = self._rooms.get(room_id)
+        if room is None:
             loop = asyncio.get_running_loop()
-            r = self._rooms[room] = Room(loop.create_future(), loop.create_future())
-        return r
+            room = self._rooms[room_id] = Room(room_id, loop.create_future(), loop.create_future())
+        return room
 
-    def drop(self, room: int) -> None:
-        self._rooms.pop(room, None)
+    def peek(self, room_id: int) -> Room | None:
+        return self._rooms.get(room_id)
 
-    async def wait_claim(self, room: int, timeout_s: float) -> tuple[Room, Claim]:
-        r = self.get(room)
+    def join_prefill(self, room_id: int) -> Room:
+        """The prefill request for `room_id` is here; raises ClaimRejected if the decode gave the room up."""
+        room = self._open(room_id)
+        if room.arrived.is_set():
+            raise ClaimRejected(f"Bootstrap room {room_id} already has a prefill request.", 409)
+        room.arrived.set()
+        return room
+
+    def join_decode(self, claim: Claim) -> Room:
+        """The decode's claim of a room is here; raises ClaimRejected if the room was claimed or
+        its prefill request ended without it."""
+        room = self._open(claim.room)
+        if room.claim.done():
+            raise ClaimRejected(f"Bootstrap room {claim.room} was already claimed.", 409)
+        room.claim.set_result(claim)
+        return room
+
+    def leave_prefill(self, room: Room) -> None:
+        """The prefill request ended (sent the KV, failed or was aborted)."""
+        room.prefill_done = True
+        if not room.claim.done():  # no decode came: a late claim learns why at once
+            self._close(room, "its prefill request ended before the decode engine claimed it")
+        elif room.decode_done:
+            self._drop(room)
+
+    def leave_decode(self, room: Room) -> None:
+        """The decode's claim was answered (or given up)."""
+        room.decode_done = True
+        if not room.result.done():
+            room.cancelled = True  # nobody takes the KV any more: the prefill must not write it
+        if not room.arrived.is_set():  # no prefill came: a late one learns why at once
+            self._close(room, "the decode engine gave it up before its prefill request arrived")
+        elif room.prefill_done:
+            self._drop(room)
+
+    def close_unclaimed(self, room_id: int) -> None:
+        """The decode gave up `room_id` before claiming it: its prefill request, if it comes, fails at once."""
+        if room_id not in self._rooms:
+            self._remember(room_id, "the decode engine cancelled it")
+
+    def _close(self, room: Room, why: str) -> None:
+        self._drop(room)
+        self._remember(room.id, why)
+
+    def _remember(self, room_id: int, why: str) -> None:
+        self._closed[room_id] = (time.monotonic(), ClaimRejected(f"Bootstrap room {room_id} is closed: {why}.", 410))
+        while len(self._closed) > _REMEMBERED_ROOMS:
+            self._closed.popitem(last=False)
+
+    def _drop(self, room: Room) -> None:
+        if self._rooms.get(room.id) is room:
+            del self._rooms[room.id]
+
+    async def wait_claim(self, room: Room, timeout_s: float) -> Claim:
         try:
-            claim = await asyncio.wait_for(asyncio.shield(r.claim), timeout_s)
+            claim = await asyncio.wait_for(asyncio.shield(room.claim), timeout_s)
         except TimeoutError:
             raise ClaimRejected(
-                f"No decode engine claimed bootstrap room {room} within {timeout_s:.0f} s; is the decode engine "
+                f"No decode engine claimed bootstrap room {room.id} within {timeout_s:.0f} s; is the decode engine "
                 "running and able to reach this bootstrap port?",
                 status=504,
             ) from None
-        if r.cancelled:
-            raise ClaimRejected(f"The decode engine cancelled bootstrap room {room}.", status=499)
-        return r, claim
+        if room.cancelled:
+            raise ClaimRejected(f"The decode engine cancelled bootstrap room {room.id}.", status=499)
+        return claim
 
-    def fail(self, room: int, exc: BaseException) -> None:
-        """Fail the room's result; a decode engine that claims it later gets the error at once."""
-        r = self._rooms.get(room) or self.get(room)
-        if not r.result.done():
-            r.result.set_exception(exc)
-            r.result.exception()  # mark retrieved: the decode side may already be gone
+    def fail(self, room: Room, exc: BaseException) -> None:
+        """Fail the room's result; a decode waiting on it gets the error at once."""
+        if not room.result.done():
+            room.result.set_exception(exc)
+            room.result.exception()  # mark retrieved: the decode side may already be gone

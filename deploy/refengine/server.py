@@ -21,6 +21,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -33,6 +34,7 @@ from sglang_pd.deploy.openai_errors import error_dict
 from .chat import template_messages
 from .engine import Bootstrap, RefEngine, RequestContext, RequestFailed, SamplingParams, StepOutput
 from .pd import Claim, ClaimRejected
+from .scheduler import QueueFull
 
 __all__ = ["create_app", "create_bootstrap_app"]
 
@@ -53,6 +55,27 @@ def sglang_error(path: str, status: int, message: str, param: str | None = None)
     else:
         body = {"error": {"message": message}}
     return JSONResponse(body, status_code=status)
+
+
+def sglang_abort(status: int, message: str) -> Response:
+    """A request the scheduler aborted with a status (the queue is full), unary: sglang raises an
+    HTTPException, which its handler answers flat with the status as the type on every route
+    (`http_server.validation_exception_handler`)."""
+    body = {"object": "error", "message": message, "type": str(status), "param": None, "code": status}
+    return JSONResponse(body, status_code=status)
+
+
+def sglang_abort_stream(kind: Kind, rid: str, status: int, message: str) -> Response:
+    """The same abort on a stream: sglang has answered 200 already, and its first event says it. The
+    OpenAI routes send `create_streaming_error_response` (the status's name as the type); `/generate`
+    sends the output with the abort as its finish reason."""
+    if kind == "generate":
+        reason = {"type": "abort", "status_code": status, "message": message}
+        event: dict[str, Any] = {"text": "", "output_ids": [], "meta_info": {"id": rid, "finish_reason": reason}}
+    else:
+        name = HTTPStatus(status).name
+        event = {"error": {"object": "error", "message": message, "type": name, "param": None, "code": status}}
+    return Response(_sse(event) + b"data: [DONE]\n\n", media_type="text/event-stream")
 
 
 def _bootstrap(body: dict[str, Any], request: Request) -> Bootstrap | None:
@@ -117,9 +140,10 @@ def _params(body: dict[str, Any], kind: Kind, context_length: int) -> SamplingPa
     if p.max_new_tokens < 1:
         raise RequestFailed(f"max_tokens has value {p.max_new_tokens}; it must be at least 1.", 400)
     if kind == "chat" and asked is not None and p.max_new_tokens > context_length:
-        # sglang's chat check (`OpenAIServingChat._validate_request`), in its words
+        # sglang's chat check (`OpenAIServingChat._validate_request`), in its words (no space after
+        # the first sentence: sglang joins its two f-strings without one)
         raise RequestFailed(
-            f"max_completion_tokens is too large: {p.max_new_tokens}. "
+            f"max_completion_tokens is too large: {p.max_new_tokens}."
             f"This model supports at most {context_length} completion tokens.",
             400,
         )
@@ -341,16 +365,15 @@ def _guard(app: FastAPI, api_key: str | None) -> FastAPI:
 
 async def _one_token(engine: RefEngine) -> None:
     """The health check's generation: one greedy token of a one-token prompt, on the model thread."""
-    try:
-        ctx = engine.begin(f"HEALTH_CHECK_{uuid.uuid4().hex}")
-    except RequestFailed:
-        return  # a full engine runs other requests: their steps answer the check
+    ctx = engine.begin(f"HEALTH_CHECK_{uuid.uuid4().hex}")
     try:
         params = SamplingParams(max_new_tokens=1, temperature=0.0)
         async for _ in engine.generate(ctx, engine.tokenizer.encode("ok")[:1], params, None):
             pass
     except RequestFailed:
-        pass  # counted like any other step: the check looks at the model thread, not this answer
+        # Counted like any other step: the check looks at the model thread, not this answer. A
+        # full engine queues the probe (or refuses it): the steps of the requests it runs answer.
+        pass
     finally:
         engine.end(ctx)
 
@@ -362,6 +385,8 @@ def create_app(engine: RefEngine, *, api_key: str | None = None) -> FastAPI:
 
     @app.exception_handler(RequestFailed)
     async def _failed(request: Request, exc: RequestFailed) -> Response:
+        if isinstance(exc, QueueFull):
+            return sglang_abort(exc.status, str(exc))
         return sglang_error(request.url.path, exc.status, str(exc), getattr(exc, "param", None))
 
     async def serve(request: Request, kind: Kind) -> Response:
@@ -406,6 +431,9 @@ def create_app(engine: RefEngine, *, api_key: str | None = None) -> FastAPI:
             # Start the work before answering 200, so that a failed handshake is a clean 5xx.
             try:
                 first = await _until_disconnect(request, gen.__anext__(), ctx)
+            except QueueFull as exc:
+                await gen.aclose()
+                return sglang_abort_stream(kind, fmt.rid, exc.status, str(exc))
             except BaseException:
                 await gen.aclose()
                 raise
@@ -494,7 +522,8 @@ def create_app(engine: RefEngine, *, api_key: str | None = None) -> FastAPI:
 
     @app.get("/v1/loads")
     async def loads() -> dict[str, Any]:
-        return {"loads": [{"dp_rank": 0, "num_running_reqs": len(engine.requests), "num_waiting_reqs": 0}]}
+        running = engine.scheduler.running
+        return {"loads": [{"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": engine.waiting}]}
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

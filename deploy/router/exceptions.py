@@ -3,11 +3,13 @@
     RouterError
     ├── ClientGone              the client disconnected before its answer was ready
     ├── NoHealthyWorker         no prefill or decode worker can take a request now
+    ├── WorkerAtCapacity        every healthy worker of a role has all the requests it may take
     ├── WorkerRegistrationError a worker URL or role given to /workers or the CLI is invalid
     └── UpstreamError           a worker leg failed (carries the worker)
         ├── UpstreamUnreachable connecting or sending to the worker failed
         ├── UpstreamTimeout     the worker did not answer within the timeout
-        └── UpstreamStatusError the worker answered with a 5xx status
+        ├── UpstreamStatusError the worker answered with a 5xx status
+        └── UpstreamBusy        the worker answered that it is full (429, or sglang's 503 queue full)
 
 Transports (`transport.py`) raise the most specific UpstreamError, chained with `from exc` to the
 HTTP client's own error. Errors answered to the client as they are (bad input, 503, 504) are
@@ -25,10 +27,12 @@ __all__ = [
     "ClientGone",
     "NoHealthyWorker",
     "RouterError",
+    "UpstreamBusy",
     "UpstreamError",
     "UpstreamStatusError",
     "UpstreamTimeout",
     "UpstreamUnreachable",
+    "WorkerAtCapacity",
     "WorkerRegistrationError",
 ]
 
@@ -49,6 +53,14 @@ class NoHealthyWorker(RouterError):
             f"No healthy {role} worker is available; check `GET /workers` and the workers' /health, "
             f"or register one with `POST /workers`."
         )
+        self.role = role
+
+
+class WorkerAtCapacity(RouterError):
+    """Every healthy worker of a role has as many requests as it may take (`capacity.py`)."""
+
+    def __init__(self, role: str) -> None:
+        super().__init__(f"Every healthy {role} worker is at its capacity.")
         self.role = role
 
 
@@ -79,3 +91,13 @@ class UpstreamStatusError(UpstreamError):
         super().__init__(message, worker)
         self.status = status
         self.body = body
+
+
+class UpstreamBusy(UpstreamError):
+    """The worker answered that it is full: a 429, or sglang's 503 for a full queue. Not a failure
+    of the worker: nothing counts against its breaker, and the client is asked to retry later."""
+
+    def __init__(self, message: str, worker: Worker, status: int, retry_after: str) -> None:
+        super().__init__(message, worker)
+        self.status = status
+        self.retry_after = retry_after

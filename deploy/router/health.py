@@ -64,6 +64,7 @@ from typing import Any
 
 import orjson
 
+from .capacity import take_model_card, take_server_info
 from .exceptions import UpstreamError
 from .log import logger
 from .metrics import RouterMetrics
@@ -324,6 +325,7 @@ class HealthChecker:
         info = await self._get_json(worker, "/server_info")
         if isinstance(info, dict):
             worker.set_dp_size(dp_ranks(info))
+            take_server_info(worker, info)  # how many requests and tokens it takes (capacity.py)
         ok, _, body = await self._probe(worker, LIVENESS_PROBE, "health")
         if ok:
             self._take_models(worker, body)
@@ -335,7 +337,10 @@ class HealthChecker:
         except ValueError:
             return
         if isinstance(models, dict) and isinstance(models.get("data"), list):
-            worker.models = [m["id"] for m in models["data"] if isinstance(m, dict) and isinstance(m.get("id"), str)]
+            cards = [m for m in models["data"] if isinstance(m, dict) and isinstance(m.get("id"), str)]
+            worker.models = [m["id"] for m in cards]
+            for card in cards:
+                take_model_card(worker, card)
 
     async def _get_json(self, worker: Worker, path: str) -> Any:
         ok, error, body = await self._probe(worker, path, "health")

@@ -9,6 +9,10 @@ the request itself (one bad request crashing a code path of the engine that keep
 logged as "request-caused, not counted" and the breaker is left alone, so a few such requests
 cannot take a healthy worker out of service. The request path never waits for the probe: the
 proxy retries the request on another pair as it would anyway.
+
+A worker that answers that it is full (`UpstreamBusy`: a 429, or sglang's 503 for a full queue)
+has not failed: the answer is logged and counted as kind "busy", and nothing else happens to the
+worker (no breaker count, no probe).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import math
 import time
 from typing import TYPE_CHECKING, Any
 
-from .exceptions import UpstreamError, UpstreamStatusError, UpstreamTimeout
+from .exceptions import UpstreamBusy, UpstreamError, UpstreamStatusError, UpstreamTimeout
 from .log import logger, request_id_var
 from .metrics import RouterMetrics
 from .transport import Reply, WorkerClient
@@ -101,6 +105,11 @@ class Legs:
         breaker as the module docstring says. `rid`: the request's id for the log (default: the
         id of the request being served)."""
         worker = exc.worker
+        if isinstance(exc, UpstreamBusy):
+            self.metrics.upstream_errors.labels(worker.role, "busy").inc()
+            logger.info("worker busy", extra={"worker": worker.url, "role": worker.role, "error": str(exc)})
+            worker.breaker.release_probe()  # a half-open probe learnt nothing: the next request probes
+            return
         worker.last_error = str(exc)
         if isinstance(exc, UpstreamTimeout):
             kind = "timeout"
@@ -200,3 +209,5 @@ class PairStreamOutcome:
     def _close(self) -> None:
         self.pair.decode.streams.discard(self)
         self.legs.end(self.pair.decode)
+        if self.pair.reservation is not None:
+            self.pair.reservation.release_decode()

@@ -53,6 +53,9 @@ class RouterMetrics:
                                     registry=r, multiprocess_mode="livemax")  # fmt: skip
         self.queue_depth = Gauge(f"{ns}_queue_depth", "Requests waiting for an admission slot.", registry=r,
                                  multiprocess_mode="livesum")  # fmt: skip
+        self.capacity_queue_depth = Gauge(f"{ns}_capacity_queue_depth",
+                                          "Requests waiting for a worker pair with room (capacity.py).", registry=r,
+                                          multiprocess_mode="livesum")  # fmt: skip
         self.active = Gauge(f"{ns}_active_requests", "Requests admitted and not finished.", registry=r,
                             multiprocess_mode="livesum")  # fmt: skip
         self.aborts = Counter(f"{ns}_aborts", "abort_request calls sent to workers, by role.", ["role"], registry=r)

@@ -1,4 +1,5 @@
-"""Pair selection: the routing policies pick a (prefill, decode) pair among the available workers,
+"""Pair selection: the routing policies pick a (prefill, decode) pair among the available workers
+that have room for the request (`capacity.py`; WorkerAtCapacity when the healthy ones have none),
 then the bootstrap fields are chosen for it (rooms on prefill DP ranks by prefix and load,
 `bootstrap.py`) and the two legs' bodies written. The prompt's text is only extracted when a
 policy or the prefill's DP ranks need it."""
@@ -11,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .bootstrap import PDBodies, choose_rooms, pd_bodies, prefix_rank
-from .exceptions import NoHealthyWorker
+from .capacity import Demand, Reservation, has_room
+from .exceptions import NoHealthyWorker, WorkerAtCapacity
 from .policies import Policy, RoutingRequest
 from .types import Role
 from .validation import batch_size, routing_text
@@ -22,12 +24,14 @@ __all__ = ["Pair", "PairPicker"]
 
 @dataclass(slots=True)
 class Pair:
-    """The prefill and decode worker of one attempt, with the bodies they are sent."""
+    """The prefill and decode worker of one attempt, with the bodies they are sent and, once the
+    proxy made it, its reservation of their capacity."""
 
     prefill: Worker
     decode: Worker
     bodies: PDBodies
     dp_ranks: list[int]
+    reservation: Reservation | None = None
 
     def release_ranks(self, _: object = None) -> None:
         """The prefill leg ended: its DP ranks have one request less in flight (a done callback)."""
@@ -52,14 +56,14 @@ class PairPicker:
         if event == "removed":
             self.policies[worker.role].forget(worker)
 
-    def pick(self, endpoint: str, payload: dict[str, Any], rid: str, exclude: list[Worker]) -> Pair:
-        """Select a pair with the policies and write the legs' bodies; raises NoHealthyWorker."""
-        prefills = self.registry.available("prefill", exclude)
-        if not prefills:
-            raise NoHealthyWorker("prefill")
-        decodes = self.registry.available("decode", exclude)
-        if not decodes:
-            raise NoHealthyWorker("decode")
+    def pick(
+        self, endpoint: str, payload: dict[str, Any], rid: str, exclude: list[Worker], demand: Demand | None = None
+    ) -> Pair:
+        """Select a pair with the policies among the workers with room for `demand` (None: any) and
+        write the legs' bodies; raises NoHealthyWorker, or WorkerAtCapacity when healthy workers of
+        a role have no room."""
+        prefills = self._with_room("prefill", exclude, demand, "prefill_tokens")
+        decodes = self._with_room("decode", exclude, demand, "decode_tokens")
         text = routing_text(payload) if self._needs_text else None
         request = RoutingRequest(text=text or "")
         prefill = self.policies["prefill"].select(prefills, request)
@@ -80,3 +84,14 @@ class PairPicker:
             rid=rid, batch=batch,
         )  # fmt: skip
         return Pair(prefill, decode, bodies, ranks)
+
+    def _with_room(self, role: Role, exclude: list[Worker], demand: Demand | None, tokens: str) -> list[Worker]:
+        workers = self.registry.available(role, exclude)
+        if not workers:
+            raise NoHealthyWorker(role)
+        if demand is None:
+            return workers
+        roomy = [w for w in workers if has_room(w, demand.slots, getattr(demand, tokens))]
+        if not roomy:
+            raise WorkerAtCapacity(role)
+        return roomy

@@ -4,11 +4,18 @@ An attempt picks a (prefill, decode) pair, sends the same body (plus the bootstr
 both at once and waits for decode's answer, or its first chunk when streaming, while watching the
 prefill leg and the client. A failed leg makes the attempt worth retrying on another pair while
 nothing has reached the client; the other leg of a given-up attempt is always aborted.
+
+Before the first attempt, a token limit above the model's context length is refused (400), and a
+request that finds every pair at its capacity waits for room in the `CapacityGate` (429 after the
+queue timeout). A worker's answer that it is full (`UpstreamBusy`) is no failure: the request
+tries another pair that has room right away, and otherwise gets the busy status (503 or 429) with
+Retry-After.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import random
 from collections.abc import Awaitable, Callable
@@ -17,8 +24,17 @@ from typing import Any
 from starlette.responses import Response
 
 from ..openai_errors import ApiError, normalize_error_body
+from .capacity import CapacityGate, Demand, Reservation, check_max_tokens, estimate
 from .config import RouterConfig
-from .exceptions import ClientGone, NoHealthyWorker, UpstreamError, UpstreamStatusError, UpstreamTimeout
+from .exceptions import (
+    ClientGone,
+    NoHealthyWorker,
+    UpstreamBusy,
+    UpstreamError,
+    UpstreamStatusError,
+    UpstreamTimeout,
+    WorkerAtCapacity,
+)
 from .legs import Legs, PairStreamOutcome
 from .log import logger
 from .logprobs import merge_first_event, merge_logprobs, wants_input_logprobs
@@ -26,7 +42,8 @@ from .pairs import Pair, PairPicker
 from .relay import ClientWatch, RelayResponse, openai_finish_reasons
 from .request_ids import RequestIds
 from .tasks import cancel_legs, finished_ok
-from .transport import Reply
+from .transport import Body, Reply
+from .validation import batch_size
 from .workers import Worker
 
 __all__ = ["PDProxy"]
@@ -46,6 +63,11 @@ class PDProxy:
         self._rng = random.Random()
         # With no healthy worker: a worker can be admitted at the next probe round.
         self._retry_after = str(max(1, math.ceil(config.health_interval_s)))
+        # Requests waiting for a pair with room share the admission queue's bounds (capacity.py).
+        depth = legs.metrics.capacity_queue_depth
+        self.gate = CapacityGate(
+            max_waiting=config.max_queued_requests, timeout_s=config.queue_timeout_s, on_depth=depth.set
+        )
 
     async def unary(self, endpoint: str, payload: dict[str, Any], ids: RequestIds, watch: ClientWatch) -> Response:
         try:
@@ -73,7 +95,11 @@ class PDProxy:
                 return _refused(reply, ids)
             first = reply.body
             if wants_input_logprobs(endpoint, payload):
-                first = await self._with_prefill_logprobs(prefill_t, first, merge_first_event)
+                try:
+                    first = await self._with_prefill_logprobs(prefill_t, first, merge_first_event)
+                except BaseException:
+                    self._give_up(pair, reply.stream)
+                    raise
         except BaseException:
             watch.stop()
             raise
@@ -88,9 +114,11 @@ class PDProxy:
         client left) ends them. `rid`: the router's id of the request (never the client's: the
         engines abort by it). Returns the pair, decode's reply and the prefill task (possibly
         still running)."""
+        check_max_tokens(endpoint, payload, self.pairs.registry)
+        demand = estimate(endpoint, payload, batch_size(endpoint, payload))
         exclude: list[Worker] = []
         last_error: UpstreamError | None = None
-        deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
+        deadline: float | None = None
         for attempt in range(self.config.max_retries + 1):
             if attempt:
                 delay = min(self.config.retry_max_backoff_s, self.config.retry_backoff_s * 2 ** (attempt - 1))
@@ -99,18 +127,24 @@ class PDProxy:
             # the retry, and sglang refuses a rid that is still in flight.
             attempt_rid = rid if attempt == 0 else f"{rid}.{attempt}"
             try:
-                pair = self.pairs.pick(endpoint, payload, attempt_rid, exclude)
-            except NoHealthyWorker as exc:
+                pair = await self._pick(endpoint, payload, attempt_rid, exclude, demand, disconnect, first=not attempt)
+            except (NoHealthyWorker, WorkerAtCapacity) as exc:
                 if last_error is not None:
                     raise _gave_up(last_error, attempt) from exc
                 # Streamed or not, nothing has been sent yet: a plain OpenAI-shaped 503.
                 raise ApiError(
                     503, str(exc), code="no_healthy_worker", headers={"retry-after": self._retry_after}
                 ) from exc
+            if deadline is None:  # the time waited for room does not count against the request
+                deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
+            reservation = pair.reservation
+            assert reservation is not None
             prefill_t = asyncio.ensure_future(self.legs.post(pair.prefill, endpoint, pair.bodies.prefill, attempt_rid))
+            prefill_t.add_done_callback(reservation.release_prefill)
             if pair.dp_ranks:
                 prefill_t.add_done_callback(pair.release_ranks)
             decode_t = asyncio.ensure_future(open_decode(pair.decode, endpoint, pair.bodies.decode, attempt_rid))
+            decode_t.add_done_callback(functools.partial(_release_unless_streaming, reservation))
             try:
                 outcome = await self._race(pair, prefill_t, decode_t, disconnect, deadline)
             except BaseException:
@@ -124,6 +158,36 @@ class PDProxy:
             self.legs.metrics.retries.labels(outcome.worker.role).inc()
         assert last_error is not None
         raise _gave_up(last_error, self.config.max_retries + 1)
+
+    async def _pick(
+        self,
+        endpoint: str,
+        payload: dict[str, Any],
+        rid: str,
+        exclude: list[Worker],
+        demand: Demand,
+        disconnect: asyncio.Future[None],
+        *,
+        first: bool,
+    ) -> Pair:
+        """A pair with room for `demand`, its capacity reserved. The first attempt waits its turn in
+        the gate while every pair is full (or others wait already: no request jumps the queue); a
+        retry does not wait, it raises WorkerAtCapacity."""
+
+        def pick() -> Pair:
+            pair = self.pairs.pick(endpoint, payload, rid, exclude, demand)
+            # Reserved in the same tick as the pick: no other request can take the same room.
+            pair.reservation = Reservation(pair.prefill, pair.decode, demand, self.gate.notify)
+            return pair
+
+        if not first:
+            return pick()
+        if not self.gate.waiting:
+            try:
+                return pick()
+            except WorkerAtCapacity:
+                pass
+        return await self.gate.wait(pick, disconnect)
 
     async def _race(
         self,
@@ -199,11 +263,17 @@ class PDProxy:
     def _abort_unfinished(self, pair: Pair, decode_t: asyncio.Task[Reply]) -> None:
         # The request is given up (client gone, deadline passed): both legs get /abort_request,
         # a finished prefill too, since the decode may still be pulling its KV cache.
+        self._give_up(pair, decode_t.result().stream if finished_ok(decode_t) else None)
+
+    def _give_up(self, pair: Pair, opened: Body | None) -> None:
+        """Abort both legs; close decode's stream if it opened one (the relay never took it)."""
         self.legs.abort(pair.prefill, pair.bodies.rids)
         self.legs.abort(pair.decode, pair.bodies.rids)
-        if finished_ok(decode_t) and (opened := decode_t.result().stream) is not None:
+        if opened is not None:
             opened.close()
             self.legs.end(pair.decode)
+            if pair.reservation is not None:
+                pair.reservation.release_decode()
 
     async def _with_prefill_logprobs(
         self, prefill_t: asyncio.Task[Reply], body: bytes, merge: Callable[[bytes, bytes], bytes]
@@ -228,6 +298,13 @@ class PDProxy:
             prefill_t.add_done_callback(record)
 
 
+def _release_unless_streaming(reservation: Reservation, task: asyncio.Task[Reply]) -> None:
+    """The decode leg's task ended: its reservation ends with it, unless it opened a stream (whose
+    owner releases it when the stream closes)."""
+    if not finished_ok(task) or task.result().stream is None:
+        reservation.release_decode()
+
+
 def _refused(reply: Reply, ids: RequestIds) -> Response:
     """An engine's own refusal (4xx), in the one OpenAI error shape."""
     body = normalize_error_body(reply.status, reply.body)
@@ -250,6 +327,14 @@ def _gave_up(error: UpstreamError, attempts: int) -> ApiError:
         "request failed on every attempt",
         extra={"attempts": attempts, "worker": error.worker.url, "role": error.worker.role, "error": str(error)},
     )
+    if isinstance(error, UpstreamBusy):
+        return ApiError(
+            error.status,
+            f"The {error.worker.role} workers are full (they answered {error.status} to the request "
+            f"{attempts} time(s)). Retry after the Retry-After delay.",
+            code="worker_busy",
+            headers={"retry-after": error.retry_after},
+        )
     timed_out = isinstance(error, UpstreamTimeout)
     what = "did not answer in time" if timed_out else "failed"
     return ApiError(

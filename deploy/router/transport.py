@@ -4,8 +4,9 @@
 (`/abort_request`, best effort) and `get` (health and info probes; a generation probe has a
 timeout of its own, `health.py` says why). The base class holds what every transport must do
 alike: headers (the worker API key, the request id), timeouts, and the mapping of answers to
-errors (5xx, or a stream whose first event is an error, is an `UpstreamStatusError`; 4xx is the
-engine's verdict and goes back to the client). A transport implements one primitive, `_send`,
+errors (5xx, or a stream whose first event is an error, is an `UpstreamStatusError`; a 429, and
+sglang's 503 for a full queue, also as a stream's first event, is an `UpstreamBusy`; other 4xx
+are the engine's verdict and go back to the client). A transport implements one primitive, `_send`,
 and raises the `UpstreamError` subclasses from `exceptions`.
 
 `HttpWorkerClient` is the real transport, on the router's own small HTTP/1.1 client (`http1`, which
@@ -20,7 +21,7 @@ from typing import Literal, Protocol
 
 import orjson
 
-from .exceptions import UpstreamError, UpstreamStatusError, UpstreamTimeout, UpstreamUnreachable
+from .exceptions import UpstreamBusy, UpstreamError, UpstreamStatusError, UpstreamTimeout, UpstreamUnreachable
 from .http1 import Answer, Http1Client
 from .log import logger
 from .workers import Worker
@@ -28,6 +29,16 @@ from .workers import Worker
 __all__ = ["Body", "HttpWorkerClient", "Reply", "Timeouts", "WorkerClient"]
 
 Purpose = Literal["unary", "stream", "abort", "health", "health_generate"]
+
+# What sglang says when it refuses a request for load, with status 503 (`Scheduler`:
+# `_abort_on_queued_limit`, and the SGLANG_REQ_WAITING_TIMEOUT abort): the engine works, it is full.
+BUSY_MESSAGES = (
+    b"The request queue is full.",
+    b"The request is aborted by a higher priority request.",
+    b"Request waiting timeout reached.",
+)
+# A busy engine sends no Retry-After; its queue moves within about a second.
+BUSY_RETRY_AFTER = "1"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -99,23 +110,25 @@ class WorkerClient(ABC):
         """Release connections; the client may be used again afterwards."""
 
     async def post(self, worker: Worker, path: str, body: bytes, rid: str) -> Reply:
-        """POST and read the whole answer. A 5xx raises UpstreamStatusError."""
+        """POST and read the whole answer. A 5xx raises UpstreamStatusError (UpstreamBusy for a 429
+        or sglang's 503 for a full queue)."""
         headers = {**self.headers, "x-request-id": rid}
         status, content_type, stream = await self._send(worker, "POST", path, body, headers, "unary")
         content = await _read_all(stream)
-        if status >= 500:
+        if status >= 500 or status == 429:
             raise _status_error(worker, path, status, content)
         return Reply(status, content_type, content)
 
     async def open_stream(self, worker: Worker, path: str, body: bytes, rid: str) -> Reply:
         """POST and wait for the first chunk of the body; the caller owns `Reply.stream` then.
-        A 4xx comes back whole; a 5xx, or a first event that is an error, raises
+        A 4xx comes back whole (a 429 raises UpstreamBusy, as a busy 503 or first event does); a 5xx,
+        or a first event that is an error, raises
         UpstreamStatusError (nothing reached the client, so the request can still be retried)."""
         headers = {**self.headers, "x-request-id": rid}
         status, content_type, stream = await self._send(worker, "POST", path, body, headers, "stream")
         if status >= 400:
             content = await _read_all(stream)
-            if status >= 500:
+            if status >= 500 or status == 429:
                 raise _status_error(worker, path, status, content)
             return Reply(status, content_type, content)
         try:
@@ -123,6 +136,12 @@ class WorkerClient(ABC):
         except BaseException:
             stream.close()
             raise
+        if _busy_event(first):
+            # sglang answers a full queue with 200, then says so in the first event.
+            stream.close()
+            raise UpstreamBusy(
+                f"{worker.role} worker {worker.url} is full: {first[:300]!r}", worker, 503, BUSY_RETRY_AFTER
+            )
         if first[:24].replace(b" ", b"").startswith(b'data:{"error"'):
             # sglang reports a failed KV transfer as the stream's first event.
             stream.close()
@@ -160,7 +179,24 @@ async def _read_all(stream: Body) -> bytes:
     return content
 
 
-def _status_error(worker: Worker, path: str, status: int, content: bytes) -> UpstreamStatusError:
+def _busy_event(first: bytes) -> bool:
+    """Whether a stream's first event is sglang's refusal for load: an error event with code 503 on
+    its OpenAI routes, an output whose finish reason is an abort with status_code 503 on /generate."""
+    head = first[:2000]
+    if not any(m in head for m in BUSY_MESSAGES):
+        return False
+    compact = head.replace(b" ", b"")
+    return b'"code":503' in compact or b'"status_code":503' in compact
+
+
+def _status_error(worker: Worker, path: str, status: int, content: bytes) -> UpstreamError:
+    if status == 429 or (status == 503 and any(m in content[:2000] for m in BUSY_MESSAGES)):
+        return UpstreamBusy(
+            f"POST {path} to {worker.role} worker {worker.url} answered {status}, it is full: {content[:200]!r}",
+            worker,
+            status,
+            BUSY_RETRY_AFTER,
+        )
     return UpstreamStatusError(
         f"POST {path} to {worker.role} worker {worker.url} answered {status}: {content[:200]!r}",
         worker,

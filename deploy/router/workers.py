@@ -133,6 +133,13 @@ class Worker:
     # and when one of them last received bytes: the stall watchdog's input (health.py).
     streams: set[PairStreamOutcome] = field(default_factory=set)
     last_stream_bytes: float = 0.0
+    # Capacity as the worker reports it (None: unknown, not enforced), and what the router has
+    # sent it that has not ended: requests and estimated tokens (capacity.py).
+    max_running: int | None = None
+    max_total_tokens: int | None = None
+    context_length: int | None = None
+    admitted: int = 0
+    admitted_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.bootstrap_host: str = urlsplit(self.url).hostname or ""
@@ -160,11 +167,25 @@ class Worker:
 
     def to_json(self) -> dict[str, Any]:
         shown = ("url", "role", "bootstrap_port", "source", "healthy", "dp_size", "in_flight", "models", "last_error")
-        return {**{name: getattr(self, name) for name in shown}, "breaker": self.breaker.state.name.lower()}
+        capacity = {
+            "max_running_requests": self.max_running,
+            "max_total_num_tokens": self.max_total_tokens,
+            "context_length": self.context_length,
+            "admitted": self.admitted,
+            "admitted_tokens": self.admitted_tokens,
+        }
+        return {
+            **{name: getattr(self, name) for name in shown},
+            "breaker": self.breaker.state.name.lower(),
+            "capacity": capacity,
+        }
 
 
 # Worker fields that `WorkerRegistry.sync` takes from the health authority.
-_SHARED = ("url", "role", "bootstrap_port", "source", "healthy", "dp_size", "models", "last_error", "checked")
+_SHARED = (
+    "url", "role", "bootstrap_port", "source", "healthy", "dp_size", "models", "last_error", "checked",
+    "max_running", "max_total_tokens", "context_length",
+)  # fmt: skip
 
 
 class WorkerRegistry:
@@ -285,6 +306,10 @@ class WorkerRegistry:
             worker.models = list(state["models"])
             worker.last_error = state["last_error"]
             worker.checked = state["checked"]
+            # .get: a state from a control process that predates capacity reports none
+            worker.max_running = state.get("max_running")
+            worker.max_total_tokens = state.get("max_total_tokens")
+            worker.context_length = state.get("context_length")
 
     def _rebuild(self) -> None:
         self.prefill = [w for (r, _), w in self._workers.items() if r == "prefill"]

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,11 +93,16 @@ class Launcher:
         self.procs: list[Proc] = []
 
     def engine(
-        self, role: str, env: dict[str, str] | None = None, name: str | None = None, model: str = TINY_MODEL
+        self,
+        role: str,
+        env: dict[str, str] | None = None,
+        name: str | None = None,
+        model: str = TINY_MODEL,
+        args: Sequence[str] = (),
     ) -> Proc:
         port = free_port()
         argv = [sys.executable, "-m", "sglang_pd.deploy.cli", "engine", "--role", role, "--port", str(port)]
-        argv += ["--model", model, "--threads", "1", "--log-level", "info"]
+        argv += ["--model", model, "--threads", "1", "--log-level", "info", *args]
         bp = None
         if role == "prefill":
             bp = free_port()
@@ -107,7 +112,7 @@ class Launcher:
         self.procs.append(p)
         return p
 
-    def router(self, prefill: Proc, decode: Proc) -> Proc:
+    def router(self, prefill: Proc, decode: Proc, args: Sequence[str] = ()) -> Proc:
         port = free_port()
         argv = [sys.executable, "-m", "sglang_pd.deploy.cli", "router", "--host", "127.0.0.1", "--port", str(port)]
         argv += [
@@ -119,7 +124,7 @@ class Launcher:
             "--log-level",
             "warning",
         ]
-        argv += ["--max-retries", "0"]
+        argv += ["--max-retries", "0", *args]
         name = f"router-{port}"
         p = Proc(name, _spawn(name, argv, self.tmp, None), f"http://127.0.0.1:{port}", self.tmp / f"{name}.log")
         self.procs.append(p)
