@@ -640,10 +640,16 @@ def fence_kv_ports(
     Returns the specs to start and the installed rules (None when the ports stay open: `off`, or
     the rules could not be installed and no worker key is set, or `allow_open`; `echo` then gets one
     warning line). Raises LaunchError when a worker key is set and the rules cannot be installed,
-    and TopologyError when a port of the stack lies in the range (the router could not reach it).
+    and TopologyError when the rules are on and a port of the stack lies in the range (the router
+    could not reach it).
     `path`: where to look for iptables (default PATH).
     """
     low, high = mooncake_port_range(dict(env))
+    open_line = f"warning: the KV ports (TCP {low}-{high}, Mooncake) are open to every local process"
+    if off:
+        echo(f"{open_line} (--no-kv-firewall): any of them can read and overwrite the engines' KV memory.")
+        return specs, None
+    # The rules would reset the router's and the smoke check's connections to such a port.
     inside = [f"{p} ({s.name})" for s in specs for p in s.ports if p and low <= p <= high]
     if inside:
         raise TopologyError(
@@ -651,14 +657,9 @@ def fence_kv_ports(
             "reach; move it (the topology's ports, or --ports), or move the range with MC_MIN_RPC_PORT and "
             "MC_MAX_RPC_PORT."
         )
-    open_line = f"warning: the KV ports (TCP {low}-{high}, Mooncake) are open to every local process"
-    if off:
-        echo(f"{open_line} (--no-kv-firewall): any of them can read and overwrite the engines' KV memory.")
-        return specs, None
     fw = LocalFirewall((low, high), path=path)
     try:
-        stale = remove_stale_local_chains(path)
-        fw.install()
+        fw.install()  # first: as a non-root user this says so, instead of what iptables-save says
     except FirewallError as exc:
         if worker_key(env) is not None and not allow_open:
             raise LaunchError(
@@ -668,6 +669,11 @@ def fence_kv_ports(
             ) from exc
         echo(f"{open_line}: {exc}")
         return specs, None
+    try:
+        stale = remove_stale_local_chains(path)
+    except FirewallError as exc:  # this run's rules are in force; only a killed run's linger
+        echo(f"warning: the KV rules of earlier runs could not be removed: {exc}")
+        stale = []
     if stale:
         echo(f"removed the KV rules of an earlier run that was killed: {', '.join(stale)}")
     echo(

@@ -33,7 +33,10 @@ from sglang_pd.deploy.kv.firewall import (
     parse_networks,
     resolve_host,
 )
+from sglang_pd.deploy.launch import LaunchError
+from sglang_pd.deploy.local import ChildSpec, fence_kv_ports
 from sglang_pd.deploy.procs import spawn
+from sglang_pd.deploy.topology import TopologyError
 from tests.support.netns import REPO, netns_unavailable, run_in_netns
 from tests.support.polling import free_ports
 
@@ -237,10 +240,36 @@ def test_launch_without_iptables_names_the_fix_and_the_opt_out(tmp_path: Path) -
     assert "Or pass --no-kv-firewall to start with them open to every source (unsafe)." in err
 
 
+def test_a_stack_port_inside_the_range_is_refused_when_the_rules_are_on(tmp_path: Path) -> None:
+    spec = ChildSpec("decode-0", ["engine"], "http://127.0.0.1:15500/health", ports=(15500,))
+    empty = str(tmp_path)  # no iptables there: nothing could be written, whatever the order of checks
+    with pytest.raises(
+        TopologyError, match=re.escape("port 15500 (decode-0) lies in Mooncake's port range 15000-17000")
+    ):
+        fence_kv_ports([spec], {}, path=empty, echo=lambda _: None)
+    seen: list[str] = []
+    assert fence_kv_ports([spec], {}, off=True, path=empty, echo=seen.append) == ([spec], None)  # no rules: no conflict
+    assert len(seen) == 1 and "(--no-kv-firewall)" in seen[0]
+
+
 def test_not_root_is_refused_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(firewall.os, "geteuid", lambda: 1000)
     with pytest.raises(FirewallError, match="this process is not root, and fencing the KV ports needs root"):
         LocalFirewall((15000, 17000)).install()
+
+
+def test_up_as_a_user_refuses_with_a_worker_key_and_warns_without(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(firewall.os, "geteuid", lambda: 1000)
+    spec = ChildSpec("decode-0", ["engine"], "http://127.0.0.1:30001/health", ports=(30001,), kv=True)
+    with pytest.raises(LaunchError, match=r"cannot fence the KV ports \(TCP 15000-17000\): this process is not root"):
+        fence_kv_ports([spec], {ENV_WORKER_API_KEY: "wk-5f0c1e9a7d3b"}, path=str(tmp_path), echo=lambda _: None)
+    seen: list[str] = []
+    key = {ENV_WORKER_API_KEY: "wk-5f0c1e9a7d3b"}
+    assert fence_kv_ports([spec], key, allow_open=True, path=str(tmp_path), echo=seen.append) == ([spec], None)
+    assert fence_kv_ports([spec], {}, path=str(tmp_path), echo=seen.append) == ([spec], None)
+    assert len(seen) == 2 and all("open to every local process: this process is not root" in ln for ln in seen)
 
 
 def test_a_refused_write_names_net_admin(tmp_path: Path) -> None:

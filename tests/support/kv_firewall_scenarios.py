@@ -295,17 +295,21 @@ def _gid(pid: int) -> int:
     raise AssertionError(f"no Gid line for {pid}")
 
 
-def up_stack(log_dir: str) -> dict[str, Any]:
+def up_stack(log_dir: str, fence: str = "on") -> dict[str, Any]:
     """A real `sglang-pd up` (reference engines, router): it cleans a killed run's chains, fences
-    its engines' KV ports while it runs, and leaves no rule behind when stopped."""
+    its engines' KV ports while it runs, and leaves no rule behind when stopped. `fence` "off":
+    the same stack with --no-kv-firewall, to measure what the attacker reads without the rules."""
     low, high = mooncake_port_range()
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    LocalFirewall((low, high), pid=dead.pid).install()  # what a SIGKILLed run leaves
+    if fence == "on":
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        LocalFirewall((low, high), pid=dead.pid).install()  # what a SIGKILLed run leaves
     stale_before = _chains()
     # With its smoke request: a chat completion through the router, whose KV the prefill engine
     # writes into the decode engine over the fenced ports.
     argv = [sys.executable, "-m", "sglang_pd.deploy.cli", "up", "local-cpu", "--log-dir", log_dir]
+    if fence == "off":
+        argv.append("--no-kv-firewall")
     up = spawn("up", argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     stdout = up.proc.stdout
     assert stdout is not None
