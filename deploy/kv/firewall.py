@@ -22,6 +22,7 @@ are matched: replies to this host's own outgoing connections pass whatever their
 from __future__ import annotations
 
 import contextlib
+import grp
 import ipaddress
 import os
 import re
@@ -45,6 +46,7 @@ __all__ = [
     "Netfilter",
     "Network",
     "PeerFirewall",
+    "gid_holders",
     "netfilters",
     "parse_networks",
     "remove_stale_local_chains",
@@ -52,16 +54,19 @@ __all__ = [
 ]
 
 # The primary group `sglang-pd up` gives its engines. Only sockets of this group may open loopback
-# connections to the Mooncake ports. It lies in 65536-524287, which systemd leaves unused (below
-# the ranges it maps into containers), so no login, system or container account has it; root can
-# setgid to it without a group entry, and no one else can join a group that has no entry.
-KV_ENGINE_GID = 150017
+# connections to the Mooncake ports. It lies above the 16-bit ids (65534 is nogroup) and below
+# 100000, where useradd starts the subordinate ranges it gives users for rootless containers
+# (SUB_GID_MIN, login.defs): a user holding a range with it could map it into a user namespace of
+# its own and pass the rules, so `LocalFirewall.install` also checks /etc/subgid and /etc/group.
+# systemd leaves 65536-524287 unused; root can setgid to it without a group entry.
+KV_ENGINE_GID = 65617
 # Chain names (at most 28 characters): `up`'s carry its pid, so stale ones can be told apart.
 LOCAL_CHAIN_PREFIX = "SGLPD-UP-"
 POD_CHAIN_PREFIX = "SGLPD-KV-"
 REFRESH_S = 5.0  # how often a pod resolves its peers' names again
 INSTALL_HINT = "install iptables (Debian/Ubuntu: apt-get install iptables)"
 _IPV6_ON = Path("/proc/net/if_inet6")  # present when this network namespace has IPv6
+_SUBGID = Path("/etc/subgid")  # user:first:count, the subordinate group ranges newgidmap grants
 _LOCAL_CHAIN = re.compile(rf"^{re.escape(LOCAL_CHAIN_PREFIX)}(\d+)-(IN|OUT)$")
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -301,7 +306,13 @@ class LocalFirewall:
     `remove`; `remove_stale_local_chains` deletes those of runs that died without it."""
 
     def __init__(
-        self, ports: tuple[int, int], *, gid: int = KV_ENGINE_GID, pid: int | None = None, path: str | None = None
+        self,
+        ports: tuple[int, int],
+        *,
+        gid: int = KV_ENGINE_GID,
+        pid: int | None = None,
+        path: str | None = None,
+        subgid: Path = _SUBGID,
     ) -> None:
         self.ports = ports
         self.gid = gid
@@ -309,6 +320,7 @@ class LocalFirewall:
         self.out_chain = f"{LOCAL_CHAIN_PREFIX}{pid}-OUT"
         self.in_chain = f"{LOCAL_CHAIN_PREFIX}{pid}-IN"
         self._path = path
+        self._subgid = subgid
         self._tools: list[Netfilter] = []
 
     def __repr__(self) -> str:
@@ -331,11 +343,17 @@ class LocalFirewall:
 
     def install(self) -> None:
         """Install the rules for every address family; FirewallError (nothing left installed) when
-        this process is not root or a tool is missing or refused."""
+        this process is not root, the group is not free (`gid_holders`), or a tool is missing or refused."""
         if os.geteuid() != 0:
             raise FirewallError(
                 "this process is not root, and fencing the KV ports needs root: the engines run in their own "
                 f"group (gid {self.gid}) and netfilter rules admit only that group; run it as root (sudo)."
+            )
+        holders = gid_holders(self.gid, self._subgid)
+        if holders:
+            raise FirewallError(
+                f"the engines' group (gid {self.gid}) is not theirs alone here: {'; '.join(holders)} can run "
+                "processes in it, which the rules would let through; remove that group entry or move that range."
             )
         tools = netfilters(self._path)
         done: list[Netfilter] = []
@@ -362,6 +380,21 @@ class LocalFirewall:
 
     def __exit__(self, *_exc: object) -> None:
         self.remove()
+
+
+def gid_holders(gid: int, subgid: Path = _SUBGID) -> list[str]:
+    """Who besides root can run a process with group `gid`: a group entry with it (its members), or
+    a user whose subordinate range in `subgid` covers it (newgidmap maps it into their namespace)."""
+    found = []
+    with contextlib.suppress(KeyError):
+        found.append(f"the group {grp.getgrgid(gid).gr_name!r} (/etc/group)")
+    with contextlib.suppress(OSError):
+        for line in subgid.read_text().splitlines():
+            user, _, rest = line.strip().partition(":")
+            first, _, count = rest.partition(":")
+            if first.isdigit() and count.isdigit() and int(first) <= gid < int(first) + int(count):
+                found.append(f"{user}'s subordinate range {first}:{count} ({subgid})")
+    return found
 
 
 def _pid_alive(pid: int) -> bool:

@@ -30,6 +30,7 @@ from sglang_pd.deploy.kv.firewall import (
     FirewallError,
     LocalFirewall,
     PeerFirewall,
+    gid_holders,
     parse_networks,
     resolve_host,
 )
@@ -270,6 +271,16 @@ def test_up_as_a_user_refuses_with_a_worker_key_and_warns_without(
     assert fence_kv_ports([spec], key, allow_open=True, path=str(tmp_path), echo=seen.append) == ([spec], None)
     assert fence_kv_ports([spec], {}, path=str(tmp_path), echo=seen.append) == ([spec], None)
     assert len(seen) == 2 and all("open to every local process: this process is not root" in ln for ln in seen)
+
+
+def test_a_group_that_others_can_hold_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # A user whose subordinate range covers the gid could map it into a user namespace and pass the rules.
+    subgid = tmp_path / "subgid"
+    subgid.write_text(f"alice:100000:65536\nbob:{KV_ENGINE_GID - 17}:1000\n")
+    assert gid_holders(KV_ENGINE_GID, subgid) == [f"bob's subordinate range {KV_ENGINE_GID - 17}:1000 ({subgid})"]
+    monkeypatch.setattr(firewall.os, "geteuid", lambda: 0)
+    with pytest.raises(FirewallError, match=rf"the engines' group \(gid {KV_ENGINE_GID}\) is not theirs alone"):
+        LocalFirewall((15000, 17000), subgid=subgid, path=str(tmp_path)).install()  # before any tool runs
 
 
 def test_a_refused_write_names_net_admin(tmp_path: Path) -> None:
