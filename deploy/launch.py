@@ -470,11 +470,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if firewall is not None:
+        low, high = firewall.ports
+        http = t.prefill.port if args.role == "prefill" else t.decode.port
+        if low <= http <= high:
+            # The router and kubelet's probes are no PD peers: the rules would drop them.
+            print(
+                f"error: the {args.role} engine's HTTP port {http} lies in Mooncake's port range {low}-{high}, "
+                f"which the rules close to all but the PD pods; move {args.role}.port in the topology, or move "
+                "the range with MC_MIN_RPC_PORT and MC_MAX_RPC_PORT.",
+                file=sys.stderr,
+            )
+            return 1
         # Before sglang starts, so that no moment exists in which its Mooncake ports are open.
         try:
             firewall.install()
         except FirewallError as exc:
-            low, high = firewall.ports
             print(
                 f"error: cannot fence the Mooncake ports (TCP {low}-{high}): {exc} Or pass {NO_KV_FIREWALL_FLAG} "
                 "to start with them open to every source (unsafe).",

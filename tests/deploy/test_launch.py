@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from sglang_pd.deploy import launch
 from sglang_pd.deploy.cli import main
@@ -151,6 +152,19 @@ def test_an_engine_without_valid_peers_does_not_start(monkeypatch, capsys, flags
     monkeypatch.setattr(launch, "supervise", lambda *a, **k: started.append(a) or 0)
     assert main(["launch", "--role", "prefill", "--topology", str(R1), *flags]) == 1
     assert started == [] and message in capsys.readouterr().err
+
+
+def test_an_http_port_inside_the_kv_range_is_refused(monkeypatch, capsys, tmp_path) -> None:
+    t = yaml.safe_load(R1.read_text())
+    t["prefill"]["port"] = 15500
+    path = tmp_path / "r1.yaml"
+    path.write_text(yaml.safe_dump(t))
+    monkeypatch.setattr(launch, "pod_checks", lambda t, role: [])
+    monkeypatch.setattr(launch.os, "execvpe", lambda *a: pytest.fail("sglang started"))
+    argv = ["launch", "--role", "prefill", "--topology", str(path), "--kv-allow-from", "10.0.0.0/8"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "error: the prefill engine's HTTP port 15500 lies in Mooncake's port range 15000-17000" in err
 
 
 def test_without_the_rules_the_launch_says_the_ports_are_open(monkeypatch, capsys) -> None:
