@@ -12,6 +12,8 @@ TOPOLOGY ?= local-cpu
 $(VENV)/.installed: pyproject.toml Makefile
 	@# Mooncake's non-CUDA wheel links libibverbs (Debian libibverbs1), even for TCP transfers.
 	@ldconfig -p | grep -q 'libibverbs.so.1 ' || { apt-get update -qq && apt-get install -y -qq libibverbs1; }
+	@# `up` fences Mooncake's KV ports with netfilter rules (Debian iptables); without it `up` warns they are open.
+	@command -v iptables-restore >/dev/null || { apt-get update -qq && apt-get install -y -qq iptables; } || true
 	python3 -m venv $(VENV)
 	$(PIP) -e '.[dev,validate,kv-cpu]'
 	# sglang's own pins pull CUDA-only wheels; its argument code needs only the `validate` extra.

@@ -8,11 +8,19 @@ execs sglang, or the router. The worker key (SGLANG_PD_WORKER_API_KEY, from the 
 reaches sglang as `--api-key=KEY` only here, at start; with a key, sglang runs as a supervised child
 whose output is masked (`supervise`) instead of replacing this process. `--dry-run` prints the exact
 argv (the key masked) and env instead.
+
+Before sglang starts, an engine pod fences Mooncake's KV ports (TCP MC_MIN_RPC_PORT..MC_MAX_RPC_PORT,
+which authenticate no one) to loopback and its PD peers: `--kv-peers` names host names (the chart
+renders the prefill and decode LeaderWorkerSets' headless Services), resolved again every few
+seconds, and `--kv-allow-from` adds address ranges (kv/firewall.py). The launcher then stays as
+the pod's first process to keep the rules current. Without NET_ADMIN or iptables the launch
+fails, unless `--no-kv-firewall` (unsafe) turns the rules off.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -33,6 +41,8 @@ from sglang_pd.deploy.contract import (
     ENV_ROUTER_WORKER_API_KEY,
     ENV_WORKER_API_KEY,
 )
+from sglang_pd.deploy.kv.firewall import FirewallError, Network, PeerFirewall, parse_networks
+from sglang_pd.deploy.kv.listeners import mooncake_port_range
 from sglang_pd.deploy.procs import mask_secrets, spawn
 from sglang_pd.deploy.sglang_args import NodeCommand, render_node
 from sglang_pd.deploy.topology import PodSettings, Topology, check_rules, load_checked_topology
@@ -43,6 +53,7 @@ __all__ = [
     "add_arguments",
     "checked_worker_key",
     "has_capability",
+    "kv_firewall",
     "pod_checks",
     "pod_settings_from_env",
     "resolve_command",
@@ -330,7 +341,66 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--skip-checks", action="store_true", help="start even when a pod check fails (not recommended)"
     )
+    parser.add_argument(
+        "--kv-peers",
+        default="",
+        metavar="NAME,...",
+        help="host names whose addresses may reach this engine's Mooncake ports (resolved every few seconds; "
+        "the chart passes the prefill and decode headless Services)",
+    )
+    parser.add_argument(
+        "--kv-allow-from",
+        default="",
+        metavar="CIDR,...",
+        help="address ranges that may reach this engine's Mooncake ports, besides --kv-peers",
+    )
+    parser.add_argument(
+        NO_KV_FIREWALL_FLAG,
+        action="store_true",
+        help="leave the Mooncake ports open to every source (unsafe: whoever reaches them reads and "
+        "overwrites this engine's KV memory)",
+    )
     parser.add_argument("router_args", nargs=argparse.REMAINDER, help="after --: extra arguments for the router")
+
+
+NO_KV_FIREWALL_FLAG = "--no-kv-firewall"
+
+
+def kv_firewall(args: argparse.Namespace, env: Mapping[str, str]) -> PeerFirewall | None:
+    """The rules this engine pod installs for its Mooncake ports (not installed yet); None for the
+    router and with --no-kv-firewall. LaunchError when no peer is named or a range is malformed."""
+    if args.role == "router" or args.no_kv_firewall:
+        return None
+    peers = [p.strip() for p in args.kv_peers.split(",") if p.strip()]
+    try:
+        ranges: list[Network] = parse_networks(args.kv_allow_from)
+    except ValueError as exc:
+        raise LaunchError(f"--kv-allow-from: {exc}.") from exc
+    if not peers and not ranges:
+        raise LaunchError(
+            "the Mooncake ports of this engine would accept no peer: name the PD engines that may reach them "
+            "with --kv-peers (host names, e.g. the prefill and decode headless Services; the chart passes them) "
+            f"or --kv-allow-from (CIDRs), or pass {NO_KV_FIREWALL_FLAG} to leave them open (unsafe)."
+        )
+    return PeerFirewall(role=args.role, ports=mooncake_port_range(dict(env)), peers=peers, allow_from=ranges)
+
+
+def _firewall_doc(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, object] | None:
+    """What --dry-run says about the KV ports' rules: the plan, or the problem."""
+    if args.role == "router":
+        return None
+    try:
+        fw = kv_firewall(args, env)
+    except LaunchError as exc:
+        return {"problem": str(exc)}
+    if fw is None:
+        return {"off": True}
+    return {
+        "chain": fw.chain,
+        "ports": f"{fw.ports[0]}-{fw.ports[1]}",
+        "peers": list(fw.peers),
+        "allow_from": [str(n) for n in fw.allow_from],
+    }
 
 
 def _router_argv(args: argparse.Namespace) -> list[str]:
@@ -375,6 +445,7 @@ def run(args: argparse.Namespace) -> int:
             "argv": argv + ([f"{API_KEY_FLAG}={API_KEY_SHOWN}"] if key_args else []),
             "env": role_env,
             "checks": [{"name": c.name, "ok": c.ok, "required": c.required, "detail": c.detail} for c in checks],
+            "kv_firewall": _firewall_doc(args, {**os.environ, **role_env}),
         }
         print(json.dumps(doc, indent=2))
         return 0
@@ -386,12 +457,56 @@ def run(args: argparse.Namespace) -> int:
         return 1
     sys.stdout.flush()
     env = {**os.environ, **role_env}
+    if args.no_kv_firewall and args.role != "router":
+        low, high = mooncake_port_range(env)
+        print(
+            f"warning: {NO_KV_FIREWALL_FLAG}: the Mooncake ports (TCP {low}-{high}) accept every source; whoever "
+            "reaches them reads and overwrites this engine's KV memory.",
+            file=sys.stderr,
+        )
+    try:
+        firewall = kv_firewall(args, env)
+    except LaunchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if firewall is not None:
+        low, high = firewall.ports
+        http = t.prefill.port if args.role == "prefill" else t.decode.port
+        if low <= http <= high:
+            # The router and kubelet's probes are no PD peers: the rules would drop them.
+            print(
+                f"error: the {args.role} engine's HTTP port {http} lies in Mooncake's port range {low}-{high}, "
+                f"which the rules close to all but the PD pods; move {args.role}.port in the topology, or move "
+                "the range with MC_MIN_RPC_PORT and MC_MAX_RPC_PORT.",
+                file=sys.stderr,
+            )
+            return 1
+        # Before sglang starts, so that no moment exists in which its Mooncake ports are open.
+        try:
+            firewall.install()
+        except FirewallError as exc:
+            print(
+                f"error: cannot fence the Mooncake ports (TCP {low}-{high}): {exc} Or pass {NO_KV_FIREWALL_FLAG} "
+                "to start with them open to every source (unsafe).",
+                file=sys.stderr,
+            )
+            return 1
     # Commands name a module (`-m ...`); this interpreter, the one the image installed us in, runs it.
     command = [sys.executable, *argv, *key_args]
-    if not key_args:
+    if not key_args and firewall is None:
         os.execvpe(sys.executable, command, env)
         return 0  # unreachable: execvpe replaces this process
-    return supervise(command, env, secrets=(os.environ[ENV_WORKER_API_KEY],))
+    # This process stays: to mask the key, and to keep the peers' addresses in the rules current.
+    secrets = (os.environ[ENV_WORKER_API_KEY],) if key_args else ()
+    if firewall is None:
+        return supervise(command, env, secrets=secrets)
+    firewall.start()
+    try:
+        return supervise(command, env, secrets=secrets)
+    finally:
+        # On the host's network (rdma.mode hostNetwork) the rules would outlive the pod.
+        with contextlib.suppress(FirewallError):
+            firewall.remove()
 
 
 def supervise(argv: Sequence[str], env: Mapping[str, str], secrets: tuple[str, ...]) -> int:

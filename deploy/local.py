@@ -15,6 +15,13 @@ is restarted with a doubling back-off while the others keep running.
 The worker key (SGLANG_PD_WORKER_API_KEY) reaches the children as it does in the cluster: sglang
 engines get `--api-key` from `launch.worker_key_args`, the reference engines and the router read it
 from the environment they inherit. What `up` prints or logs from a child shows the key masked.
+
+Mooncake's KV ports (TCP MC_MIN_RPC_PORT..MC_MAX_RPC_PORT) authenticate no one, so `up` fences
+them (kv/firewall.py): the engines run with the group KV_ENGINE_GID, and netfilter rules named
+after this process reset loopback connections to the range from every other group and drop those
+from other hosts; they are removed at stop, and those of a run that was killed at the next start.
+Where the rules cannot be installed (not root, no iptables), `up` refuses to start when a worker
+key is set (unless --allow-open-kv-ports) and otherwise warns that the ports are open.
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ from typing import IO, Any, TextIO
 import httpx
 
 from sglang_pd.deploy.contract import ENV_ROUTER_API_KEYS, ENV_WORKER_API_KEY, WORKER_AUTH_HEADER, Role
-from sglang_pd.deploy.kv.listeners import EXPOSURE_MARK
+from sglang_pd.deploy.kv.firewall import FirewallError, LocalFirewall, remove_stale_local_chains
+from sglang_pd.deploy.kv.listeners import EXPOSURE_MARK, mooncake_port_range
 from sglang_pd.deploy.kv.mooncake_logs import LogAnnotator
 from sglang_pd.deploy.launch import API_KEY_SHOWN, LaunchError, checked_worker_key, worker_key_args
 from sglang_pd.deploy.procs import Child, http_ok, mask_secrets, port_in_use, spawn
@@ -79,6 +87,9 @@ class ChildSpec:
     health_headers: dict[str, str] = field(default_factory=dict)
     # Whether `health_url` says ready: (url, headers=...) -> bool; a 200 unless a child needs more.
     health_probe: Callable[..., bool] = http_ok
+    # Opens a Mooncake transfer engine: runs in the KV group (`group`) when `up` fences the KV ports.
+    kv: bool = False
+    group: int | None = None  # the child's primary group id; None: this process's
 
 
 # The router's drain time on SIGTERM (RouterConfig.drain_timeout_s), and the extra it gets to exit.
@@ -178,7 +189,8 @@ def local_children(
         argv = _cli("engine", "--role", "decode", "--port", str(ep.port), *common, "--max-running-requests", mrr)
         spec = ChildSpec(ep.name, argv, f"{ep.url}/health", ports=(ep.port,), secrets=secrets, health_headers=probe)
         children.append(spec)
-    return [*children, dataclasses.replace(_router_child(t, host, port, eps), secrets=secrets)]
+    engines = [dataclasses.replace(c, kv=True) for c in children]
+    return [*engines, dataclasses.replace(_router_child(t, host, port, eps), secrets=secrets)]
 
 
 def _router_child(t: Topology, host: str, port: int, eps: dict[str, list[InstanceEndpoint]] | None = None) -> ChildSpec:
@@ -291,7 +303,8 @@ def sglang_children(t: Topology, *, host: str, port: int, env: Mapping[str, str]
                     health_headers=probe,
                 )
             )
-    return [*children, dataclasses.replace(_router_child(t, host, port), secrets=secrets)]
+    engines = [dataclasses.replace(c, kv=True) for c in children]
+    return [*engines, dataclasses.replace(_router_child(t, host, port), secrets=secrets)]
 
 
 def check_fits_this_machine(t: Topology) -> None:
@@ -363,10 +376,10 @@ class Stack:
             line = mask_secrets(raw, secrets, API_KEY_SHOWN).decode(errors="replace").rstrip()
             self.echo(f"{child.name:<{width}} | {line}")
 
-    def _pump_to_file(self, child: Child, sink: IO[bytes], secrets: tuple[str, ...] = ()) -> None:
+    def _pump_to_file(self, child: Child, sink: IO[bytes], secrets: tuple[str, ...] = (), fenced: bool = False) -> None:
         """Copy a child's output into its log file, line by line (`secrets` masked), with a note
         after the first of each of Mooncake's expected error-looking lines; echo the KV layer's
-        open-ports warning."""
+        open-ports warning unless `fenced` (this run's rules already close those ports)."""
         assert child.proc.stdout is not None
         annotator = LogAnnotator()
         with contextlib.suppress(ValueError):  # stop() closed the file while a straggler wrote
@@ -378,7 +391,7 @@ class Stack:
                 if note:
                     sink.write(note.encode() + b"\n")
                 sink.flush()  # `up` and `tail -f` read the file while the child runs
-                if line.startswith(EXPOSURE_MARK):
+                if line.startswith(EXPOSURE_MARK) and not fenced:
                     self.echo(f"{child.name}: warning: {line.removeprefix('sglang-pd: ')}")
 
     def start(self) -> None:
@@ -395,13 +408,30 @@ class Stack:
             log = self.logs[spec.name] = self.log_dir / f"{spec.name}.log"
             sink = log.open("ab" if append else "wb")
             self._files.append(sink)
-            child = spawn(spec.name, spec.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=False)
-            pump = threading.Thread(target=self._pump_to_file, args=(child, sink, spec.secrets), daemon=True)
+            child = spawn(
+                spec.name,
+                spec.argv,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=False,
+                group=spec.group,
+            )
+            fenced = spec.group is not None
+            pump = threading.Thread(target=self._pump_to_file, args=(child, sink, spec.secrets, fenced), daemon=True)
             self._file_pumps[spec.name] = pump
             pump.start()
             note += f" (log: {log})"
         else:
-            child = spawn(spec.name, spec.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=False)
+            child = spawn(
+                spec.name,
+                spec.argv,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=False,
+                group=spec.group,
+            )
             threading.Thread(target=self._pump, args=(child, spec.secrets), daemon=True).start()
         self.echo(note)
         self.procs[spec.name] = child
@@ -595,6 +625,66 @@ def smoke_check(base: str, model: str, api_key: str | None = None, timeout_s: fl
     )
 
 
+ALLOW_OPEN_FLAG = "--allow-open-kv-ports"
+
+
+def fence_kv_ports(
+    specs: list[ChildSpec],
+    env: Mapping[str, str],
+    *,
+    allow_open: bool = False,
+    off: bool = False,
+    echo: Callable[[str], None] = print,
+    path: str | None = None,
+) -> tuple[list[ChildSpec], LocalFirewall | None]:
+    """Install the KV ports' rules for this run, and put the engines among `specs` in the KV group.
+
+    Returns the specs to start and the installed rules (None when the ports stay open: `off`, or
+    the rules could not be installed and no worker key is set, or `allow_open`; `echo` then gets one
+    warning line). Raises LaunchError when a worker key is set and the rules cannot be installed,
+    and TopologyError when the rules are on and a port of the stack lies in the range (the router
+    could not reach it).
+    `path`: where to look for iptables (default PATH).
+    """
+    low, high = mooncake_port_range(dict(env))
+    open_line = f"warning: the KV ports (TCP {low}-{high}, Mooncake) are open to every local process"
+    if off:
+        echo(f"{open_line} (--no-kv-firewall): any of them can read and overwrite the engines' KV memory.")
+        return specs, None
+    # The rules would reset the router's and the smoke check's connections to such a port.
+    inside = [f"{p} ({s.name})" for s in specs for p in s.ports if p and low <= p <= high]
+    if inside:
+        raise TopologyError(
+            f"port {', '.join(inside)} lies in Mooncake's port range {low}-{high}, which only the engines may "
+            "reach; move it (the topology's ports, or --ports), or move the range with MC_MIN_RPC_PORT and "
+            "MC_MAX_RPC_PORT."
+        )
+    fw = LocalFirewall((low, high), path=path)
+    try:
+        fw.install()  # first: as a non-root user this says so, instead of what iptables-save says
+    except FirewallError as exc:
+        if worker_key(env) is not None and not allow_open:
+            raise LaunchError(
+                f"cannot fence the KV ports (TCP {low}-{high}): {exc} A worker key is set ({ENV_WORKER_API_KEY}), "
+                "but without these rules any local process can read the engines' KV memory, and so the "
+                f"requests' prompts, over Mooncake; fix that, or pass {ALLOW_OPEN_FLAG} to start with them open."
+            ) from exc
+        echo(f"{open_line}: {exc}")
+        return specs, None
+    try:
+        stale = remove_stale_local_chains(path)
+    except FirewallError as exc:  # this run's rules are in force; only a killed run's linger
+        echo(f"warning: the KV rules of earlier runs could not be removed: {exc}")
+        stale = []
+    if stale:
+        echo(f"removed the KV rules of an earlier run that was killed: {', '.join(stale)}")
+    echo(
+        f"KV ports fenced: TCP {low}-{high} accepts loopback connections from the engines' group "
+        f"(gid {fw.gid}) only ({fw.out_chain}, {fw.in_chain})"
+    )
+    return [dataclasses.replace(s, group=fw.gid) if s.kv else s for s in specs], fw
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -626,6 +716,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("auto", "reference", "sglang"),
         default="auto",
         help="auto: sglang where CUDA and sglang are present, else the reference engine",
+    )
+    parser.add_argument(
+        ALLOW_OPEN_FLAG,
+        action="store_true",
+        help="start even when the KV ports' rules cannot be installed while a worker key is set (unsafe: "
+        "any local process can then read the engines' KV memory)",
+    )
+    parser.add_argument(
+        "--no-kv-firewall",
+        action="store_true",
+        help="install no rules for the KV ports (unsafe: any local process can read and overwrite the "
+        "engines' KV memory)",
     )
 
 
@@ -695,6 +797,18 @@ def run(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir) if args.log_dir else runs / f"{t.name}-{stamp}"
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"engine logs: {log_dir}", flush=True)
+    # Before any engine starts, so that no moment exists in which their KV ports are open.
+    try:
+        specs, firewall = fence_kv_ports(
+            specs,
+            os.environ,
+            allow_open=args.allow_open_kv_ports,
+            off=args.no_kv_firewall,
+            echo=lambda line: print(line, file=sys.stderr, flush=True),
+        )
+    except (TopologyError, LaunchError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INVALID
     stack = Stack(specs, log_dir=log_dir)
     received: list[int] = []
 
@@ -741,3 +855,8 @@ def run(args: argparse.Namespace) -> int:
         for s, h in old.items():
             signal.signal(s, h)
         print("stopped: every child process has exited.", file=sys.stderr, flush=True)
+        if firewall is not None:
+            try:
+                firewall.remove()
+            except FirewallError as exc:  # the next `up` removes them: their pid is gone by then
+                print(f"warning: the KV rules stay until the next start: {exc}", file=sys.stderr, flush=True)

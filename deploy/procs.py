@@ -125,9 +125,11 @@ def spawn(
     stderr: int | IO[Any] | None = None,
     text: bool = True,
     pass_fds: Sequence[int] = (),
+    group: int | None = None,
 ) -> Child:
     """Start `argv` in its own process group, dying with this process; `env` is added to ours;
-    `pass_fds`: open file descriptors the child inherits (a listening socket)."""
+    `pass_fds`: open file descriptors the child inherits (a listening socket); `group`: the
+    child's primary group id (root only; `sglang-pd up` gives its engines the KV group)."""
     proc = subprocess.Popen(
         list(argv),
         stdin=subprocess.DEVNULL,
@@ -138,6 +140,7 @@ def spawn(
         start_new_session=True,
         preexec_fn=_die_with_parent,
         pass_fds=tuple(pass_fds),
+        group=group,
     )
     return Child(name, proc)
 

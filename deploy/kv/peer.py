@@ -120,10 +120,12 @@ class PeerProcess:
 
 
 @contextmanager
-def start_peer(size: int, *, env: dict[str, str] | None = None, timeout_s: float = 30.0) -> Iterator[PeerProcess]:
-    """Start a peer process on loopback, yield it, and always stop it."""
+def start_peer(
+    size: int, *, env: dict[str, str] | None = None, timeout_s: float = 30.0, group: int | None = None
+) -> Iterator[PeerProcess]:
+    """Start a peer process on loopback (`group`: its primary group id), yield it, and always stop it."""
     argv = [sys.executable, "-m", "sglang_pd.deploy.kv.peer", "--size", str(size)]
-    child = spawn("the KV peer process", argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    child = spawn("the KV peer process", argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, group=group)
     try:
         d = json.loads(child.first_line(timeout_s))
         info = PeerInfo(d["session_id"], d["base"], d["length"], f"http://127.0.0.1:{d['http_port']}")

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from sglang_pd.deploy import launch
 from sglang_pd.deploy.cli import main
@@ -110,6 +111,70 @@ def test_invalid_topology_is_refused(tmp_path, capsys) -> None:
     assert "decode.ep: DeepEP is the all-to-all" in capsys.readouterr().err
 
 
+# Tests that start the launch leave this machine's netfilter rules alone; the rules themselves are
+# tested in a network namespace of their own (tests/kv/test_firewall.py).
+NO_FIREWALL = "--no-kv-firewall"
+
+
+# --- the Mooncake ports' rules: named peers, shown by --dry-run, required at start ----------------
+
+
+def test_dry_run_shows_the_kv_rules_it_would_install(capsys) -> None:
+    argv = ["launch", "--role", "prefill", "--topology", str(R1), "--dry-run"]
+    assert main([*argv, "--kv-peers", "p.llm, d.llm", "--kv-allow-from", "10.20.0.0/16"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["kv_firewall"] == {
+        "chain": "SGLPD-KV-PREFILL",
+        "ports": "15000-17000",
+        "peers": ["p.llm", "d.llm"],
+        "allow_from": ["10.20.0.0/16"],
+    }
+    assert main([*argv, NO_FIREWALL]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_firewall"] == {"off": True}
+    assert main([*argv]) == 0  # a dry run reports the problem, as it reports failed checks
+    assert "would accept no peer" in json.loads(capsys.readouterr().out)["kv_firewall"]["problem"]
+    assert main(["launch", "--role", "router", "--topology", str(R1), "--dry-run"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_firewall"] is None  # the router opens no KV port
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ([], "error: the Mooncake ports of this engine would accept no peer: name the PD engines"),
+        (["--kv-allow-from", "10.0.0.0/33"], "error: --kv-allow-from: '10.0.0.0/33' is not an address or CIDR"),
+    ],
+    ids=["no-peer", "bad-range"],
+)
+def test_an_engine_without_valid_peers_does_not_start(monkeypatch, capsys, flags, message) -> None:
+    monkeypatch.setattr(launch, "pod_checks", lambda t, role: [])
+    started: list[tuple] = []
+    monkeypatch.setattr(launch.os, "execvpe", lambda *a: started.append(a))
+    monkeypatch.setattr(launch, "supervise", lambda *a, **k: started.append(a) or 0)
+    assert main(["launch", "--role", "prefill", "--topology", str(R1), *flags]) == 1
+    assert started == [] and message in capsys.readouterr().err
+
+
+def test_an_http_port_inside_the_kv_range_is_refused(monkeypatch, capsys, tmp_path) -> None:
+    t = yaml.safe_load(R1.read_text())
+    t["prefill"]["port"] = 15500
+    path = tmp_path / "r1.yaml"
+    path.write_text(yaml.safe_dump(t))
+    monkeypatch.setattr(launch, "pod_checks", lambda t, role: [])
+    monkeypatch.setattr(launch.os, "execvpe", lambda *a: pytest.fail("sglang started"))
+    argv = ["launch", "--role", "prefill", "--topology", str(path), "--kv-allow-from", "10.0.0.0/8"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "error: the prefill engine's HTTP port 15500 lies in Mooncake's port range 15000-17000" in err
+
+
+def test_without_the_rules_the_launch_says_the_ports_are_open(monkeypatch, capsys) -> None:
+    rc, _, how = _start_prefill(monkeypatch)
+    assert rc == 0 and how == [("exec",)]
+    assert "warning: --no-kv-firewall: the Mooncake ports (TCP 15000-17000) accept every source" in (
+        capsys.readouterr().err
+    )
+
+
 # --- locked memory: CAP_IPC_LOCK lets RDMA pin past RLIMIT_MEMLOCK ---------------------------------
 
 STATUS = "Name:\tpython3\nCapInh:\t0000000000000000\nCapPrm:\t{cap}\nCapEff:\t{cap}\nCapBnd:\t000001ffffffffff\n"
@@ -149,7 +214,7 @@ def test_memlock_without_the_capability_warns_but_does_not_stop_the_pod(monkeypa
     started: list[tuple] = []
     for name in ("execve", "execvpe"):  # the launcher replaces itself with sglang: record it instead
         monkeypatch.setattr(launch.os, name, lambda *a: started.append(a))
-    assert main(["launch", "--role", "prefill", "--topology", str(R1)]) == 0
+    assert main(["launch", "--role", "prefill", "--topology", str(R1), NO_FIREWALL]) == 0
     assert len(started) == 1  # the warning did not stop the start
     assert "pod check memlock: WARNING: locked-memory limit 65536 bytes and no CAP_IPC_LOCK" in capsys.readouterr().err
 
@@ -242,7 +307,7 @@ def _start_prefill(monkeypatch, topology: Path = R1) -> tuple[int, list[list[str
 
     monkeypatch.setattr(launch.os, "execvpe", execvpe)
     monkeypatch.setattr(launch, "supervise", supervise)
-    return main(["launch", "--role", "prefill", "--topology", str(topology)]), started, how
+    return main(["launch", "--role", "prefill", "--topology", str(topology), NO_FIREWALL]), started, how
 
 
 def test_the_worker_key_is_added_from_the_env_and_sglang_then_runs_supervised(monkeypatch) -> None:

@@ -36,7 +36,9 @@ CLI = [sys.executable, "-m", "sglang_pd.deploy.cli"]
 def _stack() -> Iterator[str]:
     """Start `sglang-pd up --port P` and yield the printed OpenAI base URL; stop the whole group after."""
     proc = subprocess.Popen(
-        [*CLI, "up", "--port", str(free_port())],
+        # --no-kv-firewall: this machine's netfilter rules stay untouched (tests/kv/test_firewall.py
+        # runs the fenced `up` in a network namespace of its own).
+        [*CLI, "up", "--port", str(free_port()), "--no-kv-firewall"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

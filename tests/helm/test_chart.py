@@ -20,7 +20,7 @@ from sglang_pd.deploy.sglang_args import LEADER_HOST_FROM_ENV
 from sglang_pd.deploy.sglang_check import sglang_available
 from sglang_pd.deploy.topology import check_rules, estimate_weight_bytes, load_topology, required_startup_s
 
-from .conftest import CHART, PRESETS, REPO, helm_python, one, preset_topology, preset_values
+from .conftest import CHART, PRESETS, REPO, by_kind, helm_python, one, preset_topology, preset_values
 
 PRESETS_DIR = PRESETS
 
@@ -217,13 +217,45 @@ def test_device_plugin_rdma_and_pvc_weights(render) -> None:
     spec = one(render(values), "LeaderWorkerSet", "-prefill")["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]
     c = spec["containers"][0]
     assert c["resources"]["limits"]["rdma/hca"] == 2 and "hostNetwork" not in spec
-    # Least privilege with a device plugin, as llm-d's wide-EP pods.
-    assert c["securityContext"] == {"privileged": False, "capabilities": {"add": ["IPC_LOCK", "SYS_RAWIO"]}}
+    # Least privilege with a device plugin, as llm-d's wide-EP pods, plus NET_ADMIN for the KV ports' rules.
+    add = ["IPC_LOCK", "SYS_RAWIO", "NET_ADMIN"]
+    assert c["securityContext"] == {"privileged": False, "capabilities": {"add": add}}
     assert {v["name"]: v for v in spec["volumes"]}["model"]["persistentVolumeClaim"] == {
         "claimName": "weights",
         "readOnly": True,
     }
     assert "HF_HOME" not in _env(c)
+
+
+def _gpu_containers(docs: list[dict]) -> dict[str, dict]:
+    """Every GPU pod template's container, by "<role>/<template>"."""
+    out = {}
+    for role in ("prefill", "decode"):
+        lws = one(docs, "LeaderWorkerSet", f"-{role}")["spec"]["leaderWorkerTemplate"]
+        for kind in ("leaderTemplate", "workerTemplate"):
+            if kind in lws:
+                out[f"{role}/{kind}"] = lws[kind]["spec"]["containers"][0]
+    return out
+
+
+def test_gpu_pods_fence_their_kv_ports_to_the_releases_pd_pods(render) -> None:
+    docs = render({"rdma": {"mode": "devicePlugin"}, "kvFirewall": {"allowFrom": ["10.20.0.0/16", "fd00::/8"]}})
+    # The peers are the LeaderWorkerSets' own headless Services: named as the sets, in the release's namespace.
+    sets = sorted(d["metadata"]["name"] for d in by_kind(docs, "LeaderWorkerSet"))
+    peers = "demo-sglang-pd-prefill.llm,demo-sglang-pd-decode.llm"
+    assert sorted(p.removesuffix(".llm") for p in peers.split(",")) == sets
+    containers = _gpu_containers(docs)
+    assert set(containers) == {"prefill/workerTemplate", "decode/leaderTemplate", "decode/workerTemplate"}
+    for where, c in containers.items():
+        assert c["command"][6:] == ["--kv-peers", peers, "--kv-allow-from", "10.20.0.0/16,fd00::/8"], where
+        assert "NET_ADMIN" in c["securityContext"]["capabilities"]["add"], where
+    off = _gpu_containers(render({"rdma": {"mode": "devicePlugin"}, "kvFirewall": {"enabled": False}}))
+    for where, c in off.items():
+        assert c["command"][6:] == ["--no-kv-firewall"], where
+        assert "NET_ADMIN" not in c["securityContext"]["capabilities"]["add"], where
+    # Privileged pods (rdma.mode hostNetwork, the default) hold NET_ADMIN already.
+    for c in _gpu_containers(render({})).values():
+        assert c["securityContext"] == {"privileged": True} and c["command"][6] == "--kv-peers"
 
 
 def test_emptydir_downloads_request_ephemeral_storage(render) -> None:
@@ -410,18 +442,11 @@ def test_launch_dry_run_matches_the_plan(render, tmp_path, capsys, rank) -> None
         "LWS_WORKER_INDEX": str(rank),
         "LWS_GROUP_SIZE": "2",
     }
+    # The command the chart renders (its KV-port flags included), with the topology where the test wrote it.
+    command = _decode_leader(render({}))["containers"][0]["command"]
+    assert command[:6] == ["sglang-pd", "launch", "--role", "decode", "--topology", "/etc/sglang-pd/topology.yaml"]
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sglang_pd.deploy.cli",
-            "launch",
-            "--role",
-            "decode",
-            "--topology",
-            str(path),
-            "--dry-run",
-        ],
+        [sys.executable, "-m", "sglang_pd.deploy.cli", *command[1:5], str(path), *command[6:], "--dry-run"],
         capture_output=True,
         text=True,
         env=env,
@@ -433,6 +458,7 @@ def test_launch_dry_run_matches_the_plan(render, tmp_path, capsys, rank) -> None
     want = [a.replace(LEADER_HOST_FROM_ENV, env["LWS_LEADER_ADDRESS"]) for a in planned["argv"]]
     assert launched["argv"] == want and launched["env"] == planned["env"]
     assert launched["node_rank"] == rank
+    assert launched["kv_firewall"]["peers"] == ["demo-sglang-pd-prefill.llm", "demo-sglang-pd-decode.llm"]
     assert "--node-rank" in launched["argv"] and launched["argv"][launched["argv"].index("--node-rank") + 1] == str(
         rank
     )
@@ -460,6 +486,7 @@ BAD_VALUES = [
     ({"topology": {"decode": {"sbo_mode": "full"}}}, "sbo_mode"),
     ({"topology": {"router": {"decode_policy": "fastest"}}}, "/topology/router/decode_policy"),
     ({"metrics": {"serviceMonitor": {"interval": "soon"}}}, "/metrics/serviceMonitor/interval"),
+    ({"kvFirewall": {"allowFrom": ["the pods"]}}, "/kvFirewall/allowFrom/0"),
 ]
 
 

@@ -64,8 +64,10 @@ def test_up_serves_chat_within_90s_and_stops_cleanly(tmp_path: Path) -> None:
     topo, port = _topology(tmp_path)
     t0 = time.monotonic()
     logs = tmp_path / "logs"
-    up = spawn("up", [sys.executable, "-m", "sglang_pd.deploy.cli", "up", str(topo), "--log-dir", str(logs)],
-               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    # --no-kv-firewall: this machine's netfilter rules stay untouched (tests/kv/test_firewall.py
+    # runs the fenced `up` in a network namespace of its own).
+    argv = [sys.executable, "-m", "sglang_pd.deploy.cli", "up", str(topo), "--log-dir", str(logs), "--no-kv-firewall"]
+    up = spawn("up", argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     proc = up.proc
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()  # type: ignore[union-attr]

@@ -28,7 +28,10 @@ class _Up:
     """A real `sglang-pd up` whose console lines (stdout and stderr) arrive in a queue."""
 
     def __init__(self, topo: Path, logs: Path, env: dict[str, str] | None = None) -> None:
+        # --no-kv-firewall: this machine's netfilter rules stay untouched (tests/kv/test_firewall.py
+        # runs the fenced `up` in a network namespace of its own).
         argv = [sys.executable, "-m", "sglang_pd.deploy.cli", "up", str(topo), "--log-dir", str(logs)]
+        argv.append("--no-kv-firewall")
         self.proc = spawn("up", argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT).proc
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []

@@ -123,7 +123,9 @@ def test_reference_stack_with_the_key_serves_through_the_router_and_refuses_dire
     topo = tmp_path / "local.yaml"
     topo.write_text(yaml.safe_dump(t))
     logs = tmp_path / "logs"
-    argv = [sys.executable, "-m", "sglang_pd.deploy.cli", "up", str(topo), "--log-dir", str(logs)]
+    # --no-kv-firewall: this machine's netfilter rules stay untouched (tests/kv/test_firewall.py
+    # runs the fenced `up` in a network namespace of its own).
+    argv = [sys.executable, "-m", "sglang_pd.deploy.cli", "up", str(topo), "--log-dir", str(logs), "--no-kv-firewall"]
     env = {ENV_WORKER_API_KEY: KEY, "SGLANG_PD_ROUTER_WORKER_API_KEY": ""}  # the router falls back to the same key
     proc = spawn("up", argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT).proc
     lines: queue.Queue[str] = queue.Queue()

@@ -96,6 +96,24 @@ call with (dict "name" "SGLANG_PD_WORKER_API_KEY" "context" $). The value never 
 {{- end -}}
 
 {{/*
+Return the `sglang-pd launch` flags for the rules on a GPU pod's Mooncake ports, as flow-list items after a
+comma: the peers are this release's prefill and decode LeaderWorkerSets' headless Services (LeaderWorkerSet
+makes one per set, named as the set, listing its pods before they are ready), plus kvFirewall.allowFrom;
+with kvFirewall.enabled false, the opt-out. Call with (dict "context" $).
+*/}}
+{{- define "sglang-pd.kvFirewallArgs" -}}
+{{- $ := .context -}}
+{{- if $.Values.kvFirewall.enabled -}}
+{{- $name := include "sglang-pd.fullname" $ -}}
+{{- $ns := $.Release.Namespace -}}
+, "--kv-peers", {{ printf "%s-prefill.%s,%s-decode.%s" $name $ns $name $ns | quote }}
+{{- with $.Values.kvFirewall.allowFrom }}, "--kv-allow-from", {{ join "," . | quote }}{{ end }}
+{{- else -}}
+, "--no-kv-firewall"
+{{- end -}}
+{{- end -}}
+
+{{/*
 Return the path where every pod finds the topology.
 */}}
 {{- define "sglang-pd.topologyPath" -}}/etc/sglang-pd/topology.yaml{{- end -}}
@@ -350,7 +368,7 @@ spec:
     - name: sglang
       image: {{ include "sglang-pd.image" $ }}
       imagePullPolicy: {{ $.Values.image.pullPolicy }}
-      command: ["sglang-pd", "launch", "--role", {{ .role | quote }}, "--topology", {{ include "sglang-pd.topologyPath" $ | quote }}]
+      command: ["sglang-pd", "launch", "--role", {{ .role | quote }}, "--topology", {{ include "sglang-pd.topologyPath" $ | quote }}{{ include "sglang-pd.kvFirewallArgs" (dict "context" $) }}]
       env:
         # The address sglang advertises to its peers (bootstrap, Mooncake): the pod's IP, which is
         # the node's under hostNetwork.
@@ -434,6 +452,10 @@ spec:
             - IPC_LOCK
             {{- if $.Values.securityContext.sysRawio }}
             - SYS_RAWIO
+            {{- end }}
+            {{- if $.Values.kvFirewall.enabled }}
+            # `sglang-pd launch` writes the Mooncake ports' netfilter rules (kvFirewall).
+            - NET_ADMIN
             {{- end }}
         {{- end }}
       {{- if .leader }}
