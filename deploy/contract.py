@@ -35,6 +35,7 @@ __all__ = [
     "WORKER_AUTH_HEADER",
     "Role",
     "RoutingPolicy",
+    "as_role",
     "policy_problem",
     "worker_selector",
 ]
@@ -42,6 +43,12 @@ __all__ = [
 Role = Literal["prefill", "decode"]
 """The two kinds of PD engine. The router is a component, not a role."""
 ROLES: tuple[Role, ...] = get_args(Role)
+
+
+def as_role(value: object) -> Role | None:
+    """`value` as a `Role` (typed as one), None when it names none."""
+    return next((r for r in ROLES if r == value), None)
+
 
 # -- ports ----------------------------------------------------------------------------------------
 # sglang's defaults for the prefill bootstrap server (--disaggregation-bootstrap-port), and the

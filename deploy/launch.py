@@ -40,12 +40,20 @@ from sglang_pd.deploy.contract import (
     ENV_LWS_WORKER_INDEX,
     ENV_ROUTER_WORKER_API_KEY,
     ENV_WORKER_API_KEY,
+    as_role,
 )
 from sglang_pd.deploy.kv.firewall import FirewallError, Network, PeerFirewall, parse_networks
 from sglang_pd.deploy.kv.listeners import mooncake_port_range
 from sglang_pd.deploy.procs import mask_secrets, spawn
 from sglang_pd.deploy.sglang_args import NodeCommand, render_node
-from sglang_pd.deploy.topology import PodSettings, Topology, check_rules, load_checked_topology
+from sglang_pd.deploy.topology import (
+    MODEL_SOURCES,
+    RDMA_MODES,
+    PodSettings,
+    Topology,
+    check_rules,
+    load_checked_topology,
+)
 
 __all__ = [
     "LaunchError",
@@ -120,11 +128,13 @@ def pod_settings_from_env(env: Mapping[str, str]) -> PodSettings | None:
     if POD_ENV_MODEL_SOURCE not in env:
         return None
     defaults = PodSettings()
-    rdma_mode, source = env.get(POD_ENV_RDMA_MODE, defaults.rdma_mode), env[POD_ENV_MODEL_SOURCE]
-    if rdma_mode not in ("hostNetwork", "devicePlugin", "none") or source not in ("hub", "pvc", "hostPath"):
+    given_rdma, given_source = env.get(POD_ENV_RDMA_MODE, defaults.rdma_mode), env[POD_ENV_MODEL_SOURCE]
+    rdma_mode = next((m for m in RDMA_MODES if m == given_rdma), None)
+    source = next((s for s in MODEL_SOURCES if s == given_source), None)
+    if rdma_mode is None or source is None:
         raise LaunchError(
-            f"{POD_ENV_RDMA_MODE}={rdma_mode!r} or {POD_ENV_MODEL_SOURCE}={source!r} is not a value the chart "
-            "renders (hostNetwork|devicePlugin|none, hub|pvc|hostPath); render the pod with the chart."
+            f"{POD_ENV_RDMA_MODE}={given_rdma!r} or {POD_ENV_MODEL_SOURCE}={given_source!r} is not a value the "
+            f"chart renders ({'|'.join(RDMA_MODES)}, {'|'.join(MODEL_SOURCES)}); render the pod with the chart."
         )
     try:
         budget = env.get(POD_ENV_STARTUP_BUDGET_S)
@@ -222,11 +232,12 @@ def _node_rank(env: Mapping[str, str], nodes: int, role: str) -> tuple[int, str]
 
 def resolve_command(t: Topology, role: str, env: Mapping[str, str]) -> NodeCommand:
     """This pod's sglang command: the plan's command for its node rank, with the real leader address."""
-    if role not in ("prefill", "decode"):
+    pd_role = as_role(role)
+    if pd_role is None:
         raise LaunchError(f"role {role!r} has no sglang command; choose prefill or decode.")
-    spec = t.prefill if role == "prefill" else t.decode
-    rank, leader = _node_rank(env, spec.nodes, role)
-    return render_node(t, role, node_rank=rank, leader_host=leader)
+    spec = t.prefill if pd_role == "prefill" else t.decode
+    rank, leader = _node_rank(env, spec.nodes, pd_role)
+    return render_node(t, pd_role, node_rank=rank, leader_host=leader)
 
 
 def checked_worker_key(env: Mapping[str, str], name: str) -> str | None:

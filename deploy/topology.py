@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
@@ -30,12 +30,16 @@ from sglang_pd.deploy.contract import (
 
 __all__ = [
     "GPU_CAPABILITY",
+    "MODEL_SOURCES",
+    "RDMA_MODES",
     "DecodeSpec",
     "HardwareSpec",
     "InstanceEndpoint",
+    "ModelSource",
     "ModelSpec",
     "PodSettings",
     "PrefillSpec",
+    "RdmaMode",
     "RouterSpec",
     "RuleReport",
     "SBOMode",
@@ -486,6 +490,13 @@ def required_startup_s(
     return math.ceil(download + weight_bytes / load_bytes_per_s + warmup_s)
 
 
+# The chart's `rdma.mode` and `model.source` values.
+RdmaMode = Literal["hostNetwork", "devicePlugin", "none"]
+RDMA_MODES: tuple[RdmaMode, ...] = get_args(RdmaMode)
+ModelSource = Literal["hub", "pvc", "hostPath"]
+MODEL_SOURCES: tuple[ModelSource, ...] = get_args(ModelSource)
+
+
 @dataclass(frozen=True)
 class PodSettings:
     """How the pods of a cluster deployment are set up (the chart's values, or what a pod sees).
@@ -494,9 +505,9 @@ class PodSettings:
     reads them from the environment the chart sets; offline checks pass them explicitly.
     """
 
-    rdma_mode: Literal["hostNetwork", "devicePlugin", "none"] = "hostNetwork"
+    rdma_mode: RdmaMode = "hostNetwork"
     privileged: bool = True
-    model_source: Literal["hub", "pvc", "hostPath"] = "pvc"
+    model_source: ModelSource = "pvc"
     startup_budget_s: int | None = None
     download_bytes_per_s: float = DEFAULT_DOWNLOAD_BYTES_PER_S
 

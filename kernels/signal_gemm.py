@@ -747,7 +747,9 @@ def reference_masked_grouped_gemm(
     N = b.shape[1]
     a_f = a.to(dtype)
     b_f = b.to(dtype)
-    if a_scale is not None:
+    if (a_scale is None) != (b_scale is None):
+        raise ValueError("a_scale and b_scale come together (FP8 operands) or not at all (bf16).")
+    if a_scale is not None and b_scale is not None:
         a_f = a_f * a_scale.to(dtype).repeat_interleave(SCALE_BLOCK, dim=2)[:, :, :K]
         b_s = b_scale.to(dtype).repeat_interleave(SCALE_BLOCK, dim=1).repeat_interleave(SCALE_BLOCK, dim=2)
         b_f = b_f * b_s[:, :N, :K]

@@ -51,7 +51,7 @@ class LoadResult:
     clients: int
     seconds: float
     outcomes: Counter[str] = field(default_factory=Counter)
-    latencies_s: list[float] = field(default_factory=list)  # of the whole 200 answers
+    latencies_s: dict[str, list[float]] = field(default_factory=dict)  # by outcome
     retry_after_missing: int = 0  # 429/503 answers without Retry-After
     samples: dict[str, str] = field(default_factory=dict)  # one body per bad outcome
 
@@ -60,19 +60,22 @@ class LoadResult:
         """Requests that ended neither whole with 200 nor with 429/503."""
         return sum(n for k, n in self.outcomes.items() if k != "200" and k not in {str(s) for s in LOAD_STATUSES})
 
+    def record(self, outcome: str, t0: float) -> None:
+        self.outcomes[outcome] += 1
+        self.latencies_s.setdefault(outcome, []).append(time.monotonic() - t0)
+
     def summary(self) -> dict[str, object]:
-        lat = sorted(self.latencies_s)
-        pct = {f"p{p}": round(lat[min(len(lat) - 1, int(len(lat) * p / 100))], 3) for p in (50, 99)} if lat else {}
+        def percentiles(values: list[float]) -> dict[str, float]:
+            lat = sorted(values)
+            at = {f"p{p}": lat[min(len(lat) - 1, int(len(lat) * p / 100))] for p in (50, 99)}
+            return {k: round(v, 3) for k, v in {**at, "mean": statistics.fmean(lat)}.items()}
+
         return {
             "clients": self.clients,
             "seconds": self.seconds,
             "requests": sum(self.outcomes.values()),
             "outcomes": dict(sorted(self.outcomes.items())),
-            "ok_latency_s": {
-                "p50": pct.get(50),
-                "p99": pct.get(99),
-                "mean": round(statistics.fmean(lat), 3) if lat else None,
-            },
+            "latency_s": {k: percentiles(v) for k, v in sorted(self.latencies_s.items())},
             "retry_after_missing": self.retry_after_missing,
             "samples": self.samples,
         }
@@ -88,7 +91,7 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, object], res
                 if resp.status_code in LOAD_STATUSES and "retry-after" not in resp.headers:
                     result.retry_after_missing += 1
                 result.samples.setdefault(key, text[:300])
-                result.outcomes[key] += 1
+                result.record(key, t0)
                 return
             finished = done = False
             async for line in resp.aiter_lines():
@@ -98,18 +101,14 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict[str, object], res
                     event = json.loads(line[6:])
                     if "error" in event:
                         result.samples.setdefault("200+error", line[:300])
-                        result.outcomes["200+error"] += 1
+                        result.record("200+error", t0)
                         return
                     finished = finished or any(c.get("finish_reason") for c in event.get("choices") or [])
     except httpx.HTTPError as exc:
         result.samples.setdefault("transport", f"{type(exc).__name__}: {exc}")
-        result.outcomes["transport"] += 1
+        result.record("transport", t0)
         return
-    if finished and done:
-        result.outcomes["200"] += 1
-        result.latencies_s.append(time.monotonic() - t0)
-    else:
-        result.outcomes["200+cut"] += 1
+    result.record("200" if finished and done else "200+cut", t0)
 
 
 async def run_load(
@@ -191,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'outcome':<12}{'requests':>10}")
     for key, n in summary["outcomes"].items():  # type: ignore[attr-defined]
         print(f"{key:<12}{n:>10}")
-    print(f"200 latency: {summary['ok_latency_s']}  429/503 without Retry-After: {result.retry_after_missing}")
+    print(f"latency by outcome (s): {summary['latency_s']}  429/503 without Retry-After: {result.retry_after_missing}")
     print(f"engines after the load: {leftovers or 'no rooms, pages or requests left'}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -200,7 +200,7 @@ class Roofline:
         return self.gemm(2 * tokens * params, params * self.shape.weight_bytes, self._wdtype)
 
     def shared_expert(self, lay: Layout, tokens: float) -> Cost:
-        params = self.shape.shared_experts * self.shape.expert_params
+        params: float = self.shape.shared_experts * self.shape.expert_params
         if lay.a2a == "none":
             params /= lay.tp
         return self.gemm(2 * tokens * params, params * self.shape.weight_bytes, self._wdtype)

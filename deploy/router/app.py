@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..contract import as_role
 from ..openai_errors import ApiError, error_response
 from .config import RouterConfig
 from .control import ControlLink, ControlLost
@@ -332,7 +333,8 @@ class RouterApp:
 
     async def remove_worker(self, request: Request) -> Response:
         url = request.query_params.get("url")
-        role = request.query_params.get("role")
+        given_role = request.query_params.get("role")
+        role = as_role(given_role)
         if not url:
             raise ApiError(
                 400,
@@ -340,7 +342,7 @@ class RouterApp:
                 param="url",
                 code="invalid_value",
             )
-        if role not in (None, "prefill", "decode"):
+        if given_role is not None and role is None:
             raise ApiError(400, "'role' must be 'prefill' or 'decode'.", param="role", code="invalid_value")
         if self.control is not None:
             shown = {(w.role, w.url): w.to_json() for w in self.registry.all()}

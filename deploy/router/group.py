@@ -58,6 +58,7 @@ from typing import Any
 import orjson
 from prometheus_client.multiprocess import mark_process_dead
 
+from sglang_pd.deploy.contract import as_role
 from sglang_pd.deploy.procs import Child, port_in_use, spawn
 
 from .config import KubernetesDiscoveryConfig, RouterConfig
@@ -366,8 +367,11 @@ class ProcessGroup:
         return 400, {"message": f"Unknown control operation {op!r}.", "code": "invalid_value"}
 
     def _on_report(self, kind: str, url: str, role: str, detail: str) -> None:
+        pd_role = as_role(role)
+        if pd_role is None:  # a serving process reports only workers it was sent
+            return
         with contextlib.suppress(WorkerRegistrationError):
-            worker = self.registry.get(url, role)
+            worker = self.registry.get(url, pd_role)
             if worker is None:
                 return
             if kind in ("probe_passed", "probe_failed"):

@@ -1,0 +1,360 @@
+#!/usr/bin/env python
+"""Abuse a running router the way one unauthenticated client on the network can, and measure
+what other clients see meanwhile.
+
+Each attack runs while a victim client opens a fresh connection for `GET /readiness` and
+`GET /v1/models` ten times a second; the victims' statuses and latency percentiles are reported
+per attack, with the router's resident memory and open descriptors (read from /proc, so run it
+on the router's host):
+
+- big-bodies: 16 connections each sending a 32 MiB body as fast as they can (declared length,
+  then chunked);
+- big-prompt: one 30 MB chat message, then one just under the body limit (parsed and sent on);
+- idle: 20,000 TCP connections opened and left silent;
+- slow-heads: 200 connections sending their request head at 1 byte/s;
+- slow-bodies: 200 connections sending a 1 MiB body at 1 byte/s after a whole head.
+
+Against a local stack (`sglang-pd up local-cpu` in another shell, as root for the descriptors):
+
+    .venv/bin/python -m scripts.bench_abuse --router http://127.0.0.1:8000 --out out/abuse.json
+
+Prints a table and writes JSON with the command, machine and date. The exit status is 1 when a
+victim request failed or got other than 200 or 503, or when an attacker's connection was still
+open after the router's timeout plus a margin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import resource
+import sys
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+
+__all__ = ["AttackResult", "main"]
+
+MIB = 1 << 20
+VICTIM_INTERVAL_S = 0.1
+# The router's shipped timeouts (deploy/http_limits.py) and the margin an attacker's connection may
+# outlive them by before it counts as not cut.
+HEAD_TIMEOUT_S = 10.0
+BODY_TIMEOUT_S = 60.0
+CUT_MARGIN_S = 5.0
+IDLE_PER_PROCESS = 15_000
+IDLE_HOLD_S = 15.0
+
+
+@dataclass
+class AttackResult:
+    name: str
+    seconds: float = 0.0
+    victims: Counter[str] = field(default_factory=Counter)
+    victim_latencies_s: list[float] = field(default_factory=list)
+    attacker: Counter[str] = field(default_factory=Counter)  # how each attacker connection ended
+    attacker_cut_s: list[float] = field(default_factory=list)  # when the router closed it
+    rss_mb: dict[str, float] = field(default_factory=dict)
+    descriptors: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def victims_bad(self) -> int:
+        return sum(n for k, n in self.victims.items() if k not in ("200", "503"))
+
+    def row(self) -> dict[str, object]:
+        lat = sorted(self.victim_latencies_s)
+
+        def pct(p: float) -> float | None:
+            return round(lat[min(len(lat) - 1, int(len(lat) * p))], 4) if lat else None
+
+        cut = sorted(self.attacker_cut_s)
+        return {
+            "attack": self.name,
+            "seconds": round(self.seconds, 1),
+            "victims": dict(self.victims),
+            "victim_p50_s": pct(0.5),
+            "victim_p99_s": pct(0.99),
+            "victim_max_s": round(lat[-1], 4) if lat else None,
+            "attacker_endings": dict(self.attacker),
+            "attacker_cut_after_s": {"min": round(cut[0], 2), "max": round(cut[-1], 2)} if cut else None,
+            "router_rss_mb": self.rss_mb,
+            "router_descriptors": self.descriptors,
+        }
+
+
+def _listener_pids(port: int) -> list[int]:
+    """The processes holding a listening TCP socket on `port` (from /proc/net/tcp*)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(cols[9])
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            links = {os.readlink(fd) for fd in (proc / "fd").iterdir()}
+            if any(f"socket:[{i}]" in links for i in inodes):
+                pids.append(int(proc.name))
+    return pids
+
+
+class RouterProcess:
+    """Memory and descriptors of the router's serving processes."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+
+    def _status_mb(self, key: str) -> float:
+        total = 0
+        for pid in self.pids:
+            with contextlib.suppress(OSError):
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith(key):
+                        total += int(line.split()[1])
+        return round(total / 1024, 1)
+
+    def rss_mb(self) -> float:
+        return self._status_mb("VmRSS:")
+
+    def high_water_mb(self) -> float:
+        """The largest resident size since the process started (the kernel's, not sampled)."""
+        return self._status_mb("VmHWM:")
+
+    def descriptors(self) -> int:
+        return sum(len(list(Path(f"/proc/{pid}/fd").iterdir())) for pid in self.pids if Path(f"/proc/{pid}").exists())
+
+
+def _raise_descriptor_limit(want: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
+
+
+async def _victims(base: str, result: AttackResult, stop: asyncio.Event) -> None:
+    """Fresh-connection GETs, ten a second, until `stop`."""
+    paths = ("/readiness", "/v1/models")
+    n = 0
+    while not stop.is_set():
+        t0 = time.monotonic()
+        try:
+            async with httpx.AsyncClient(timeout=30) as client:
+                resp = await client.get(base + paths[n % 2])
+            result.victims[str(resp.status_code)] += 1
+        except httpx.HTTPError as exc:
+            result.victims[type(exc).__name__] += 1
+        result.victim_latencies_s.append(time.monotonic() - t0)
+        n += 1
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), VICTIM_INTERVAL_S)
+
+
+async def _until_answered(reader: asyncio.StreamReader, t0: float, result: AttackResult) -> None:
+    """Wait for the router's answer to an attacker (or its closing the connection) and record it:
+    the status line, and the time it came after the connection opened."""
+    try:
+        head = await reader.read(65536)
+    except ConnectionResetError:
+        # The router answered and closed while this client was still sending: the kernel resets
+        # the connection and drops the answer before it is read.
+        head = b"reset while sending"
+    except ConnectionError:
+        head = b""
+    result.attacker_cut_s.append(time.monotonic() - t0)
+    result.attacker[head.split(b"\r\n", 1)[0].decode(errors="replace")[:40] or "closed, no answer"] += 1
+
+
+async def _run(
+    name: str, base: str, router: RouterProcess, attack: Callable[[AttackResult], Awaitable[None]]
+) -> AttackResult:
+    result = AttackResult(name)
+    result.rss_mb["before"], result.descriptors["before"] = router.rss_mb(), router.descriptors()
+    result.rss_mb["high_water_before"] = router.high_water_mb()
+    stop = asyncio.Event()
+    peak = {"rss": 0.0, "fds": 0}
+
+    async def sample() -> None:
+        while not stop.is_set():
+            peak["rss"] = max(peak["rss"], router.rss_mb())
+            peak["fds"] = max(peak["fds"], router.descriptors())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.2)
+
+    t0 = time.monotonic()
+    tasks = [asyncio.ensure_future(_victims(base, result, stop)), asyncio.ensure_future(sample())]
+    try:
+        await attack(result)
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)
+    result.seconds = time.monotonic() - t0
+    await asyncio.sleep(2)  # what the router gives back once the attack ended
+    result.rss_mb |= {"peak_sampled": peak["rss"], "high_water_after": router.high_water_mb(), "after": router.rss_mb()}
+    result.descriptors |= {"peak": peak["fds"], "after": router.descriptors()}
+    return result
+
+
+def _head(host: str, length: int | None, *, chunked: bool = False) -> bytes:
+    lines = [b"POST /v1/chat/completions HTTP/1.1", f"Host: {host}".encode(), b"Content-Type: application/json"]
+    if length is not None:
+        lines.append(f"Content-Length: {length}".encode())
+    if chunked:
+        lines.append(b"Transfer-Encoding: chunked")
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+def attacks(host: str, port: int, idle: int) -> dict[str, Callable[[AttackResult], Awaitable[None]]]:
+    async def connect() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection(host, port)
+
+    async def idle_connections(result: AttackResult) -> None:
+        # One process may hold fewer descriptors than the attack needs (20,000 here, the router's
+        # own limit too): the connections are held by child processes of at most IDLE_PER_PROCESS.
+        shares = [min(IDLE_PER_PROCESS, idle - i) for i in range(0, idle, IDLE_PER_PROCESS)]
+        argv = [sys.executable, "-m", "scripts.bench_abuse", "--router", f"http://{host}:{port}"]
+        children = [
+            await asyncio.create_subprocess_exec(*argv, "--hold-idle", str(n), stdout=asyncio.subprocess.PIPE)
+            for n in shares
+        ]
+        for child in children:
+            assert child.stdout is not None
+            for key, n in json.loads(await child.stdout.readline()).items():
+                result.attacker[key] += n
+        await asyncio.sleep(IDLE_HOLD_S)  # the victims run against the held connections
+        for child in children:
+            child.terminate()
+            await child.wait()
+
+    async def slow(result: AttackResult, head: bytes, trickle: bytes, n: int) -> None:
+        async def one() -> None:
+            reader, writer = await connect()
+            t0 = time.monotonic()
+            answered = asyncio.ensure_future(_until_answered(reader, t0, result))
+            with contextlib.suppress(ConnectionError):
+                writer.write(head)
+                for byte in trickle:
+                    if answered.done():
+                        break
+                    writer.write(bytes([byte]))
+                    await writer.drain()
+                    await asyncio.wait({answered}, timeout=1.0)
+            await answered
+            writer.close()
+
+        await asyncio.gather(*(one() for _ in range(n)))
+
+    async def slow_heads(result: AttackResult) -> None:
+        await slow(result, b"", _head(host, 2) + b"{}", 200)
+
+    async def slow_bodies(result: AttackResult) -> None:
+        await slow(result, _head(host, MIB), b'{"messages": "' + b"x" * (MIB - 16) + b'"}', 200)
+
+    async def push(result: AttackResult, head: bytes, body: bytes, *, chunked: bool = False) -> None:
+        """Send `head`, then `body` in 1 MiB pieces as fast as the router takes them, until it answers."""
+        reader, writer = await connect()
+        t0 = time.monotonic()
+        answered = asyncio.ensure_future(_until_answered(reader, t0, result))
+        writer.write(head)
+        with contextlib.suppress(ConnectionError):
+            for at in range(0, len(body), MIB):
+                if answered.done():
+                    break
+                piece = body[at : at + MIB]
+                writer.write(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+                await writer.drain()
+        await answered
+        writer.close()
+
+    async def big_bodies(result: AttackResult) -> None:
+        body = b"x" * (32 * MIB)
+        for chunked in (False, True):
+            head = _head(host, None if chunked else len(body), chunked=chunked)
+            await asyncio.gather(*(push(result, head, body, chunked=chunked) for _ in range(16)))
+
+    async def big_prompt(result: AttackResult) -> None:
+        for size in (30_000_000, 8 * MIB - 4096):
+            body = json.dumps({"messages": [{"role": "user", "content": "x" * size}], "max_tokens": 1}).encode()
+            await push(result, _head(host, len(body)), body)
+            await asyncio.sleep(3)
+
+    return {  # memory first, so that its figures start from the router's own baseline
+        "big-bodies": big_bodies,
+        "big-prompt": big_prompt,
+        "idle": idle_connections,
+        "slow-heads": slow_heads,
+        "slow-bodies": slow_bodies,
+    }
+
+
+async def hold_idle(host: str, port: int, n: int) -> None:
+    """Open `n` silent connections, print how many opened (one JSON line), hold them until killed."""
+    writers, errors = [], Counter[str]()
+    for i in range(0, n, 500):
+        batch = [asyncio.open_connection(host, port) for _ in range(min(500, n - i))]
+        for opened in await asyncio.gather(*batch, return_exceptions=True):
+            if isinstance(opened, BaseException):
+                errors[type(opened).__name__] += 1
+            else:
+                writers.append(opened[1])
+    print(json.dumps({"opened": len(writers), **errors}), flush=True)
+    await asyncio.sleep(3600)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--router", required=True, help="the router's base URL (on this host)")
+    ap.add_argument("--idle", type=int, default=20_000, help="idle connections of the first attack")
+    ap.add_argument("--only", action="append", help="run only this attack (repeatable)")
+    ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    ap.add_argument("--hold-idle", type=int, help=argparse.SUPPRESS)  # a child of the idle attack
+    args = ap.parse_args(argv)
+    url = urlsplit(args.router)
+    host, port = url.hostname or "127.0.0.1", url.port or 80
+    if args.hold_idle:
+        _raise_descriptor_limit(args.hold_idle + 256)
+        asyncio.run(hold_idle(host, port, args.hold_idle))
+        return 0
+    pids = _listener_pids(port)
+    if not pids:
+        ap.error(f"no process on this host listens on port {port}; start the router first (sglang-pd up).")
+    router = RouterProcess(pids)
+    results = []
+    for name, attack in attacks(host, port, args.idle).items():
+        if args.only and name not in args.only:
+            continue
+        result = asyncio.run(_run(name, args.router, router, attack))
+        results.append(result)
+        print(json.dumps(result.row()))
+    limits = {"slow-heads": HEAD_TIMEOUT_S, "slow-bodies": HEAD_TIMEOUT_S + BODY_TIMEOUT_S}
+    not_cut = [
+        r.name for r in results if r.name in limits and max(r.attacker_cut_s, default=0) > limits[r.name] + CUT_MARGIN_S
+    ]
+    bad = [r.name for r in results if r.victims_bad]
+    print(f"victims failed during: {bad or 'none'}; attackers not cut in time: {not_cut or 'none'}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        report = {
+            "command": " ".join([sys.executable, "-m", "scripts.bench_abuse", *(argv or sys.argv[1:])]),
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "router_pids": pids,
+            "results": [r.row() for r in results],
+        }
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    return 1 if bad or not_cut else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
