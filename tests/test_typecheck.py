@@ -24,7 +24,7 @@ def _lint_copy(tmp: Path, probe: str) -> subprocess.CompletedProcess[str]:
         shutil.copytree(REPO / part, tmp / part, symlinks=True, ignore=ignore)
     # The project's own configuration, pointed at the probe (mypy follows its imports from there).
     config = (REPO / "pyproject.toml").read_text()
-    packages = next(line for line in config.splitlines() if line.startswith("packages = [\"sglang_pd.deploy\""))
+    packages = next(line for line in config.splitlines() if line.startswith('packages = ["sglang_pd.deploy"'))
     (tmp / "pyproject.toml").write_text(config.replace(packages, 'packages = ["sglang_pd.deploy._probe"]'))
     (tmp / "deploy" / "_probe.py").write_text(probe)
     argv = [sys.executable, "-m", "mypy", "--cache-dir", str(tmp / ".mypy_cache")]
