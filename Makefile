@@ -7,7 +7,7 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 SGLANG_VERSION := 0.5.23
 TOPOLOGY ?= local-cpu
 
-.PHONY: run test lint unit gpu-test clean
+.PHONY: run test lint unit quick gpu-test clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	@# Mooncake's non-CUDA wheel links libibverbs (Debian libibverbs1), even for TCP transfers.
@@ -34,8 +34,11 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-unit: $(VENV)/.installed
+unit: $(VENV)/.installed  ## the whole non-GPU suite, as CI runs it
 	$(VENV)/bin/pytest -m "not gpu"
+
+quick: $(VENV)/.installed  ## the fast loop: the suite without the `slow` files (those starting processes), under 2 min
+	$(VENV)/bin/pytest -q -m "not gpu and not slow"
 
 test: lint unit  ## what CI runs
 

@@ -14,6 +14,8 @@ import yaml
 from sglang_pd.deploy.cli import main
 from sglang_pd.deploy.sglang_check import sglang_available
 
+pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves it out
+
 R1 = str(Path(__file__).resolve().parents[2] / "deploy" / "presets" / "deepseek-r1-h200-1p1d.yaml")
 
 

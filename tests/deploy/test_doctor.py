@@ -13,6 +13,8 @@ from sglang_pd.deploy.cli import main
 from sglang_pd.deploy.topology import parse_topology
 from sglang_pd.sglang_patches import status
 
+pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves it out
+
 has_deepep = status.distribution_version("sgl-deep-ep") is not None
 
 

@@ -24,7 +24,7 @@ PRESET_DIR = Path(__file__).resolve().parents[2] / "deploy" / "presets"
 needs_sglang = pytest.mark.skipif(
     not sglang_available(), reason="sglang is not installed (the `validate` extra + sglang --no-deps)"
 )
-pytestmark = [pytest.mark.sglang, needs_sglang]
+pytestmark = [pytest.mark.sglang, needs_sglang, pytest.mark.slow]  # a fresh interpreter per resolve
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,8 @@ from sglang_pd.deploy.sglang_compat import (
 )
 from sglang_pd.deploy.topology import find_topology, load_topology
 
+pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves it out
+
 RECORDED_0517 = Path(__file__).parent / "data" / "sglang-0.5.17-options.json"
 OPTIONS_0517 = frozenset(json.loads(RECORDED_0517.read_text())["options"])
 PRESETS = ["deepseek-r1-h200-1p1d", "deepseek-v3-h20-3p2d", "single-h200"]

@@ -33,6 +33,8 @@ from tests.support.polling import wait_until
 from tests.support.router_worker_server import WorkerProcess, start_worker
 from tests.support.standalone_engine import standalone_engine
 
+pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves it out
+
 DATA = Path(__file__).resolve().parents[1] / "deploy" / "data"
 RECORDED = json.loads((DATA / "sglang-0.5.17-http.json").read_text())
 SOURCE = json.loads((DATA / "sglang-0.5.23-http.json").read_text())

@@ -20,6 +20,8 @@ import pytest
 from tests.support.polling import free_port
 from tests.support.standalone_engine import MODEL, engine_argv, standalone_engine
 
+pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves it out
+
 MODEL_CONTEXT = 4096  # the tiny model's max_position_embeddings
 VOCAB_SIZE = 512  # and its vocab_size
 CONTEXT = 256  # what the engine below is started with

@@ -13,6 +13,8 @@ import pytest
 from sglang_pd.deploy.evals import Dataset, load_baseline
 from tests.support.gsm8k_server import Gsm8kTestServer, ServerScript, scripted_answers
 
+pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves it out
+
 Serve = Callable[[ServerScript], Gsm8kTestServer]
 ALL = 1314  # questions after the 5 shots
 

@@ -22,6 +22,8 @@ from sglang_pd.deploy.topology import check_rules, estimate_weight_bytes, load_t
 
 from .conftest import CHART, PRESETS, REPO, by_kind, helm_python, one, preset_topology, preset_values
 
+pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves it out
+
 PRESETS_DIR = PRESETS
 
 PRESET_NAMES = ["deepseek-r1-h200-1p1d", "deepseek-v3-h20-3p2d", "local-cpu"]

@@ -13,6 +13,8 @@ pytest.importorskip("triton", reason="needs triton (the `validate` or `kernels` 
 from sglang_pd.kernels import signal_gemm as sg
 from sglang_pd.kernels.sm90_resources import compile_resources, wgmma_waits_on_loads
 
+pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves it out
+
 MODES = {"none": sg.SIGNAL_NONE, "sglang": sg.SIGNAL_SGLANG, "deepep": sg.SIGNAL_DEEPEP}
 
 

@@ -41,6 +41,8 @@ from sglang_pd.deploy.topology import TopologyError
 from tests.support.netns import REPO, netns_unavailable, run_in_netns
 from tests.support.polling import free_ports
 
+pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves it out
+
 SCENARIOS = "tests.support.kv_firewall_scenarios"
 UNAVAILABLE = netns_unavailable()
 in_netns = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"network namespace scenarios: {UNAVAILABLE}")

@@ -20,6 +20,8 @@ import yaml
 from sglang_pd.deploy.procs import spawn
 from tests.support.polling import free_ports
 
+pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves it out
+
 PRESET = Path(__file__).resolve().parents[2] / "deploy" / "presets" / "local-cpu.yaml"
 
 

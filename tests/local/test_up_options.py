@@ -21,6 +21,8 @@ from sglang_pd.deploy.topology import TopologyError, load_checked_topology
 
 from .test_up import _topology
 
+pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves it out
+
 
 def test_busy_port_is_refused_naming_the_holder(tmp_path: Path) -> None:
     topo, _ = _topology(tmp_path)

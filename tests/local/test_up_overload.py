@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
 import yaml
 
 from scripts.bench_overload import engine_leftovers, run_load
 
 from .test_up import _topology
 from .test_up_smoke import _Up
+
+pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves it out
 
 CLIENTS = 64  # twice the preset's max_running_requests on each engine
 SECONDS = 20.0

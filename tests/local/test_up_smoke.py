@@ -14,12 +14,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 import yaml
 
 from sglang_pd.deploy.contract import ENV_ROUTER_API_KEYS
 from sglang_pd.deploy.procs import spawn
 
 from .test_up import _topology
+
+pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves it out
 
 CLIENT_KEY = "ck-5d1e8b2a9f0c4e7b"
 

@@ -23,6 +23,8 @@ from sglang_pd.deploy.procs import spawn
 from sglang_pd.deploy.topology import load_checked_topology
 from tests.support.polling import free_ports
 
+pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves it out
+
 PRESETS = Path(__file__).resolve().parents[2] / "deploy" / "presets"
 KEY = "wk-7f3c9a0e1d2b4c5a"
 

@@ -9,8 +9,11 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from .conftest import Proc, greedy_reference, launcher
+
+pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves it out
 
 PROMPT = [random.Random(3).randrange(2, 258) for _ in range(100)]
 PARAMS = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from sglang_pd.deploy.local import local_children
 from sglang_pd.deploy.refengine.scheduler import ENV_MAX_QUEUED_REQUESTS
@@ -18,6 +19,8 @@ from sglang_pd.deploy.topology import load_checked_topology
 
 from ..local.test_up import _topology
 from .conftest import Proc, launcher
+
+pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves it out
 
 Outcome = tuple[int, str, str | None]  # status, the error body or the finish reason, Retry-After
 
@@ -106,28 +109,31 @@ def test_a_full_router_queue_answers_429_with_retry_after(tmp_path: Path) -> Non
 
 def test_an_engine_that_answers_queue_full_is_a_503_with_retry_after_not_a_worker_failure(tmp_path: Path) -> None:
     # sglang refuses for load only when it serves alone with --max-queued-requests (PD roles ignore
-    # it): two such engines, one running slot each and no queue, stand behind the router.
+    # it): two such engines, one running slot each and no queue. Each router keeps within what the
+    # engines report, but two routers (replicas) in front of them count only their own requests.
     env = {ENV_MAX_QUEUED_REQUESTS: "0"}
     with launcher(tmp_path) as lx:
         one = lx.engine("both", env=env, args=["--max-running-requests", "1"], name="one")
         two = lx.engine("both", env=env, args=["--max-running-requests", "1"], name="two")
-        router = lx.router(one, two)
+        routers = [lx.router(one, two), lx.router(one, two)]
         lx.wait(one, two)
-        lx.wait(router)
+        lx.wait(*routers)
         results: list[Outcome] = []
-        threads = [threading.Thread(target=_stream, args=(router, 60, results)) for _ in range(2)]
+        threads = [threading.Thread(target=_stream, args=(router, 60, results)) for router in routers]
         for t in threads:
             t.start()
         for t in threads:
             t.join(60)
-        statuses = sorted(status for status, _, _ in results)
-        assert statuses == [200, 503], results
-        (refusal,) = [(json.loads(text), retry) for status, text, retry in results if status == 503]
-        assert refusal[0]["error"]["code"] == "worker_busy" and refusal[1] is not None, refusal
-        workers = httpx.get(f"{router.url}/workers", timeout=5).json()
-        assert all(w["breaker"] == "closed" and w["healthy"] for role in ("prefill", "decode") for w in workers[role])
-        errors = {k: v for k, v in router.metrics().items() if k.startswith("sglang_pd_router_upstream_errors_total")}
-        assert errors and all('kind="busy"' in k for k, v in errors.items() if v), errors
+        assert len(results) == 2 and {status for status, _, _ in results} <= {200, 503}, results
+        refusals = [(json.loads(text), retry) for status, text, retry in results if status == 503]
+        assert refusals, f"one engine had two requests for its one slot: {results}"
+        for body, retry in refusals:
+            assert body["error"]["code"] == "worker_busy" and retry is not None, (body, retry)
+        for router in routers:
+            workers = httpx.get(f"{router.url}/workers", timeout=5).json()
+            assert all(w["breaker"] == "closed" and w["healthy"] for w in workers["prefill"] + workers["decode"])
+            errors = {k: v for k, v in router.metrics().items() if k.startswith("sglang_pd_router_upstream_errors")}
+            assert all('kind="busy"' in k for k, v in errors.items() if v), errors
 
 
 def test_the_topologys_context_length_reaches_the_engines_and_the_router_enforces_it(tmp_path: Path) -> None:

@@ -10,8 +10,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import pytest
 
 from .conftest import PDStack, Proc, greedy_reference, read_registered_region
+
+pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves it out
 
 NEW_TOKENS = 10
 # 20 prompt lengths from 1 to 400 tokens, around the 16-token page boundaries.

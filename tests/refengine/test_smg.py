@@ -20,7 +20,10 @@ from .conftest import PDStack, free_port
 
 SMG = shutil.which("smg") or str(Path(sys.executable).parent / "smg")
 
-pytestmark = pytest.mark.skipif(not os.path.exists(SMG), reason="smg (the `dev` extra: smg==1.13.0) is not installed")
+pytestmark = [
+    pytest.mark.skipif(not os.path.exists(SMG), reason="smg (the `dev` extra: smg==1.13.0) is not installed"),
+    pytest.mark.slow,
+]
 
 
 @pytest.fixture(scope="module")

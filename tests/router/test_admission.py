@@ -13,11 +13,14 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import httpx
+import pytest
 
 from sglang_pd.deploy.procs import spawn
 from tests.support.polling import free_port, wait_until
 
 from .conftest import FAST, Cluster, serves_a_pair, wait_ready
+
+pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves it out
 
 CHAT = "/v1/chat/completions"
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}

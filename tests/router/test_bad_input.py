@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from .conftest import Cluster, RunningRouter
 
+pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves it out
+
 API_KEY = "sk-client-0123456789"
 ADMIN_KEY = "sk-admin-9876543210"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

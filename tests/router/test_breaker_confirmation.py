@@ -25,6 +25,8 @@ from tests.support.router_workers import InProcessCluster
 
 from .conftest import Cluster, RunningRouter
 
+pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves it out
+
 CHAT = "/v1/chat/completions"
 NOT_COUNTED = "worker 5xx is request-caused, not counted"
 COUNTED = "worker 5xx confirmed by a failed health probe, counted"

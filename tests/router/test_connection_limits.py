@@ -17,6 +17,8 @@ import pytest
 
 from .conftest import Cluster, RunningRouter
 
+pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves it out
+
 API_KEY = "sk-head-limits"
 
 

@@ -13,12 +13,15 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+import pytest
 
 from sglang_pd.deploy.router.breaker import BreakerState
 from tests.support.polling import wait_until
 
 from .conftest import FAST, Cluster, RouterLog, RunningRouter, serve_router
 from .test_bad_input import assert_openai_error
+
+pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves it out
 
 DEADLINE = 12.0  # every request must end well within this (request timeout is 10 s)
 CHAT = "/v1/chat/completions"

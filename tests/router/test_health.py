@@ -28,6 +28,8 @@ from tests.support.router_workers import FakeWorker, InProcessCluster
 
 from .conftest import Cluster
 
+pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves it out
+
 CHAT = "/v1/chat/completions"
 TOKENS = 20
 

@@ -25,6 +25,8 @@ from tests.support.polling import wait_until
 from .conftest import Cluster, RunningRouter
 from .test_bad_input import assert_openai_error
 
+pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves it out
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 GENERATE = "/generate"

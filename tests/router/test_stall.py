@@ -19,6 +19,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
+import pytest
 
 from sglang_pd.deploy.router.breaker import BreakerState
 from sglang_pd.deploy.router.config import RouterConfig
@@ -29,6 +30,8 @@ from sglang_pd.deploy.router.workers import Worker, WorkerRegistry
 from tests.support.polling import wait_until
 
 from .conftest import Cluster, RunningRouter
+
+pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves it out
 
 CHAT = "/v1/chat/completions"
 SGLANG_TICK_S = 1.0  # the test workers' default: sglang's /health looks once a second

@@ -13,6 +13,8 @@ from sglang_pd.deploy.contract import ENV_WORKER_API_KEY
 from sglang_pd.deploy.router.transport import HttpWorkerClient
 from tests.refengine.conftest import launcher
 
+pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves it out
+
 WORKER_KEY = "sk-worker-0123456789"
 
 
