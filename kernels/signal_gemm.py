@@ -419,7 +419,7 @@ class WsConfig:
         )
 
 
-#: Configurations measured best on the H200 (kernels/README.md, ``scripts/sweep_sbo_gemm.py``), by
+#: Configurations measured best on the H200 (kernels/README.md, ``benchmarks/sweep_sbo_gemm.py``), by
 #: expected rows per expert. Up to 32 rows, swap-AB puts the weights on wgmma's 64-row side and
 #: the tokens on its narrow side, so a tile loads 16 or 32 token rows instead of 64. At 128 rows a
 #: 128×128 tile reads each weight tile once (128×256 would need more than 255 registers a thread).
@@ -436,7 +436,7 @@ _TUNED_ROW_BLOCKS: dict[int, GemmConfig] = {64: _TUNED[64]}
 #: FP8 on sm_90: the warp-specialized kernel, whose loads never wait for the math, at every m.
 #: Up to 64 rows the 64×256 tile: within 2 % of the best configuration and ahead of every Triton
 #: tile, swap-AB included. Above, 128×192: each weight tile is read once, and 1.5× the outputs of
-#: 128×128 per activation tile loaded (kernels/README.md, scripts/sweep_sbo_gemm.py).
+#: 128×128 per activation tile loaded (kernels/README.md, benchmarks/sweep_sbo_gemm.py).
 _WS = WsConfig(block_m=64, block_n=256, num_stages=4)
 _WS_TALL = WsConfig(block_m=128, block_n=192, num_stages=4)
 _WS_TALL_ABOVE_ROWS = 64

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # SBO and TBO measured on one multi-GPU host (2 x H200): build DeepEP from the carried source, then
-# run scripts/bench_moe_layer.py three times. Fetches nothing; about 9 minutes at most.
+# run benchmarks/bench_moe_layer.py three times. Fetches nothing; about 9 minutes at most.
 #
 #   bash scripts/gpu_moe_run.sh OUT_DIR      (from the repository root)
 #
@@ -62,7 +62,7 @@ run_bench() {
     return
   fi
   say "$name: bench_moe_layer.py $* (deadline ${deadline} s)"
-  "$PY" scripts/bench_moe_layer.py "$@" --json "$out/$name.json" --deadline-s "$deadline" --hang-s 60 2>&1 | tee -a "$log"
+  "$PY" benchmarks/bench_moe_layer.py "$@" --json "$out/$name.json" --deadline-s "$deadline" --hang-s 60 2>&1 | tee -a "$log"
   say "$name: exit ${PIPESTATUS[0]} after $(elapsed) s in total"
 }
 # In the order of the asks: the DeepSeek-V3 decode layer, prefill TBO, then the EP16 per-GPU load.

@@ -4,7 +4,7 @@
 engine, registers a zeroed buffer and serves, over a tiny HTTP API on loopback (or `--listen`):
 `GET /info` (session id, buffer base and length), `GET /crc?offset=&length=` (crc32 of a slice),
 `GET /fill?offset=&length=&byte=` and `GET /quit`. The first stdout line is the /info JSON plus
-`http_port`. `kv-probe`, `scripts/bench_kv.py` and the tests use it as the decode side.
+`http_port`. `kv-probe`, `benchmarks/bench_kv.py` and the tests use it as the decode side.
 
 The control API is the standard library's threaded HTTP server: the peer's handlers touch the
 registered buffer from plain threads, and it starts in milliseconds with nothing to install.

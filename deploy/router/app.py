@@ -127,7 +127,7 @@ class RouterApp:
 
     async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         # The inference endpoints skip FastAPI's routing and its five middleware layers: they
-        # were a fifth of the router's CPU per request (py-spy, scripts/bench_router.py at c=16).
+        # were a fifth of the router's CPU per request (py-spy, benchmarks/bench_router.py at c=16).
         endpoint = self._inference.get(scope["path"]) if scope["type"] == "http" else None
         if endpoint is None:
             await self.fastapi(scope, receive, send)

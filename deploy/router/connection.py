@@ -6,7 +6,7 @@ Every request on the connection finds that future in its ASGI scope, under
 `scope["extensions"][CLIENT_GONE]["future"]`, so watching for a client that leaves takes no task per
 request (`relay.ClientWatch`). Reading ASGI's receive() for `http.disconnect` did: a task, an
 event and uvicorn's receive() per request, which together were a tenth of the router's samples
-in a py-spy profile of scripts/bench_router.py's load (unary, concurrency 64).
+in a py-spy profile of benchmarks/bench_router.py's load (unary, concurrency 64).
 """
 
 from __future__ import annotations

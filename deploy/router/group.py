@@ -1,7 +1,7 @@
 """`sglang-pd router --processes N`: N serving processes on one port, led by one control process.
 
 One router process serves on one core: most of its CPU per request is the event loop's own
-socket work (py-spy on scripts/bench_router.py). A group spreads the connections over N
+socket work (py-spy on benchmarks/bench_router.py). A group spreads the connections over N
 processes; each listens on its own socket bound to the same port with SO_REUSEPORT, and the
 kernel spreads new connections over them (Linux socket(7)).
 

@@ -1,7 +1,7 @@
 """A small HTTP/1.1 client for the router's legs to its workers.
 
 Why not a general client: aiohttp's was a third of the router's CPU per request (py-spy on
-scripts/bench_router.py at concurrency 16: a request object, a header multidict, timer and trace
+benchmarks/bench_router.py at concurrency 16: a request object, a header multidict, timer and trace
 hooks per request). The router sends a few request shapes to a few workers, so this client does
 only that:
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from scripts.bench_overload import engine_leftovers, run_load
+from benchmarks.bench_overload import engine_leftovers, run_load
 
 from .test_up import _topology
 from .test_up_smoke import _Up

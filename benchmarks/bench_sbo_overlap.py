@@ -14,7 +14,7 @@ events around one replay of the whole step:
 each step captured in a CUDA graph (as sglang's decode runs it) and timed over its replays, and
 checks the peer's copy equals the GEMM's output. Prints a table and writes JSON.
 
-    PYTHONPATH=. python scripts/bench_sbo_overlap.py --json overlap.json   # 2 GPUs with peer access
+    PYTHONPATH=. python benchmarks/bench_sbo_overlap.py --json overlap.json   # 2 GPUs with peer access
 
 (from the repository root, with the package installed: the stand-in is a test harness and is not
 shipped).
@@ -41,7 +41,7 @@ except ModuleNotFoundError as exc:
         raise
     raise SystemExit(
         "The combine-send stand-in lives in tests/support, which is not installed: run this script from "
-        "the repository root with the root on the path, `PYTHONPATH=. python scripts/bench_sbo_overlap.py`."
+        "the repository root with the root on the path, `PYTHONPATH=. python benchmarks/bench_sbo_overlap.py`."
     ) from exc
 
 M_VALUES = (8, 32, 64, 128)

@@ -55,8 +55,8 @@ With 256 experts on 2 GPUs each GPU holds 128 experts; ``--num-experts 32`` give
 
 Run (one process per GPU is spawned; from the repository root)::
 
-    python3 scripts/bench_moe_layer.py --json decode.json
-    python3 scripts/bench_moe_layer.py --mode tbo --json tbo.json
+    python3 benchmarks/bench_moe_layer.py --json decode.json
+    python3 benchmarks/bench_moe_layer.py --mode tbo --json tbo.json
 
 DeepEP must be importable (scripts/build_deepep.sh installs it into /tmp/deepep; put that on
 PYTHONPATH). The machine rule NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,

@@ -9,10 +9,10 @@ and runs about twice as long (kernels/README.md).
 At the end it lists every kernel that spills; ``python -m sglang_pd.kernels.sm90_resources``
 checks a configuration for spills without a GPU.
 
-The winners go into ``kernels/signal_gemm.py``'s ``_TUNED`` tables; ``scripts/bench_sbo_gemm.py``
+The winners go into ``kernels/signal_gemm.py``'s ``_TUNED`` tables; ``benchmarks/bench_sbo_gemm.py``
 then measures the picked configurations with and without signals.
 
-    python scripts/sweep_sbo_gemm.py --json out.json [--experts 16 32] [--m 8 16 32 64 128]
+    python benchmarks/sweep_sbo_gemm.py --json out.json [--experts 16 32] [--m 8 16 32 64 128]
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ settle: bootstrap rooms, KV pages and running requests must all return to 0.
 
 Against a local stack (`sglang-pd up local-cpu` in another shell):
 
-    .venv/bin/python -m scripts.bench_overload --router http://127.0.0.1:8000 \\
+    .venv/bin/python -m benchmarks.bench_overload --router http://127.0.0.1:8000 \\
         --prefill http://127.0.0.1:30000 --decode http://127.0.0.1:30001 --out out/overload.json
 
 Prints a table and writes JSON with the command, machine and date. The exit status is 1 when a
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         report = {
-            "command": " ".join([sys.executable, "-m", "scripts.bench_overload", *(argv or sys.argv[1:])]),
+            "command": " ".join([sys.executable, "-m", "benchmarks.bench_overload", *(argv or sys.argv[1:])]),
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "result": summary,

@@ -6,7 +6,7 @@ Two runs: every line of test.jsonl as a question (`--num-shots 0`, 1319 question
 5-shot prompts (1314 questions). Target: each under 5 s at --parallel 64 on a 2-core machine. The
 harness's own CPU time (user + system of this process, the server excluded) is reported too.
 
-    .venv/bin/python scripts/bench_gsm8k_harness.py [--parallel 64] [--json out.json]
+    .venv/bin/python benchmarks/bench_gsm8k_harness.py [--parallel 64] [--json out.json]
 """
 
 from __future__ import annotations

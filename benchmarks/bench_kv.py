@@ -7,8 +7,8 @@ fragmented (the decode pages are a random permutation: one item per page and lay
 the same (src, dst, len) items straight to `batch_transfer_sync_write` in slices of 1024 (the most
 Mooncake's TCP lane takes per peer); "ours" is `KVTransferEngine.write_pages`, planning included.
 
-    .venv/bin/python scripts/bench_kv.py                      # 1k..32k tokens, table + bench_kv.json
-    .venv/bin/python scripts/bench_kv.py --tokens 1024 4096 --repeat 5 --json out.json
+    .venv/bin/python benchmarks/bench_kv.py                      # 1k..32k tokens, table + bench_kv.json
+    .venv/bin/python benchmarks/bench_kv.py --tokens 1024 4096 --repeat 5 --json out.json
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ on the router's host):
 
 Against a local stack (`sglang-pd up local-cpu` in another shell, as root for the descriptors):
 
-    .venv/bin/python -m scripts.bench_abuse --router http://127.0.0.1:8000 --out out/abuse.json
+    .venv/bin/python -m benchmarks.bench_abuse --router http://127.0.0.1:8000 --out out/abuse.json
 
 Prints a table and writes JSON with the command, machine and date. The exit status is 1 when a
 victim request failed or got other than 200 or 503, or when an attacker's connection was still
@@ -223,7 +223,7 @@ def attacks(host: str, port: int, idle: int) -> dict[str, Callable[[AttackResult
         # One process may hold fewer descriptors than the attack needs (20,000 here, the router's
         # own limit too): the connections are held by child processes of at most IDLE_PER_PROCESS.
         shares = [min(IDLE_PER_PROCESS, idle - i) for i in range(0, idle, IDLE_PER_PROCESS)]
-        argv = [sys.executable, "-m", "scripts.bench_abuse", "--router", f"http://{host}:{port}"]
+        argv = [sys.executable, "-m", "benchmarks.bench_abuse", "--router", f"http://{host}:{port}"]
         children = [
             await asyncio.create_subprocess_exec(*argv, "--hold-idle", str(n), stdout=asyncio.subprocess.PIPE)
             for n in shares
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         report = {
-            "command": " ".join([sys.executable, "-m", "scripts.bench_abuse", *(argv or sys.argv[1:])]),
+            "command": " ".join([sys.executable, "-m", "benchmarks.bench_abuse", *(argv or sys.argv[1:])]),
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "router_pids": pids,

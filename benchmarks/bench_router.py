@@ -22,7 +22,7 @@ unary and streaming; zero errors. The exit status is 1 when there were errors or
 missed its target. Run it from the repository root (the test workers are imported from
 `tests.support`):
 
-    .venv/bin/python -m scripts.bench_router --out out/bench_router.json
+    .venv/bin/python -m benchmarks.bench_router --out out/bench_router.json
 """
 
 from __future__ import annotations
@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     prefills, decodes = start_workers(args.prefills, args.decodes, no_log=True)
     cells: list[Cell] = []
     meta: dict[str, Any] = {
-        "command": " ".join([Path(sys.executable).name, "-m", "scripts.bench_router", *(argv or sys.argv[1:])]),
+        "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.bench_router", *(argv or sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "cpu": _cpu_model(),
         "cpus": os.cpu_count(),

@@ -19,9 +19,9 @@ Every time is the median of CUDA-graph replays (``triton.testing.do_bench_cudagr
 decode runs these kernels inside CUDA graphs, and without a graph Python's launch overhead would
 show in the events. Ours and DeepGEMM's are then the median of ``--rounds`` such timings taken in
 interleaved rounds. The activation scales are MN-major for every kernel, as sglang hands them to
-the down GEMM. ``scripts/sweep_sbo_gemm.py`` is the search that chose the configurations.
+the down GEMM. ``benchmarks/sweep_sbo_gemm.py`` is the search that chose the configurations.
 
-    python scripts/bench_sbo_gemm.py --json out.json
+    python benchmarks/bench_sbo_gemm.py --json out.json
 
 It imports the installed package (``pip install -e .``, or ``pip install --target DIR .`` with
 ``PYTHONPATH=DIR``); its JSON carries the command, GPU, date and versions of the run, as the
