@@ -12,11 +12,10 @@ import importlib
 import sys
 
 from sglang_pd.deploy.argtypes import positive_int
+from sglang_pd.deploy.contract import EXIT_INVALID, EXIT_OK, EXIT_USAGE
 from sglang_pd.deploy.topology import TopologyError, load_checked_topology
 
 __all__ = ["main"]
-
-EXIT_OK, EXIT_INVALID, EXIT_USAGE, EXIT_CHECK_UNAVAILABLE = 0, 1, 2, 3
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:

@@ -1,5 +1,6 @@
 """Names every part of sglang-pd agrees on: roles, default ports, routing policies, the Kubernetes
-labels and annotations the chart sets and the router reads, and shared environment variables.
+labels and annotations the chart sets and the router reads, shared environment variables, and
+the commands' exit statuses.
 
 The Helm chart cannot import Python, so tests render it and check it against these constants.
 Nothing here imports the rest of the package; every part may import it.
@@ -24,6 +25,11 @@ __all__ = [
     "ENV_ROUTER_WORKER_API_KEY",
     "ENV_SBO_MODE",
     "ENV_WORKER_API_KEY",
+    "EXIT_FAILED",
+    "EXIT_INVALID",
+    "EXIT_OK",
+    "EXIT_UNAVAILABLE",
+    "EXIT_USAGE",
     "LABEL_COMPONENT",
     "LABEL_INSTANCE",
     "LABEL_LWS_WORKER_INDEX",
@@ -39,6 +45,17 @@ __all__ = [
     "policy_problem",
     "worker_selector",
 ]
+
+# -- exit statuses: every command's, with one meaning each -----------------------------------------
+EXIT_OK = 0
+# What was asked is wrong or failed its check: a topology rule or sglang's verdict (`plan`, `up`,
+# `launch`), an SBO half this machine cannot serve (`doctor --expect`), the gsm8k gate (`eval`).
+EXIT_INVALID = 1
+EXIT_USAGE = 2  # the command line itself
+# Something the command needs is not here: sglang for `plan --check`, the gsm8k data (`eval`).
+EXIT_UNAVAILABLE = 3
+# The system did not work: a component did not come up or failed (`up`), the endpoint (`eval`).
+EXIT_FAILED = 4
 
 Role = Literal["prefill", "decode"]
 """The two kinds of PD engine. The router is a component, not a role."""

@@ -20,12 +20,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from sglang_pd.deploy.contract import EXIT_INVALID, EXIT_OK
 from sglang_pd.deploy.sglang_compat import FlagReport, flag_report, flag_summary
 from sglang_pd.deploy.topology import SBOMode, Topology
 
 __all__ = ["add_arguments", "collect", "deepep_driver", "format_table", "run", "sbo_topology_warnings"]
 
-EXIT_OK, EXIT_UNAVAILABLE = 0, 1
 
 #: GPU types by architecture. sm_90 needs this plugin for SBO; sglang serves SBO on Blackwell itself.
 HOPPER = frozenset({"H100", "H200", "H20", "H800", "GH200"})
@@ -230,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps(doc, indent=2) if args.format == "json" else format_table(doc))
     if args.expect and not doc["sbo"][args.expect]["ok"]:
         print(f"error: SBO {args.expect} cannot run here: {doc['sbo'][args.expect]['reason']}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
+        return EXIT_INVALID
     return EXIT_OK
 
 

@@ -45,7 +45,15 @@ from typing import IO, Any, TextIO
 
 import httpx
 
-from sglang_pd.deploy.contract import ENV_ROUTER_API_KEYS, ENV_WORKER_API_KEY, WORKER_AUTH_HEADER, Role
+from sglang_pd.deploy.contract import (
+    ENV_ROUTER_API_KEYS,
+    ENV_WORKER_API_KEY,
+    EXIT_FAILED,
+    EXIT_INVALID,
+    EXIT_OK,
+    WORKER_AUTH_HEADER,
+    Role,
+)
 from sglang_pd.deploy.kv.firewall import FirewallError, LocalFirewall, remove_stale_local_chains
 from sglang_pd.deploy.kv.listeners import EXPOSURE_MARK, mooncake_port_range
 from sglang_pd.deploy.kv.mooncake_logs import LogAnnotator
@@ -56,7 +64,6 @@ from sglang_pd.deploy.topology import InstanceEndpoint, Topology, TopologyError,
 
 __all__ = ["ChildSpec", "Stack", "add_arguments", "local_children", "run"]
 
-EXIT_OK, EXIT_INVALID, EXIT_FAILED = 0, 1, 4
 DEFAULT_TOPOLOGY = "local-cpu"
 TINY_MODEL = "tiny-deepseek-v3"
 # Models the reference engine builds, or finds in an installed package, by name (refengine/sources.py).

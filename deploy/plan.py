@@ -14,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from sglang_pd.deploy.contract import EXIT_INVALID, EXIT_OK
+from sglang_pd.deploy.contract import EXIT_UNAVAILABLE as EXIT_CHECK_UNAVAILABLE
 from sglang_pd.deploy.sglang_args import NodeCommand, Role, render_plan
 from sglang_pd.deploy.sglang_compat import FlagReport, flag_summary
 from sglang_pd.deploy.topology import RuleReport, SBOMode, Topology
@@ -21,7 +23,6 @@ from sglang_pd.deploy.topology import RuleReport, SBOMode, Topology
 __all__ = ["EXIT_CHECK_UNAVAILABLE", "EXIT_INVALID", "EXIT_OK", "Plan", "build_plan", "check_plan", "format_plan"]
 
 FORMATS = ("table", "json", "yaml", "shell")
-EXIT_OK, EXIT_INVALID, EXIT_CHECK_UNAVAILABLE = 0, 1, 3
 
 
 @dataclass(frozen=True)

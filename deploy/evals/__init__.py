@@ -1,6 +1,6 @@
 """The gsm8k accuracy gate: `sglang-pd eval gsm8k` against any OpenAI-compatible endpoint."""
 
-from .client import ClientConfig, Completion, EndpointClient, RequestFailed, RetryPolicy
+from .client import ClientConfig, Completion, EndpointClient, QuestionFailed, RetryPolicy
 from .data import GSM8K_SHA256, GSM8K_URL, Dataset, Problem, ensure_dataset, load_dataset
 from .errors import DataUnavailable, EndpointError, EndpointUnreachable, EvalError, UsageError
 from .gate import (
@@ -44,9 +44,9 @@ __all__ = [
     "Metrics",
     "Problem",
     "PublishError",
+    "QuestionFailed",
     "QuestionRecord",
     "Report",
-    "RequestFailed",
     "RetryPolicy",
     "RuleResult",
     "RunResult",

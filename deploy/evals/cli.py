@@ -32,6 +32,10 @@ import sys
 from pathlib import Path
 
 from ..argtypes import fraction, positive_float, positive_int
+from ..contract import EXIT_FAILED as EXIT_ENDPOINT
+from ..contract import EXIT_INVALID as EXIT_GATE_FAILED
+from ..contract import EXIT_OK, EXIT_USAGE
+from ..contract import EXIT_UNAVAILABLE as EXIT_DATA
 from .client import ClientConfig, RetryPolicy
 from .errors import DataUnavailable, EvalError, UsageError
 from .gate import DEFAULT_CONFIDENCE, DEFAULT_INTERVAL, DEFAULT_MAX_DROP
@@ -49,8 +53,6 @@ from .report import Report, format_table, minimal_report, write_json
 from .textfile import parse_labels, render_metrics, write_textfile
 
 __all__ = ["EXIT_DATA", "EXIT_ENDPOINT", "EXIT_GATE_FAILED", "EXIT_OK", "EXIT_USAGE", "add_arguments", "run"]
-
-EXIT_OK, EXIT_GATE_FAILED, EXIT_USAGE, EXIT_DATA, EXIT_ENDPOINT = 0, 1, 2, 3, 4
 
 
 def _num_questions(value: str) -> int | None:

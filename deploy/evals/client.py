@@ -31,7 +31,7 @@ __all__ = [
     "ClientConfig",
     "Completion",
     "EndpointClient",
-    "RequestFailed",
+    "QuestionFailed",
     "RetryPolicy",
 ]
 
@@ -87,7 +87,7 @@ class Completion:
     invalid_responses: int = 0
 
 
-class RequestFailed(Exception):
+class QuestionFailed(Exception):
     """One question's request failed for good: `kind` says how (see the module docstring)."""
 
     def __init__(
@@ -280,7 +280,7 @@ class EndpointClient:
         if status in TRANSIENT_STATUS:
             raise _Transient(_describe(status, url, body), _retry_after(headers))
         if status != 200:
-            raise RequestFailed(_describe(status, url, body), 0, kind="http")
+            raise QuestionFailed(_describe(status, url, body), 0, kind="http")
         text, tokens, finish = self._parse(body)
         return text, tokens, finish, time.perf_counter() - start
 
@@ -298,7 +298,7 @@ class EndpointClient:
             except _Transient as exc:
                 first_failed = first_failed or attempt == 0
                 if retries >= retry.max_retries:
-                    raise RequestFailed(
+                    raise QuestionFailed(
                         f"{exc} (gave up after {retries} retries)",
                         retries,
                         first_attempt_failed=first_failed,
@@ -310,7 +310,7 @@ class EndpointClient:
             except _Malformed as exc:
                 malformed += 1
                 if malformed > 1:
-                    raise RequestFailed(
+                    raise QuestionFailed(
                         f"Malformed response from {url} twice: {exc}",
                         retries,
                         kind="invalid_response",
@@ -319,7 +319,7 @@ class EndpointClient:
                     ) from exc
                 self.retries += 1
                 retries += 1
-            except RequestFailed as exc:
+            except QuestionFailed as exc:
                 exc.retries, exc.first_attempt_failed, exc.invalid_responses = retries, first_failed, malformed
                 raise
             else:

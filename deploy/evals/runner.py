@@ -13,7 +13,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .client import Completion, EndpointClient, RequestFailed
+from .client import Completion, EndpointClient, QuestionFailed
 from .prompt import Item
 from .scoring import last_explicit, last_number, same_number, strict_match, strict_normalize
 
@@ -111,7 +111,7 @@ async def _ask(client: EndpointClient, item: Item) -> QuestionRecord:
     try:
         completion = await client.complete(item.prompt)
         return score(item, completion)
-    except RequestFailed as exc:
+    except QuestionFailed as exc:
         return _failed(
             item,
             str(exc),

@@ -35,11 +35,12 @@ class Pair:
 
     def release_ranks(self, _: object = None) -> None:
         """The prefill leg ended: its DP ranks have one request less in flight (a done callback)."""
-        worker = self.prefill
-        if len(worker.dp_in_flight) == worker.dp_size:  # unchanged since the pick
-            for rank in self.dp_ranks:
-                if rank < worker.dp_size:
-                    worker.dp_in_flight[rank] = max(0, worker.dp_in_flight[rank] - 1)
+        counts = self.prefill.dp_in_flight
+        for rank in self.dp_ranks:
+            # The counts start again at 0 when the worker reports another DP size (`set_dp_size`),
+            # so a rank picked before may be gone, or already at 0.
+            if rank < len(counts):
+                counts[rank] = max(0, counts[rank] - 1)
 
 
 class PairPicker:

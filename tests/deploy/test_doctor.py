@@ -76,7 +76,7 @@ def test_sm90_without_our_kernel_serves_shared_only(
     assert not doc["sbo"]["full"]["ok"] and "does not import" in doc["sbo"]["full"]["reason"]
     assert doc["sbo"]["shared-only"]["ok"]
     assert main(["doctor", "--skip-targets", "--expect", "shared-only"]) == 0
-    assert main(["doctor", "--skip-targets", "--expect", "full"]) == doctor.EXIT_UNAVAILABLE
+    assert main(["doctor", "--skip-targets", "--expect", "full"]) == doctor.EXIT_INVALID
     assert "error: SBO full cannot run here: our kernel" in capsys.readouterr().err
 
 
