@@ -411,34 +411,25 @@ class Stack:
         env = {**spec.env, "PYTHONUNBUFFERED": "1"}
         ports = "/".join(str(p) for p in spec.ports if p)
         note += f" on port {ports}" if ports else ""
+        child = spawn(
+            spec.name,
+            spec.argv,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=False,
+            group=spec.group,
+        )
         if self.log_dir is not None and spec.log_to_file:
             log = self.logs[spec.name] = self.log_dir / f"{spec.name}.log"
             sink = log.open("ab" if append else "wb")
             self._files.append(sink)
-            child = spawn(
-                spec.name,
-                spec.argv,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=False,
-                group=spec.group,
-            )
             fenced = spec.group is not None
             pump = threading.Thread(target=self._pump_to_file, args=(child, sink, spec.secrets, fenced), daemon=True)
             self._file_pumps[spec.name] = pump
             pump.start()
             note += f" (log: {log})"
         else:
-            child = spawn(
-                spec.name,
-                spec.argv,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=False,
-                group=spec.group,
-            )
             threading.Thread(target=self._pump, args=(child, spec.secrets), daemon=True).start()
         self.echo(note)
         self.procs[spec.name] = child

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from sglang_pd.deploy.contract import ENV_WORKER_API_KEY
 from sglang_pd.deploy.kv import firewall
@@ -38,15 +37,14 @@ from sglang_pd.deploy.launch import LaunchError
 from sglang_pd.deploy.local import ChildSpec, fence_kv_ports
 from sglang_pd.deploy.procs import spawn
 from sglang_pd.deploy.topology import TopologyError
+from tests.local.test_up import _topology as local_topology
 from tests.support.netns import REPO, netns_unavailable, run_in_netns
-from tests.support.polling import free_ports
 
 pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves it out
 
 SCENARIOS = "tests.support.kv_firewall_scenarios"
 UNAVAILABLE = netns_unavailable()
 in_netns = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"network namespace scenarios: {UNAVAILABLE}")
-PRESET = REPO / "deploy" / "presets" / "local-cpu.yaml"
 
 
 def _figure(what: str, r: dict[str, Any]) -> None:
@@ -181,15 +179,7 @@ def test_launch_installs_the_rules_before_sglang_and_removes_them_after() -> Non
 
 
 def _topology(tmp: Path) -> Path:
-    prefill, bootstrap, decode, router = free_ports(4)
-    t = yaml.safe_load(PRESET.read_text())
-    t["prefill"].update(port=prefill, bootstrap_port=bootstrap)
-    t["decode"]["port"] = decode
-    t["router"]["port"] = router
-    t["model"]["config_json"] = str(PRESET.parent / t["model"]["config_json"])
-    path = tmp / "local.yaml"
-    path.write_text(yaml.safe_dump(t))
-    return path
+    return local_topology(tmp)[0]
 
 
 def _no_iptables_env(tmp: Path, **extra: str) -> dict[str, str]:
