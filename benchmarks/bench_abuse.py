@@ -46,7 +46,7 @@ __all__ = ["AttackResult", "main"]
 
 MIB = 1 << 20
 VICTIM_INTERVAL_S = 0.1
-# The router's shipped timeouts (deploy/http_limits.py) and the margin an attacker's connection may
+# The router's shipped timeouts (deploy/common/http_limits.py) and the margin an attacker's connection may
 # outlive them by before it counts as not cut.
 HEAD_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 60.0

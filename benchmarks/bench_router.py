@@ -46,7 +46,7 @@ from typing import Any
 
 import aiohttp
 
-from sglang_pd.deploy.procs import Child, spawn
+from sglang_pd.deploy.common.procs import Child, spawn
 from tests.support.polling import free_port
 from tests.support.router_worker_server import WorkerProcess, start_workers
 

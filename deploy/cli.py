@@ -11,19 +11,19 @@ import argparse
 import importlib
 import sys
 
-from sglang_pd.deploy.argtypes import positive_int
-from sglang_pd.deploy.contract import EXIT_INVALID, EXIT_OK, EXIT_USAGE
-from sglang_pd.deploy.topology import TopologyError, load_checked_topology
+from sglang_pd.deploy.common.argtypes import positive_int
+from sglang_pd.deploy.common.contract import EXIT_INVALID, EXIT_OK, EXIT_USAGE
+from sglang_pd.deploy.spec.topology import TopologyError, load_checked_topology
 
 __all__ = ["main"]
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from sglang_pd.deploy.plan import build_plan, format_plan
+    from sglang_pd.deploy.ops.plan import build_plan, format_plan
 
     t, rules = load_checked_topology(args.topology)
     if args.estimate:
-        from sglang_pd.deploy.plan import estimate_report
+        from sglang_pd.deploy.ops.plan import estimate_report
 
         if args.format not in ("table", "json"):
             print(f"error: --estimate prints a table or JSON, not {args.format}.", file=sys.stderr)
@@ -33,7 +33,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     plan = build_plan(t, rules)
     status = EXIT_OK
     if args.check:
-        from sglang_pd.deploy.plan import check_plan
+        from sglang_pd.deploy.ops.plan import check_plan
 
         plan, status, note = check_plan(plan)
         if note:
@@ -44,13 +44,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 # Verbs whose implementation lives in its own subpackage: verb -> (module, help).
 DELEGATED = {
-    "launch": ("sglang_pd.deploy.launch", "a pod's entrypoint: render this node's command, check the pod, exec it"),
+    "launch": ("sglang_pd.deploy.ops.launch", "a pod's entrypoint: render this node's command, check the pod, exec it"),
     "router": ("sglang_pd.deploy.router.cli", "run the OpenAI-compatible PD router"),
     "kv-probe": ("sglang_pd.deploy.kv.cli", "check KV transfer (Mooncake) between a prefill and a decode host"),
     "engine": ("sglang_pd.deploy.refengine.cli", "run one reference engine (prefill, decode or both) on CPU"),
-    "up": ("sglang_pd.deploy.local", "run a topology here: engines and router as child processes"),
+    "up": ("sglang_pd.deploy.ops.up", "run a topology here: engines and router as child processes"),
     "eval": ("sglang_pd.deploy.evals.cli", "run an accuracy gate against an OpenAI-compatible endpoint"),
-    "doctor": ("sglang_pd.deploy.doctor", "what this machine can serve: versions, GPU, SBO halves and why not"),
+    "doctor": ("sglang_pd.deploy.ops.doctor", "what this machine can serve: versions, GPU, SBO halves and why not"),
 }
 
 

@@ -179,7 +179,7 @@ def fuzz(base_url: str, *, cases: int, api_key: str = "", seed: int = 0) -> Fuzz
 @contextlib.contextmanager
 def _local_router() -> Iterator[str]:
     """A router on loopback in front of in-process test workers (1 prefill, 2 decode)."""
-    from tests.router.conftest import in_process
+    from tests.deploy.router.conftest import in_process
 
     cluster = in_process(1, 2)
     with cluster.serve(cluster.config(max_body_bytes=1 << 20)) as running:

@@ -44,7 +44,7 @@ import aiohttp
 import httpx
 from record_sglang_http import record
 
-from sglang_pd.deploy.procs import Child, spawn
+from sglang_pd.deploy.common.procs import Child, spawn
 
 REPO = Path(__file__).resolve().parents[1]
 TOPOLOGY = "single-h200"
@@ -98,7 +98,7 @@ def prompts() -> list[str]:
 
 
 class Stack:
-    """The checked processes (`deploy/procs.py` children), each logging to `<out>/<name>.log`."""
+    """The checked processes (`deploy/common/procs.py` children), each logging to `<out>/<name>.log`."""
 
     def __init__(self, out: Path) -> None:
         self.out = out

@@ -10,7 +10,7 @@ bytes of the buffer changed), whether `--secret` is among them, and how long it 
 answer or to the failure. Exit status 0 when it read the memory, 1 when it could not.
 
 With `sglang-pd up` fencing the KV ports, a process outside the engines' group gets
-`"bytes_recovered": 0`; tests/kv/test_firewall.py runs it both ways inside a network namespace.
+`"bytes_recovered": 0`; tests/deploy/kv/test_firewall.py runs it both ways inside a network namespace.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Write the byte-level tokenizer that the GPU smoke model ships with (no download needed).
 
 Ids 0 and 1 are `<s>` and `</s>`, 2..257 are the 256 byte-level symbols of GPT-2's byte-to-unicode
-map, so any UTF-8 text round-trips. It is what `deploy/presets/models/tiny-deepseek-v3/` holds;
+map, so any UTF-8 text round-trips. It is what `deploy/spec/presets/models/tiny-deepseek-v3/` holds;
 run it again only to change it:
 
-    python scripts/make_byte_tokenizer.py deploy/presets/models/tiny-deepseek-v3
+    python scripts/make_byte_tokenizer.py deploy/spec/presets/models/tiny-deepseek-v3
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from sglang_pd.deploy.contract import ENV_SBO_MODE
+from sglang_pd.deploy.common.contract import ENV_SBO_MODE
 
 __all__ = [
     "COMBINE_KWARGS_DEEPEP",
@@ -44,9 +44,9 @@ __all__ = [
     "shared_half",
 ]
 
-#: The environment variable the renderer sets from the topology's `decode.sbo` (deploy/contract.py).
+#: The environment variable the renderer sets from the topology's `decode.sbo` (deploy/common/contract.py).
 SBO_MODE_ENV = ENV_SBO_MODE
-#: Its values; the same words as `sglang_pd.deploy.topology.SBOMode`.
+#: Its values; the same words as `sglang_pd.deploy.spec.topology.SBOMode`.
 SBO_MODES = ("off", "full", "shared-only")
 
 #: Our sm_90 signal down-GEMM (kernels/README.md) and its DeepGEMM-compatible entry point.

@@ -43,11 +43,11 @@ def test_every_part_is_checked_under_its_import_name() -> None:
 def test_a_missing_name_imported_by_its_absolute_path_fails_the_check(tmp_path: Path) -> None:
     probe = (
         '"""A product module importing one real and one missing name by the absolute path."""\n'
-        "from sglang_pd.deploy.router.capacity import CapacityGate, no_such_name\n\n"
+        "from sglang_pd.deploy.router.workers.capacity import CapacityGate, no_such_name\n\n"
         "reveal_type(CapacityGate.wait)\n"
     )
     run = _lint_copy(tmp_path, probe)
     assert run.returncode == 1, run.stdout + run.stderr
-    assert 'Module "sglang_pd.deploy.router.capacity" has no attribute "no_such_name"' in run.stdout, run.stdout
+    assert 'Module "sglang_pd.deploy.router.workers.capacity" has no attribute "no_such_name"' in run.stdout, run.stdout
     # The real name has its real type (an import resolved to Any would reveal "Any").
-    assert 'Revealed type is "def [T] (self: sglang_pd.deploy.router.capacity.CapacityGate' in run.stdout
+    assert 'Revealed type is "def [T] (self: sglang_pd.deploy.router.workers.capacity.CapacityGate' in run.stdout

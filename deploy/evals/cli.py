@@ -31,11 +31,11 @@ import os
 import sys
 from pathlib import Path
 
-from ..argtypes import fraction, positive_float, positive_int
-from ..contract import EXIT_FAILED as EXIT_ENDPOINT
-from ..contract import EXIT_INVALID as EXIT_GATE_FAILED
-from ..contract import EXIT_OK, EXIT_USAGE
-from ..contract import EXIT_UNAVAILABLE as EXIT_DATA
+from ..common.argtypes import fraction, positive_float, positive_int
+from ..common.contract import EXIT_FAILED as EXIT_ENDPOINT
+from ..common.contract import EXIT_INVALID as EXIT_GATE_FAILED
+from ..common.contract import EXIT_OK, EXIT_USAGE
+from ..common.contract import EXIT_UNAVAILABLE as EXIT_DATA
 from .client import ClientConfig, RetryPolicy
 from .errors import DataUnavailable, EvalError, UsageError
 from .gate import DEFAULT_CONFIDENCE, DEFAULT_INTERVAL, DEFAULT_MAX_DROP

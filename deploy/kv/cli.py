@@ -169,7 +169,7 @@ def _deepep_driver_check() -> dict[str, Any]:
     Reported beside the KV checks because it is the same node's RDMA set-up; it is advice and does
     not change the exit code (KV transfer itself does not need it).
     """
-    from sglang_pd.deploy.doctor import deepep_driver
+    from sglang_pd.deploy.ops.doctor import deepep_driver
 
     found = deepep_driver()
     return {"check": "deepep-driver", "ok": found["ok"] is not False, "advisory": True, "detail": found["detail"]}

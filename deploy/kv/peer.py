@@ -27,7 +27,7 @@ from urllib.parse import parse_qs, urlparse
 
 import httpx
 
-from sglang_pd.deploy.procs import Child, spawn
+from sglang_pd.deploy.common.procs import Child, spawn
 
 from .config import KVConfig
 from .engine import get_engine

@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 async def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from sglang_pd.deploy.http_limits import DEFAULT_LIMITS, limited_protocol, raise_descriptor_limit
+    from sglang_pd.deploy.common.http_limits import DEFAULT_LIMITS, limited_protocol, raise_descriptor_limit
     from sglang_pd.deploy.kv import KVConfig, KVError
 
     from .engine import EngineConfig, RefEngine

@@ -25,9 +25,9 @@ from typing import Any, Literal, TypeVar
 
 import httpx
 
-from sglang_pd.deploy.contract import DEFAULT_BOOTSTRAP_PORT, ENV_WORKER_API_KEY, WORKER_AUTH_HEADER
+from sglang_pd.deploy.common.contract import DEFAULT_BOOTSTRAP_PORT, ENV_WORKER_API_KEY, WORKER_AUTH_HEADER
 from sglang_pd.deploy.kv import KVConfig, KVError, KVTransferEngine, PagedLayout, get_engine
-from sglang_pd.deploy.sglang_compat import DEPLOYED_VERSION as REPORTED_SGLANG_VERSION
+from sglang_pd.deploy.sglang.compat import DEPLOYED_VERSION as REPORTED_SGLANG_VERSION
 
 from .exceptions import PoolExhausted, RequestFailed
 from .kvpool import KVPool, default_num_pages

@@ -7,7 +7,7 @@ PD fields come from the body (`bootstrap_host`, `bootstrap_port`, `bootstrap_roo
 `x-override-bootstrap-{host,port,room}` headers, as in sglang (docs/pd-protocol.md).
 
 Where a router can tell, the answers are sglang's, as recorded from a live sglang server
-(`tests/deploy/data/sglang-*-http.json`, checked by `tests/doubles/`): `/health` is a one-token
+(`tests/support/sglang_recordings/sglang-*-http.json`, checked by `tests/doubles/`): `/health` is a one-token
 generation answered on a 1 s tick, error bodies have sglang's two shapes (flat
 `{"object": "error", ...}` on the OpenAI routes, `{"error": {"message"}}` on the native ones).
 """
@@ -28,8 +28,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from sglang_pd.deploy.contract import DEFAULT_BOOTSTRAP_PORT, ENV_WORKER_API_KEY, WORKER_AUTH_HEADER
-from sglang_pd.deploy.openai_errors import error_dict
+from sglang_pd.deploy.common.contract import DEFAULT_BOOTSTRAP_PORT, ENV_WORKER_API_KEY, WORKER_AUTH_HEADER
+from sglang_pd.deploy.common.openai_errors import error_dict
 
 from .chat import template_messages
 from .engine import Bootstrap, RefEngine, RequestContext, RequestFailed, SamplingParams, StepOutput
@@ -248,7 +248,7 @@ class _Formatter:
         if self.finish is None:
             return None
         # OpenAI's values only: an aborted answer was cut short, which OpenAI calls "length"
-        # (the router maps sglang's "abort" the same way; see deploy/router/relay.py).
+        # (the router maps sglang's "abort" the same way; see deploy/router/pd/relay.py).
         return {"length": "length", "stop": "stop", "abort": "length"}.get(self.finish["type"], "stop")
 
     def usage(self) -> dict[str, int]:

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from ..spec.topology import PRESETS_DIR
+
 __all__ = [
     "DEFAULT_MODEL",
     "PACKAGED_MODELS",
@@ -41,7 +43,7 @@ __all__ = [
 ]
 
 TINY_MODEL = "tiny-deepseek-v3"
-TINY_CONFIG = Path(__file__).resolve().parent.parent / "presets" / "tiny-deepseek-v3-config.json"
+TINY_CONFIG = PRESETS_DIR / "tiny-deepseek-v3-config.json"
 CACHE_ENV = "SGLANG_PD_CACHE_DIR"
 SOURCE_FILE = "sglang-pd-source.json"  # written last into a converted directory: it is complete
 

@@ -14,7 +14,7 @@ from .exceptions import (
     UpstreamUnreachable,
     WorkerRegistrationError,
 )
-from .transport import HttpWorkerClient, Timeouts, WorkerClient
+from .transport.client import HttpWorkerClient, Timeouts, WorkerClient
 
 __all__ = [
     "ClientGone",

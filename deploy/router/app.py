@@ -19,26 +19,26 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..contract import as_role
-from ..openai_errors import ApiError, error_response
+from ..common.contract import as_role
+from ..common.openai_errors import ApiError, error_response
+from .api.middleware import ADMIN_SCOPE_KEY, AdmissionMiddleware, AuthMiddleware, BodyLimitMiddleware
+from .api.openapi import OPENAPI
+from .api.request_ids import RequestIds, request_ids
+from .api.validation import ENDPOINTS, parse_body, validate
 from .config import RouterConfig
-from .control import ControlLink, ControlLost
-from .discovery import KubernetesDiscovery
 from .exceptions import ClientGone, WorkerRegistrationError
-from .health import HealthChecker
-from .legs import Legs
+from .group.control import ControlLink, ControlLost
 from .log import client_request_id_var, logger, request_id_var
 from .metrics import CONTENT_TYPE_LATEST, RouterMetrics
-from .middleware import ADMIN_SCOPE_KEY, AdmissionMiddleware, AuthMiddleware, BodyLimitMiddleware
-from .openapi import OPENAPI
-from .pairs import PairPicker
+from .pd.legs import Legs
+from .pd.proxy import PDProxy
+from .pd.relay import ClientWatch, RelayResponse
 from .policies import make_policy
-from .proxy import PDProxy
-from .relay import ClientWatch, RelayResponse
-from .request_ids import RequestIds, request_ids
-from .transport import HttpWorkerClient, WorkerClient
-from .validation import ENDPOINTS, parse_body, validate
-from .workers import WorkerRegistry
+from .transport.client import HttpWorkerClient, WorkerClient
+from .workers.discovery import KubernetesDiscovery
+from .workers.health import HealthChecker
+from .workers.pairs import PairPicker
+from .workers.registry import WorkerRegistry
 
 __all__ = ["RouterApp", "create_app"]
 

@@ -15,8 +15,8 @@ import os
 import sys
 from typing import Any
 
-from sglang_pd.deploy import contract
-from sglang_pd.deploy.topology import RouterSpec, load_topology
+from sglang_pd.deploy.common import contract
+from sglang_pd.deploy.spec.topology import RouterSpec, load_topology
 
 from .config import KubernetesDiscoveryConfig, RouterConfig
 
@@ -250,7 +250,7 @@ def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None
 def run(args: argparse.Namespace) -> int:
     from .app import create_app
     from .exceptions import RouterError
-    from .group import ProcessGroup
+    from .group.process_group import ProcessGroup
     from .server import serve
 
     if args.processes < 1:

@@ -10,17 +10,17 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from sglang_pd.deploy.contract import (
+from sglang_pd.deploy.common.contract import (
     ANNOTATION_BOOTSTRAP_PORT,
     ANNOTATION_PORT,
     DEFAULT_PREFILL_PORT,
     policy_problem,
     worker_selector,
 )
-from sglang_pd.deploy.http_limits import ConnectionLimits
-from sglang_pd.deploy.topology import RouterSpec
+from sglang_pd.deploy.common.http_limits import ConnectionLimits
+from sglang_pd.deploy.spec.topology import RouterSpec
 
-from .transport import Timeouts
+from .transport.client import Timeouts
 
 __all__ = ["KubernetesDiscoveryConfig", "RouterConfig"]
 
@@ -83,7 +83,7 @@ class RouterConfig:
     # whole-router bound keeps many large bodies from taking the router's memory.
     max_body_bytes: int = 8 * 1024 * 1024
     max_body_bytes_in_flight: int = 256 * 1024 * 1024
-    # Per connection (deploy/http_limits.py), checked while bytes arrive, before auth: the request
+    # Per connection (deploy/common/http_limits.py), checked while bytes arrive, before auth: the request
     # head (414 / 431 beyond), the time to send a head and a body (408), the connections held
     # open at once (503 beyond; 0: as many as descriptors allow), the idle keep-alive time.
     max_request_line_bytes: int = 8 * 1024

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .workers import Worker
+    from .workers.registry import Worker
 
 __all__ = [
     "ClientGone",

@@ -10,9 +10,9 @@ from typing import Any
 
 import uvicorn
 
-from ..http_limits import raise_descriptor_limit, usable_connections
+from ..common.http_limits import raise_descriptor_limit, usable_connections
+from .api.connection import router_protocol
 from .app import RouterApp
-from .connection import router_protocol
 from .log import configure_logging, logger
 
 __all__ = ["RouterServer", "serve"]
@@ -42,7 +42,7 @@ def uvicorn_config(app: RouterApp, **overrides: Any) -> uvicorn.Config:
         "port": cfg.port,
         "loop": "uvloop",
         # httptools, with limits on each connection enforced while its bytes arrive
-        # (deploy/http_limits.py) and a future per connection for requests to watch the client
+        # (deploy/common/http_limits.py) and a future per connection for requests to watch the client
         # with (connection.py).
         "http": router_protocol(cfg.connection_limits),
         "lifespan": "on",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sglang_pd.deploy.contract import Role
+from sglang_pd.deploy.common.contract import Role
 
 __all__ = ["BootstrapRoom", "Role", "WorkerURL"]
 

@@ -10,7 +10,9 @@ from typing import Any
 import pytest
 import yaml
 
-PRESETS = Path(__file__).resolve().parents[2] / "deploy" / "presets"
+from sglang_pd.deploy.spec.topology import PRESETS_DIR
+
+PRESETS = PRESETS_DIR
 
 
 @pytest.fixture

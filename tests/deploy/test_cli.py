@@ -6,17 +6,17 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import yaml
 
 from sglang_pd.deploy.cli import main
-from sglang_pd.deploy.sglang_check import sglang_available
+from sglang_pd.deploy.sglang.check import sglang_available
+from sglang_pd.deploy.spec.topology import PRESETS_DIR
 
 pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves it out
 
-R1 = str(Path(__file__).resolve().parents[2] / "deploy" / "presets" / "deepseek-r1-h200-1p1d.yaml")
+R1 = str(PRESETS_DIR / "deepseek-r1-h200-1p1d.yaml")
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -127,7 +127,7 @@ def test_plan_check_runs_sglang(capsys) -> None:
 
 
 def test_plan_check_without_sglang_says_so(capsys, monkeypatch) -> None:
-    import sglang_pd.deploy.sglang_check as chk
+    import sglang_pd.deploy.sglang.check as chk
 
     monkeypatch.setattr(chk, "sglang_available", lambda: False)
     code, out, err = run(capsys, "plan", R1, "--check")

@@ -14,7 +14,7 @@ helm_python = pytest.importorskip("helm_python", reason="helm-python-sdk is not 
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "sglang-pd"
-PRESETS = REPO / "deploy" / "presets"
+PRESETS = REPO / "deploy" / "spec" / "presets"
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -13,12 +13,12 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from sglang_pd.deploy import topology
 from sglang_pd.deploy.cli import main as cli_main
-from sglang_pd.deploy.launch import pod_settings_from_env
-from sglang_pd.deploy.sglang_args import LEADER_HOST_FROM_ENV
-from sglang_pd.deploy.sglang_check import sglang_available
-from sglang_pd.deploy.topology import check_rules, estimate_weight_bytes, load_topology, required_startup_s
+from sglang_pd.deploy.ops.launch import pod_settings_from_env
+from sglang_pd.deploy.sglang.check import sglang_available
+from sglang_pd.deploy.sglang.render import LEADER_HOST_FROM_ENV
+from sglang_pd.deploy.spec import topology
+from sglang_pd.deploy.spec.topology import check_rules, estimate_weight_bytes, load_topology, required_startup_s
 
 from .conftest import CHART, PRESETS, REPO, by_kind, helm_python, one, preset_topology, preset_values
 
@@ -407,7 +407,7 @@ def test_own_topology_is_used_whole_not_merged(render, tmp_path) -> None:
 
 
 def test_topology_file_as_string_from_set_file(render, tmp_path) -> None:
-    text = (REPO / "deploy" / "presets" / "deepseek-v3-h20-3p2d.yaml").read_text()
+    text = (REPO / "deploy" / "spec" / "presets" / "deepseek-v3-h20-3p2d.yaml").read_text()
     docs = render({"topology": text})
     assert one(docs, "LeaderWorkerSet", "-prefill")["spec"]["replicas"] == 3
     path = _configmap_topology(render, {"topology": text}, tmp_path)

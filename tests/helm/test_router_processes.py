@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from sglang_pd.deploy.cli import main as cli_main
-from sglang_pd.deploy.contract import ENV_ROUTER_WORKER_API_KEY, ENV_WORKER_API_KEY
+from sglang_pd.deploy.common.contract import ENV_ROUTER_WORKER_API_KEY, ENV_WORKER_API_KEY
 from sglang_pd.deploy.router.cli import add_arguments as add_router_arguments
 
 from .conftest import CHART, helm_python, one

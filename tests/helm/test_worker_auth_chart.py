@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from sglang_pd.deploy.cli import main as cli_main
-from sglang_pd.deploy.contract import ENV_ROUTER_WORKER_API_KEY, ENV_WORKER_API_KEY
-from sglang_pd.deploy.launch import API_KEY_FLAG, API_KEY_SHOWN
+from sglang_pd.deploy.common.contract import ENV_ROUTER_WORKER_API_KEY, ENV_WORKER_API_KEY
+from sglang_pd.deploy.ops.launch import API_KEY_FLAG, API_KEY_SHOWN
 
 from .conftest import helm_python, one, parse_manifests
 

@@ -10,14 +10,14 @@ import os
 import pkgutil
 import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from sglang_pd.deploy.spec.topology import PRESETS_DIR
 from sglang_pd.sglang_patches import down_gemm, moe_config, plugin, status
 
-PRESETS = Path(__file__).resolve().parents[2] / "deploy" / "presets"
+PRESETS = PRESETS_DIR
 
 
 def _split(target: str) -> tuple[Any, str]:
@@ -94,9 +94,9 @@ def published_decode(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]
     from sglang.srt import runtime_context
     from sglang.srt.server_args import prepare_server_args
 
-    from sglang_pd.deploy.sglang_args import render_plan
-    from sglang_pd.deploy.sglang_check import _validation_copy, _write_model_dir
-    from sglang_pd.deploy.topology import load_topology
+    from sglang_pd.deploy.sglang.check import _validation_copy, _write_model_dir
+    from sglang_pd.deploy.sglang.render import render_plan
+    from sglang_pd.deploy.spec.topology import load_topology
 
     t = load_topology(PRESETS / "deepseek-r1-h200-1p1d.yaml")
     cmd = render_plan(t)["decode"][0]

@@ -1,5 +1,5 @@
 """The KV ports' rules against real sockets, real Mooncake engines and a real `sglang-pd up`, each
-scenario run in its own network namespace by tests/kv/test_firewall.py (`netns.run_in_netns`).
+scenario run in its own network namespace by tests/deploy/kv/test_firewall.py (`netns.run_in_netns`).
 
 Every function returns what it saw as a JSON-able dict; the test makes the assertions, so that a
 failure shows the whole picture. The attacker is `scripts/kv_read_probe.py`: a root process with
@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sglang_pd.deploy.common.procs import spawn
 from sglang_pd.deploy.kv.firewall import (
     KV_ENGINE_GID,
     LocalFirewall,
@@ -28,7 +29,6 @@ from sglang_pd.deploy.kv.firewall import (
 )
 from sglang_pd.deploy.kv.listeners import listening_sockets, mooncake_port_range
 from sglang_pd.deploy.kv.peer import start_peer
-from sglang_pd.deploy.procs import spawn
 from tests.support.netns import REPO, PeerNamespace, peer_namespace, sh
 
 PROBE = str(REPO / "scripts" / "kv_read_probe.py")
@@ -353,8 +353,8 @@ def up_stack(log_dir: str, fence: str = "on") -> dict[str, Any]:
 def launch_pod() -> dict[str, Any]:
     """`sglang-pd launch --role prefill --kv-peers ...`: the rules are in place while sglang runs
     (a stand-in records them) and gone once it has exited."""
-    from sglang_pd.deploy import launch
     from sglang_pd.deploy.cli import main
+    from sglang_pd.deploy.ops import launch
 
     seen: dict[str, Any] = {}
 
@@ -365,7 +365,7 @@ def launch_pod() -> dict[str, Any]:
 
     launch.pod_checks = lambda t, role: []  # no GPUs here; not what is tested
     launch.supervise = supervise
-    topology = str(REPO / "deploy" / "presets" / "single-h200.yaml")
+    topology = str(REPO / "deploy" / "spec" / "presets" / "single-h200.yaml")
     argv = ["launch", "--role", "prefill", "--topology", topology, "--kv-peers", "localhost", "--kv-allow-from"]
     code = main([*argv, "10.9.0.0/16"])
     seen["exit_status"] = code

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from sglang_pd.deploy.procs import Child, spawn
+from sglang_pd.deploy.common.procs import Child, spawn
 
 __all__ = ["RouterGroup", "gone"]
 

@@ -42,12 +42,12 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from sglang_pd.deploy.contract import Role
-from sglang_pd.deploy.openai_errors import error_body
+from sglang_pd.deploy.common.contract import Role
+from sglang_pd.deploy.common.openai_errors import error_body
+from sglang_pd.deploy.router.api.validation import ENDPOINTS, batch_size
 from sglang_pd.deploy.router.exceptions import UpstreamTimeout, UpstreamUnreachable
-from sglang_pd.deploy.router.transport import Purpose, Timeouts, WorkerClient
-from sglang_pd.deploy.router.validation import ENDPOINTS, batch_size
-from sglang_pd.deploy.router.workers import Worker
+from sglang_pd.deploy.router.transport.client import Purpose, Timeouts, WorkerClient
+from sglang_pd.deploy.router.workers.registry import Worker
 
 __all__ = ["SGLANG_VERSIONS", "FakeReply", "FakeWorker", "InProcessClient", "InProcessCluster"]
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from sglang_pd.deploy.contract import POLICIES
+from sglang_pd.deploy.common.contract import POLICIES
 
 from .base import Policy, RoutingRequest
 from .cache_aware import CacheAware

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from ..workers import Worker
+    from ..workers.registry import Worker
 
 __all__ = ["Policy", "RotatingPolicy", "RoutingRequest", "SampledPolicy"]
 

@@ -18,7 +18,7 @@ from .base import Policy, RoutingRequest
 from .least_load import LeastLoad
 
 if TYPE_CHECKING:
-    from ..workers import Worker
+    from ..workers.registry import Worker
 
 __all__ = ["CacheAware", "prefix_hashes"]
 

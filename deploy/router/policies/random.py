@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 from .base import RoutingRequest, SampledPolicy
 
 if TYPE_CHECKING:
-    from ..workers import Worker
+    from ..workers.registry import Worker
 
 __all__ = ["Random"]
 

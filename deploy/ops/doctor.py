@@ -1,0 +1,276 @@
+"""`sglang-pd doctor`: what this machine can serve, and why not.
+
+Versions of sglang, DeepEP, DeepGEMM, torch, Triton and sglang-pd; the GPU and its compute
+capability; whether our sm_90 kernel is usable; which signal layout the installed DeepEP takes;
+whether the sglang plugin is installed and its hook targets exist; whether the NVIDIA driver is
+set up for DeepEP across nodes; and, for each SBO mode, whether it can run here.
+`--expect MODE` makes it a pre-flight check (exit 1 when MODE cannot run).
+`sbo_topology_warnings()` is the topology-side half, used by `sglang-pd plan --check`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from sglang_pd.deploy.common.contract import EXIT_INVALID, EXIT_OK
+from sglang_pd.deploy.sglang.compat import FlagReport, flag_report, flag_summary
+from sglang_pd.deploy.spec.topology import SBOMode, Topology
+
+__all__ = ["add_arguments", "collect", "deepep_driver", "format_table", "run", "sbo_topology_warnings"]
+
+
+#: GPU types by architecture. sm_90 needs this plugin for SBO; sglang serves SBO on Blackwell itself.
+HOPPER = frozenset({"H100", "H200", "H20", "H800", "GH200"})
+BLACKWELL = frozenset({"B100", "B200", "B300", "GB200", "GB300"})
+
+DISTRIBUTIONS = ("sglang", "sgl-deep-ep", "sgl-deep-gemm", "sglang-kernel", "sglang-pd", "torch", "triton")
+PLUGIN_ENTRY_POINT = "sglang_pd"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--format", choices=("table", "json"), default="table")
+    parser.add_argument(
+        "--expect",
+        choices=("full", "shared-only"),
+        help="exit 1 unless this SBO mode can run here (a pod's pre-flight check)",
+    )
+    parser.add_argument(
+        "--skip-targets",
+        action="store_true",
+        help="do not import sglang to check the plugin's hook targets (faster)",
+    )
+
+
+NVIDIA_PARAMS = Path("/proc/driver/nvidia/params")
+GDRDRV_DEVICE = Path("/dev/gdrdrv")
+DRIVER_FIX = (
+    "on every GPU node: echo 'options nvidia NVreg_EnableStreamMemOPs=1 "
+    'NVreg_RegistryDwords="PeerMappingOverride=1;"\' > /etc/modprobe.d/nvidia-deepep.conf, '
+    "then update-initramfs -u and reboot (or reload the nvidia modules); or install GDRCopy (gdrdrv)"
+)
+
+
+def deepep_driver(params: Path = NVIDIA_PARAMS, gdrdrv: Path = GDRDRV_DEVICE) -> dict[str, Any]:
+    """Whether the NVIDIA driver lets DeepEP (NVSHMEM over InfiniBand GPUDirect Async) work across nodes.
+
+    DeepEP's inter-node kernels need the driver options NVreg_EnableStreamMemOPs=1 and
+    PeerMappingOverride=1 (DeepEP's README, "Network configurations"), or GDRCopy's gdrdrv.
+    """
+    try:
+        text = params.read_text()
+    except OSError:
+        return {"ok": None, "driver": False, "detail": f"no NVIDIA driver here ({params} is absent)"}
+    stream = re.search(r"^EnableStreamMemOPs:\s*(\d+)", text, re.MULTILINE)
+    stream_mem_ops = stream is not None and stream.group(1) == "1"
+    peer_mapping = re.search(r"PeerMappingOverride\s*=\s*1", text) is not None
+    gdrcopy = gdrdrv.exists()
+    ok = (stream_mem_ops and peer_mapping) or gdrcopy
+    found = (
+        f"EnableStreamMemOPs={'1' if stream_mem_ops else 'not 1'}, "
+        f"PeerMappingOverride={'1' if peer_mapping else 'unset'}, GDRCopy {'loaded' if gdrcopy else 'absent'}"
+    )
+    return {
+        "ok": ok,
+        "driver": True,
+        "stream_mem_ops": stream_mem_ops,
+        "peer_mapping_override": peer_mapping,
+        "gdrcopy": gdrcopy,
+        "detail": found if ok else f"{found}; DeepEP across nodes will fail: {DRIVER_FIX}",
+    }
+
+
+def _gpu() -> dict[str, Any]:
+    from sglang_pd.sglang_patches import status
+
+    cap = status.device_capability()
+    info: dict[str, Any] = {"capability": f"sm_{cap[0]}{cap[1]}" if cap else None, "name": None, "count": 0}
+    if cap is not None:
+        import torch
+
+        info["name"] = torch.cuda.get_device_name()
+        info["count"] = torch.cuda.device_count()
+    return info
+
+
+def _plugin() -> dict[str, Any]:
+    from sglang_pd.sglang_patches import status
+
+    eps = importlib.metadata.entry_points(group="sglang.srt.plugins")
+    names = sorted(ep.name for ep in eps)
+    whitelist = [x.strip() for x in os.environ.get("SGLANG_PLUGINS", "").split(",") if x.strip()]
+    return {
+        "entry_point": PLUGIN_ENTRY_POINT in names,
+        "plugins_installed": names,
+        "loaded_by_sglang": PLUGIN_ENTRY_POINT in names and (not whitelist or PLUGIN_ENTRY_POINT in whitelist),
+        "SGLANG_PLUGINS": os.environ.get("SGLANG_PLUGINS"),
+        status.SBO_MODE_ENV: os.environ.get(status.SBO_MODE_ENV),
+    }
+
+
+def _targets() -> dict[str, str | None]:
+    from sglang_pd.sglang_patches.plugin import HOOKS
+    from sglang_pd.sglang_patches.targets import check_target
+
+    return {name: check_target(spec) for name, spec in HOOKS.items()}
+
+
+def _sbo_modes(cap: str | None, plugin: dict[str, Any], targets: dict[str, str | None] | None) -> dict[str, Any]:
+    from sglang_pd.sglang_patches import status
+
+    def verdict(mode: str) -> dict[str, Any]:
+        if cap is None:
+            return {"ok": False, "reason": "no CUDA device is visible"}
+        if cap.startswith("sm_10"):
+            return {"ok": True, "reason": "", "by": "sglang (Blackwell; the plugin is not needed)"}
+        if not cap.startswith("sm_9"):
+            return {"ok": False, "reason": f"SBO needs Hopper (sm_90, with this plugin) or Blackwell; this is {cap}"}
+        if not plugin["loaded_by_sglang"]:
+            why = "not installed" if not plugin["entry_point"] else "excluded by SGLANG_PLUGINS"
+            return {"ok": False, "reason": f"the sglang-pd plugin is {why}"}
+        needed = ("moe-config", "shared-only") if mode == "shared-only" else ("moe-config", "down-gemm", "combine-call")
+        missing = [m for name in needed if targets and (m := targets.get(name))]
+        if missing:
+            return {"ok": False, "reason": " ".join(missing)}
+        shared = status.shared_half()
+        if not shared.ok:
+            return {"ok": False, "reason": shared.reason}
+        if mode == "full":
+            half = status.combine_half()
+            if not half.ok:
+                return {"ok": False, "reason": half.reason}
+            return {"ok": True, "reason": "", "by": f"sglang-pd plugin, {half.detail['layout']} signal layout"}
+        return {"ok": True, "reason": "", "by": "sglang-pd plugin (dispatch-recv half only)"}
+
+    return {"full": verdict("full"), "shared-only": verdict("shared-only")}
+
+
+def collect(check_targets: bool = True) -> dict[str, Any]:
+    """Everything `doctor` reports, as one JSON-able document."""
+    from sglang_pd.sglang_patches import status
+
+    versions = {name: status.distribution_version(name) for name in DISTRIBUTIONS}
+    gpu = _gpu()
+    kernel = status.kernel_status()
+    decision = status.deepep_layout()
+    plugin = _plugin()
+    targets = _targets() if check_targets and importlib.util.find_spec("sglang") is not None else None
+    return {
+        "versions": versions,
+        "gpu": gpu,
+        "kernel": {
+            "module": status.KERNEL_MODULE,
+            "usable": kernel.ok,
+            "reason": kernel.reason,
+            "warp_specialized": kernel.detail.get("warp_specialized", False),
+        },
+        "deepep_combine": {
+            "layout": decision.layout,
+            "read_from": decision.source,
+            "params": list(decision.params),
+            "reason": decision.reason,
+        },
+        "plugin": plugin,
+        "deepep_driver": deepep_driver(),
+        "hook_targets": None if targets is None else {k: v or "ok" for k, v in targets.items()},
+        "sbo": _sbo_modes(gpu["capability"], plugin, targets),
+        "sglang_flags": _preset_flags() if check_targets else None,
+    }
+
+
+def _preset_flags() -> FlagReport | None:
+    """The installed sglang against every flag the shipped presets render (None: no sglang here)."""
+    from sglang_pd.deploy.sglang.render import render_plan
+    from sglang_pd.deploy.spec.topology import PRESETS_DIR, load_topology
+
+    argvs = []
+    for path in sorted(PRESETS_DIR.glob("*.yaml")):
+        t = load_topology(path)
+        argvs += [c.argv for cmds in render_plan(t).values() for c in cmds]
+    return flag_report(argvs)
+
+
+def format_table(doc: dict[str, Any]) -> str:
+    rows: list[tuple[str, str]] = [(name, v or "-") for name, v in doc["versions"].items()]
+    g = doc["gpu"]
+    rows.append(("GPU", f"{g['name']} x{g['count']} ({g['capability']})" if g["capability"] else "none visible"))
+    k = doc["kernel"]
+    if k["usable"]:
+        gluon = "yes" if k["warp_specialized"] else "no (Triton only: needs triton.experimental.gluon on sm_90)"
+        rows.append(("our sm_90 kernel", f"usable; warp-specialized (Gluon): {gluon}"))
+    else:
+        rows.append(("our sm_90 kernel", f"unusable: {k['reason']}"))
+    d = doc["deepep_combine"]
+    rows.append(("DeepEP combine signals", d["layout"] or f"unknown: {d['reason']}"))
+    p = doc["plugin"]
+    rows.append(("sglang plugin", "loaded by sglang" if p["loaded_by_sglang"] else "not loaded"))
+    drv = doc["deepep_driver"]
+    verdict = {True: "ok", False: "NOT SET", None: "n/a"}[drv["ok"]]
+    rows.append(("DeepEP driver options", f"{verdict}: {drv['detail']}"))
+    if doc["hook_targets"] is not None:
+        for name, state in doc["hook_targets"].items():
+            rows.append((f"  hook {name}", state))
+    for mode, v in doc["sbo"].items():
+        rows.append((f"SBO {mode}", f"yes ({v['by']})" if v["ok"] else f"no: {v['reason']}"))
+    if doc.get("sglang_flags"):
+        rows.append(("sglang flags (presets)", flag_summary(doc["sglang_flags"])))
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"{a.ljust(width)}  {b}" for a, b in rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    doc = collect(check_targets=not args.skip_targets)
+    print(json.dumps(doc, indent=2) if args.format == "json" else format_table(doc))
+    if args.expect and not doc["sbo"][args.expect]["ok"]:
+        print(f"error: SBO {args.expect} cannot run here: {doc['sbo'][args.expect]['reason']}", file=sys.stderr)
+        return EXIT_INVALID
+    return EXIT_OK
+
+
+def sbo_topology_warnings(t: Topology) -> list[str]:
+    """Warnings for a topology asking for SBO on a GPU type this build cannot serve it on."""
+    mode = t.decode.sbo
+    if mode is SBOMode.OFF:
+        return []
+    gpu = t.hardware.gpu.upper()
+    if gpu in BLACKWELL:
+        return []
+    if gpu not in HOPPER:
+        return [
+            f"decode.sbo: {mode.value} on hardware.gpu {t.hardware.gpu}: this build serves SBO on Hopper "
+            f"({', '.join(sorted(HOPPER))}, through its sglang plugin) and on Blackwell (sglang itself); "
+            "set decode.sbo: off."
+        ]
+    from sglang_pd.sglang_patches import status
+    from sglang_pd.sglang_patches.targets import SGLANG_TARGET_VERSION
+
+    warnings = []
+    eps = importlib.metadata.entry_points(group="sglang.srt.plugins")
+    if PLUGIN_ENTRY_POINT not in {ep.name for ep in eps}:
+        warnings.append(
+            f"decode.sbo: {mode.value} on {t.hardware.gpu} (sm_90) needs the sglang-pd sglang plugin, and its entry "
+            "point is not installed here: pip install sglang-pd (the image must have it too)."
+        )
+    if mode is SBOMode.FULL and importlib.util.find_spec(status.KERNEL_MODULE) is None:
+        warnings.append(
+            f"decode.sbo: full on {t.hardware.gpu} (sm_90) needs {status.KERNEL_MODULE}, which this build lacks; "
+            "set decode.sbo: shared-only."
+        )
+    installed = status.distribution_version("sglang")
+    if installed is not None and installed != SGLANG_TARGET_VERSION:
+        warnings.append(
+            f"decode.sbo: {mode.value} on {t.hardware.gpu} (sm_90) relies on hooks written for sglang "
+            f"{SGLANG_TARGET_VERSION}; sglang {installed} is installed here (run `sglang-pd doctor`)."
+        )
+    if mode is SBOMode.FULL and status.distribution_version("sgl-deep-ep") is not None:
+        decision = status.deepep_layout()
+        if decision.layout is None:
+            warnings.append(f"decode.sbo: full on {t.hardware.gpu}: {decision.reason}; set decode.sbo: shared-only.")
+    return warnings

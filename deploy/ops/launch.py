@@ -1,0 +1,553 @@
+"""`sglang-pd launch`: the entrypoint of every pod.
+
+It renders the role's command from the topology (the one renderer, `deploy/sglang/render.py`), takes the
+node rank and the leader's address from LeaderWorkerSet's environment, checks the topology
+against how the chart set the pod up (`PodSettings`, passed as SGLANG_PD_POD_* variables), checks
+what the pod needs (GPUs, /dev/shm, locked memory for Mooncake, IB devices it can open) and then
+execs sglang, or the router. The worker key (SGLANG_PD_WORKER_API_KEY, from the chart's Secret)
+reaches sglang as `--api-key=KEY` only here, at start; with a key, sglang runs as a supervised child
+whose output is masked (`supervise`) instead of replacing this process. `--dry-run` prints the exact
+argv (the key masked) and env instead.
+
+Before sglang starts, an engine pod fences Mooncake's KV ports (TCP MC_MIN_RPC_PORT..MC_MAX_RPC_PORT,
+which authenticate no one) to loopback and its PD peers: `--kv-peers` names host names (the chart
+renders the prefill and decode LeaderWorkerSets' headless Services), resolved again every few
+seconds, and `--kv-allow-from` adds address ranges (kv/firewall.py). The launcher then stays as
+the pod's first process to keep the rules current. Without NET_ADMIN or iptables the launch
+fails, unless `--no-kv-firewall` (unsafe) turns the rules off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from sglang_pd.deploy.common.contract import (
+    ENV_LWS_GROUP_SIZE,
+    ENV_LWS_LEADER_ADDRESS,
+    ENV_LWS_WORKER_INDEX,
+    ENV_ROUTER_WORKER_API_KEY,
+    ENV_WORKER_API_KEY,
+    as_role,
+)
+from sglang_pd.deploy.common.procs import mask_secrets, spawn
+from sglang_pd.deploy.kv.firewall import FirewallError, Network, PeerFirewall, parse_networks
+from sglang_pd.deploy.kv.listeners import mooncake_port_range
+from sglang_pd.deploy.sglang.render import NodeCommand, render_node
+from sglang_pd.deploy.spec.topology import (
+    MODEL_SOURCES,
+    RDMA_MODES,
+    PodSettings,
+    Topology,
+    check_rules,
+    load_checked_topology,
+)
+
+__all__ = [
+    "LaunchError",
+    "PodCheck",
+    "add_arguments",
+    "checked_worker_key",
+    "has_capability",
+    "kv_firewall",
+    "pod_checks",
+    "pod_settings_from_env",
+    "resolve_command",
+    "run",
+    "supervise",
+    "worker_key_args",
+]
+
+# LeaderWorkerSet's per-pod environment (https://lws.sigs.k8s.io/docs/reference/labels-annotations-and-environment-variables/).
+LWS_LEADER_ADDRESS = ENV_LWS_LEADER_ADDRESS
+LWS_WORKER_INDEX = ENV_LWS_WORKER_INDEX
+LWS_GROUP_SIZE = ENV_LWS_GROUP_SIZE
+
+# sglang shares tensors between its processes through /dev/shm; NCCL needs more with many GPUs.
+MIN_SHM_BYTES = 16 << 30
+# Mooncake pins every registered KV region; a container's default 64 KiB limit fails registration.
+MIN_MEMLOCK_BYTES = 1 << 30
+INFINIBAND_SYSFS = Path("/sys/class/infiniband")
+INFINIBAND_DEV = Path("/dev/infiniband")
+PROC_STATUS = Path("/proc/self/status")
+# linux/capability.h: with CAP_IPC_LOCK the kernel lets a process lock (and an RDMA NIC pin) memory
+# past RLIMIT_MEMLOCK, which Kubernetes has no field to raise.
+CAP_IPC_LOCK = 14
+
+# How the chart set this pod up, for the topology's pod rules (`check_rules(t, pod)`).
+POD_ENV_RDMA_MODE = "SGLANG_PD_POD_RDMA_MODE"
+POD_ENV_PRIVILEGED = "SGLANG_PD_POD_PRIVILEGED"
+POD_ENV_MODEL_SOURCE = "SGLANG_PD_POD_MODEL_SOURCE"
+POD_ENV_STARTUP_BUDGET_S = "SGLANG_PD_POD_STARTUP_BUDGET_S"
+POD_ENV_DOWNLOAD_BYTES_PER_S = "SGLANG_PD_POD_DOWNLOAD_BYTES_PER_S"
+
+# sglang takes its API key only as a flag (ServerArgs.api_key; no environment variable reads it),
+# so the launcher appends it when it starts sglang: the key stays out of the pod spec and the
+# topology ConfigMap. One argument, `--api-key=KEY`, so that argparse cannot take a key starting with
+# "-" for an option. `--dry-run` and the masked logs show this placeholder in its place.
+API_KEY_FLAG = "--api-key"
+API_KEY_SHOWN = "${" + ENV_WORKER_API_KEY + "}"
+# sglang's multi-tokenizer mode (more than one tokenizer worker) asserts that no API key is set,
+# in each tokenizer worker (entrypoints/http_server.py); found in a role's extra_args with a key,
+# it fails here instead, before the weights load.
+TOKENIZER_WORKERS_FLAG = "--tokenizer-worker-num"
+# What Kubernetes (SIGTERM, then SIGKILL after the grace period) or a terminal sends to stop the pod.
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# After sglang exits, how long its last output lines may take to come through the pipes.
+DRAIN_S = 5.0
+
+
+class LaunchError(RuntimeError):
+    """The pod cannot start its role; the message says what to fix in the chart or the node."""
+
+
+@dataclass(frozen=True)
+class PodCheck:
+    """One thing the pod needs; a failed check that is not `required` is a warning."""
+
+    name: str
+    ok: bool
+    detail: str
+    required: bool = True
+
+
+def pod_settings_from_env(env: Mapping[str, str]) -> PodSettings | None:
+    """The chart's pod settings from SGLANG_PD_POD_* variables; None outside the chart's pods."""
+    if POD_ENV_MODEL_SOURCE not in env:
+        return None
+    defaults = PodSettings()
+    given_rdma, given_source = env.get(POD_ENV_RDMA_MODE, defaults.rdma_mode), env[POD_ENV_MODEL_SOURCE]
+    rdma_mode = next((m for m in RDMA_MODES if m == given_rdma), None)
+    source = next((s for s in MODEL_SOURCES if s == given_source), None)
+    if rdma_mode is None or source is None:
+        raise LaunchError(
+            f"{POD_ENV_RDMA_MODE}={given_rdma!r} or {POD_ENV_MODEL_SOURCE}={given_source!r} is not a value the "
+            f"chart renders ({'|'.join(RDMA_MODES)}, {'|'.join(MODEL_SOURCES)}); render the pod with the chart."
+        )
+    try:
+        budget = env.get(POD_ENV_STARTUP_BUDGET_S)
+        return PodSettings(
+            rdma_mode=rdma_mode,
+            privileged=env.get(POD_ENV_PRIVILEGED, "true").lower() == "true",
+            model_source=source,
+            startup_budget_s=int(budget) if budget else None,
+            download_bytes_per_s=float(env.get(POD_ENV_DOWNLOAD_BYTES_PER_S, defaults.download_bytes_per_s)),
+        )
+    except ValueError as exc:
+        raise LaunchError(f"the chart's SGLANG_PD_POD_* variables are malformed: {exc}") from exc
+
+
+def has_capability(bit: int, status: Path = PROC_STATUS) -> bool:
+    """Whether this process holds capability `bit` in its effective set (CapEff in /proc/self/status)."""
+    try:
+        text = status.read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> bit & 1)
+    return False
+
+
+def _memlock_check() -> PodCheck:
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    shown = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
+    if soft == resource.RLIM_INFINITY or soft >= MIN_MEMLOCK_BYTES:
+        return PodCheck("memlock", True, f"locked-memory limit {shown}")
+    if has_capability(CAP_IPC_LOCK):
+        return PodCheck(
+            "memlock", True, f"locked-memory limit {shown}, but CAP_IPC_LOCK lets Mooncake pin KV memory past it"
+        )
+    return PodCheck(
+        "memlock",
+        False,
+        f"locked-memory limit {shown} and no CAP_IPC_LOCK: Mooncake may fail to register KV memory; add the "
+        "IPC_LOCK capability (the chart does) or raise the container runtime's memlock limit",
+        required=False,
+    )
+
+
+def _rdma_access_check() -> PodCheck:
+    # A hostPath /dev/infiniband is listed but its verbs devices open only with device-cgroup access
+    # (a privileged pod, or an RDMA device plugin that grants them).
+    devices = sorted(INFINIBAND_DEV.glob("uverbs*")) if INFINIBAND_DEV.is_dir() else []
+    if not devices:
+        return PodCheck(
+            "rdma-access",
+            False,
+            f"no verbs devices under {INFINIBAND_DEV}; mount /dev/infiniband (rdma.mode hostNetwork) or request "
+            "the RDMA device plugin's resource (rdma.mode devicePlugin)",
+        )
+    refused = []
+    for dev in devices:
+        try:
+            os.close(os.open(dev, os.O_RDWR))
+        except OSError as exc:
+            refused.append(f"{dev.name} ({exc.strerror})")
+    if refused:
+        return PodCheck(
+            "rdma-access",
+            False,
+            f"cannot open {', '.join(refused)}: the pod lacks device access; run it privileged "
+            "(securityContext.privileged) or use an RDMA device plugin (rdma.mode devicePlugin)",
+        )
+    return PodCheck("rdma-access", True, f"opened {len(devices)} verbs device(s)")
+
+
+def _node_rank(env: Mapping[str, str], nodes: int, role: str) -> tuple[int, str]:
+    """(node rank, leader host) from LWS's environment; single-node roles need none of it."""
+    if nodes == 1:
+        return 0, env.get(LWS_LEADER_ADDRESS, "127.0.0.1")
+    missing = [k for k in (LWS_LEADER_ADDRESS, LWS_WORKER_INDEX, LWS_GROUP_SIZE) if not env.get(k)]
+    if missing:
+        raise LaunchError(
+            f"{role} spans {nodes} nodes but {', '.join(missing)} is not set; run it as a LeaderWorkerSet pod "
+            f"(the chart does), or set {LWS_LEADER_ADDRESS}, {LWS_WORKER_INDEX} and {LWS_GROUP_SIZE} by hand."
+        )
+    try:
+        rank, size = int(env[LWS_WORKER_INDEX]), int(env[LWS_GROUP_SIZE])
+    except ValueError as exc:
+        raise LaunchError(f"{LWS_WORKER_INDEX} and {LWS_GROUP_SIZE} must be integers: {exc}") from exc
+    if size != nodes:
+        raise LaunchError(
+            f"{LWS_GROUP_SIZE}={size} but the topology's {role}.nodes={nodes}; the LeaderWorkerSet size must "
+            "equal the topology's nodes per instance/group (the chart derives both from one value)."
+        )
+    if not 0 <= rank < nodes:
+        raise LaunchError(f"{LWS_WORKER_INDEX}={rank} is outside 0..{nodes - 1}.")
+    return rank, env[LWS_LEADER_ADDRESS]
+
+
+def resolve_command(t: Topology, role: str, env: Mapping[str, str]) -> NodeCommand:
+    """This pod's sglang command: the plan's command for its node rank, with the real leader address."""
+    pd_role = as_role(role)
+    if pd_role is None:
+        raise LaunchError(f"role {role!r} has no sglang command; choose prefill or decode.")
+    spec = t.prefill if pd_role == "prefill" else t.decode
+    rank, leader = _node_rank(env, spec.nodes, pd_role)
+    return render_node(t, pd_role, node_rank=rank, leader_host=leader)
+
+
+def checked_worker_key(env: Mapping[str, str], name: str) -> str | None:
+    """The key in `name`, None when unset; a value no HTTP header can carry is an error."""
+    if name not in env:
+        return None
+    key = env[name]
+    if not key:
+        raise LaunchError(
+            f"{name} is set but empty: the Secret named in the chart's workerKeySecret holds no value under "
+            "workerKeySecret.key. Put the key there, or unset workerKeySecret.name to run without a worker key."
+        )
+    if key != key.strip() or any(c.isspace() or not c.isprintable() for c in key):
+        raise LaunchError(
+            f"{name} contains whitespace or control characters (a trailing newline from "
+            "`kubectl create secret --from-file`?), which an Authorization header cannot carry. Recreate the "
+            "Secret with `--from-literal=<key>=<value>` or from a file without the newline."
+        )
+    return key
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == flag:
+            return argv[i + 1] if i + 1 < len(argv) else ""
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def worker_key_args(argv: list[str], env: Mapping[str, str], role: str) -> list[str]:
+    """`--api-key=KEY` for sglang from SGLANG_PD_WORKER_API_KEY, or [] when that is unset.
+
+    Raises LaunchError when the key is malformed, or the role's command already sets it or asks for
+    more than one tokenizer worker (sglang refuses a key then).
+    """
+    key = checked_worker_key(env, ENV_WORKER_API_KEY)
+    if key is None:
+        return []
+    if _flag_value(argv, API_KEY_FLAG) is not None:
+        raise LaunchError(
+            f"{role}.extra_args sets {API_KEY_FLAG} and {ENV_WORKER_API_KEY} is set too; keep the key in the "
+            f"Secret (the chart's workerKeySecret) and remove {API_KEY_FLAG} from {role}.extra_args, where it "
+            "would be readable in the topology ConfigMap."
+        )
+    workers = _flag_value(argv, TOKENIZER_WORKERS_FLAG)
+    if workers is not None and workers.strip() != "1":
+        raise LaunchError(
+            f"{role}.extra_args sets {TOKENIZER_WORKERS_FLAG} {workers}, and sglang refuses an API key with more "
+            f"than one tokenizer worker, but {ENV_WORKER_API_KEY} is set; remove {TOKENIZER_WORKERS_FLAG} from "
+            f"{role}.extra_args, or unset the chart's workerKeySecret.name."
+        )
+    return [f"{API_KEY_FLAG}={key}"]
+
+
+def _gpu_count() -> int:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") or os.environ.get("NVIDIA_VISIBLE_DEVICES")
+    if visible and visible not in ("all", "void", "none"):
+        return len([d for d in visible.split(",") if d.strip()])
+    return len(list(Path("/dev").glob("nvidia[0-9]*")))
+
+
+def pod_checks(t: Topology, role: str) -> list[PodCheck]:
+    """What a GPU pod of this role needs, checked before sglang spends minutes loading weights."""
+    checks: list[PodCheck] = []
+    if role == "router":
+        return checks
+    want = t.hardware.gpus_per_node
+    have = _gpu_count()
+    checks.append(
+        PodCheck(
+            "gpus",
+            have >= want,
+            f"{have} GPU(s) visible, topology needs {want} per node"
+            + ("" if have >= want else f"; the pod must request {want} GPUs (hardware.gpus_per_node)"),
+        )
+    )
+    try:
+        shm = shutil.disk_usage("/dev/shm").total
+    except OSError:
+        shm = 0
+    checks.append(
+        PodCheck(
+            "shm",
+            shm >= MIN_SHM_BYTES,
+            f"/dev/shm is {shm / 2**30:.1f} GiB"
+            + ("" if shm >= MIN_SHM_BYTES else f"; mount a memory emptyDir of >= {MIN_SHM_BYTES >> 30} GiB"),
+        )
+    )
+    if t.transfer.backend.startswith("mooncake"):
+        checks.append(_memlock_check())
+    if t.transfer.protocol == "rdma":
+        present = sorted(p.name for p in INFINIBAND_SYSFS.iterdir()) if INFINIBAND_SYSFS.is_dir() else []
+        wanted = sorted(set(t.transfer.ib_devices.values()))
+        missing = [d for d in wanted if d not in present]
+        ok = bool(present) and not missing
+        detail = f"IB devices present: {', '.join(present) or 'none'}"
+        if not present:
+            detail += "; expose RDMA (values: rdma.mode hostNetwork or devicePlugin) or set transfer.protocol: tcp"
+        elif missing:
+            detail += f"; missing {', '.join(missing)} named in transfer.ib_devices"
+        checks.append(PodCheck("rdma", ok, detail))
+        if present:
+            checks.append(_rdma_access_check())
+    return checks
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--role", required=True, choices=("prefill", "decode", "router"))
+    parser.add_argument("--topology", required=True, metavar="FILE", help="the topology (the chart mounts it)")
+    parser.add_argument("--dry-run", action="store_true", help="print the argv and env as JSON; start nothing")
+    parser.add_argument(
+        "--skip-checks", action="store_true", help="start even when a pod check fails (not recommended)"
+    )
+    parser.add_argument(
+        "--kv-peers",
+        default="",
+        metavar="NAME,...",
+        help="host names whose addresses may reach this engine's Mooncake ports (resolved every few seconds; "
+        "the chart passes the prefill and decode headless Services)",
+    )
+    parser.add_argument(
+        "--kv-allow-from",
+        default="",
+        metavar="CIDR,...",
+        help="address ranges that may reach this engine's Mooncake ports, besides --kv-peers",
+    )
+    parser.add_argument(
+        NO_KV_FIREWALL_FLAG,
+        action="store_true",
+        help="leave the Mooncake ports open to every source (unsafe: whoever reaches them reads and "
+        "overwrites this engine's KV memory)",
+    )
+    parser.add_argument("router_args", nargs=argparse.REMAINDER, help="after --: extra arguments for the router")
+
+
+NO_KV_FIREWALL_FLAG = "--no-kv-firewall"
+
+
+def kv_firewall(args: argparse.Namespace, env: Mapping[str, str]) -> PeerFirewall | None:
+    """The rules this engine pod installs for its Mooncake ports (not installed yet); None for the
+    router and with --no-kv-firewall. LaunchError when no peer is named or a range is malformed."""
+    if args.role == "router" or args.no_kv_firewall:
+        return None
+    peers = [p.strip() for p in args.kv_peers.split(",") if p.strip()]
+    try:
+        ranges: list[Network] = parse_networks(args.kv_allow_from)
+    except ValueError as exc:
+        raise LaunchError(f"--kv-allow-from: {exc}.") from exc
+    if not peers and not ranges:
+        raise LaunchError(
+            "the Mooncake ports of this engine would accept no peer: name the PD engines that may reach them "
+            "with --kv-peers (host names, e.g. the prefill and decode headless Services; the chart passes them) "
+            f"or --kv-allow-from (CIDRs), or pass {NO_KV_FIREWALL_FLAG} to leave them open (unsafe)."
+        )
+    return PeerFirewall(role=args.role, ports=mooncake_port_range(dict(env)), peers=peers, allow_from=ranges)
+
+
+def _firewall_doc(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, object] | None:
+    """What --dry-run says about the KV ports' rules: the plan, or the problem."""
+    if args.role == "router":
+        return None
+    try:
+        fw = kv_firewall(args, env)
+    except LaunchError as exc:
+        return {"problem": str(exc)}
+    if fw is None:
+        return {"off": True}
+    return {
+        "chain": fw.chain,
+        "ports": f"{fw.ports[0]}-{fw.ports[1]}",
+        "peers": list(fw.peers),
+        "allow_from": [str(n) for n in fw.allow_from],
+    }
+
+
+def _router_argv(args: argparse.Namespace) -> list[str]:
+    extra = [a for a in args.router_args if a != "--"]
+    return ["-m", "sglang_pd.deploy.cli", "router", "--topology", args.topology, *extra]
+
+
+def run(args: argparse.Namespace) -> int:
+    t, _ = load_checked_topology(args.topology)
+    key_args: list[str] = []
+    try:
+        if args.role == "router":
+            # The router reads its worker key from the environment itself; check it as sglang's is.
+            for name in (ENV_ROUTER_WORKER_API_KEY, ENV_WORKER_API_KEY):
+                checked_worker_key(os.environ, name)
+            node_rank, argv, role_env = 0, _router_argv(args), {}
+        else:
+            cmd = resolve_command(t, args.role, os.environ)
+            node_rank, argv, role_env = cmd.node_rank, cmd.argv, cmd.env
+            key_args = worker_key_args(argv, os.environ, args.role)
+    except LaunchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    try:
+        pod = pod_settings_from_env(os.environ)
+    except LaunchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if pod is not None and args.role != "router":
+        broken = check_rules(t, pod).errors
+        if broken:
+            listed = "\n".join(f"  - {e}" for e in broken)
+            print(f"error: the pod's settings do not fit the topology:\n{listed}", file=sys.stderr)
+            return 1
+    checks = pod_checks(t, args.role)
+    failed = [c for c in checks if not c.ok and c.required]
+    if args.dry_run:
+        doc = {
+            "role": args.role,
+            "node_rank": node_rank,
+            "python": sys.executable,  # runs argv, which starts with the module
+            "argv": argv + ([f"{API_KEY_FLAG}={API_KEY_SHOWN}"] if key_args else []),
+            "env": role_env,
+            "checks": [{"name": c.name, "ok": c.ok, "required": c.required, "detail": c.detail} for c in checks],
+            "kv_firewall": _firewall_doc(args, {**os.environ, **role_env}),
+        }
+        print(json.dumps(doc, indent=2))
+        return 0
+    for c in checks:
+        verdict = "ok" if c.ok else ("FAILED" if c.required else "WARNING")
+        print(f"pod check {c.name}: {verdict}: {c.detail}", file=sys.stderr)
+    if failed and not args.skip_checks:
+        print(f"error: {len(failed)} pod check(s) failed; fix them or pass --skip-checks.", file=sys.stderr)
+        return 1
+    sys.stdout.flush()
+    env = {**os.environ, **role_env}
+    if args.no_kv_firewall and args.role != "router":
+        low, high = mooncake_port_range(env)
+        print(
+            f"warning: {NO_KV_FIREWALL_FLAG}: the Mooncake ports (TCP {low}-{high}) accept every source; whoever "
+            "reaches them reads and overwrites this engine's KV memory.",
+            file=sys.stderr,
+        )
+    try:
+        firewall = kv_firewall(args, env)
+    except LaunchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if firewall is not None:
+        low, high = firewall.ports
+        http = t.prefill.port if args.role == "prefill" else t.decode.port
+        if low <= http <= high:
+            # The router and kubelet's probes are no PD peers: the rules would drop them.
+            print(
+                f"error: the {args.role} engine's HTTP port {http} lies in Mooncake's port range {low}-{high}, "
+                f"which the rules close to all but the PD pods; move {args.role}.port in the topology, or move "
+                "the range with MC_MIN_RPC_PORT and MC_MAX_RPC_PORT.",
+                file=sys.stderr,
+            )
+            return 1
+        # Before sglang starts, so that no moment exists in which its Mooncake ports are open.
+        try:
+            firewall.install()
+        except FirewallError as exc:
+            print(
+                f"error: cannot fence the Mooncake ports (TCP {low}-{high}): {exc} Or pass {NO_KV_FIREWALL_FLAG} "
+                "to start with them open to every source (unsafe).",
+                file=sys.stderr,
+            )
+            return 1
+    # Commands name a module (`-m ...`); this interpreter, the one the image installed us in, runs it.
+    command = [sys.executable, *argv, *key_args]
+    if not key_args and firewall is None:
+        os.execvpe(sys.executable, command, env)
+        return 0  # unreachable: execvpe replaces this process
+    # This process stays: to mask the key, and to keep the peers' addresses in the rules current.
+    secrets = (os.environ[ENV_WORKER_API_KEY],) if key_args else ()
+    if firewall is None:
+        return supervise(command, env, secrets=secrets)
+    firewall.start()
+    try:
+        return supervise(command, env, secrets=secrets)
+    finally:
+        # On the host's network (rdma.mode hostNetwork) the rules would outlive the pod.
+        with contextlib.suppress(FirewallError):
+            firewall.remove()
+
+
+def supervise(argv: Sequence[str], env: Mapping[str, str], secrets: tuple[str, ...]) -> int:
+    """Run `argv` as a child until it exits, its stdout and stderr copied here line by line with
+    `secrets` masked; SIGTERM and SIGINT are passed on to it. Returns its exit status (128 + N when
+    signal N ended it). The child dies with this process, however this one dies (`procs.spawn`)."""
+    # Why this process stays instead of exec'ing sglang: sglang logs its whole ServerArgs at start,
+    # api_key included (sglang/srt/entrypoints/engine.py), and `kubectl logs` would show the key.
+    # Staying as the pod's PID 1, it masks that output and hands Kubernetes' SIGTERM to sglang,
+    # which then has the whole termination grace period to stop.
+    child = spawn("sglang", argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=False)
+    for sig in FORWARDED_SIGNALS:
+        signal.signal(sig, lambda signum, _frame: child.proc.send_signal(signum))
+    pumps = [
+        threading.Thread(target=_copy_masked, args=(src, dst, secrets), daemon=True)
+        for src, dst in ((child.proc.stdout, sys.stdout.buffer), (child.proc.stderr, sys.stderr.buffer))
+    ]
+    for pump in pumps:
+        pump.start()
+    code = child.proc.wait()
+    # What sglang left of its process group would hold the pipes open; what it wrote stays readable.
+    child.signal_group(signal.SIGKILL)
+    for pump in pumps:
+        pump.join(timeout=DRAIN_S)
+    return 128 - code if code < 0 else code
+
+
+def _copy_masked(src: IO[bytes], dst: IO[bytes], secrets: tuple[str, ...]) -> None:
+    # Whole lines, so a key is never split between two reads; flushed at once, since sglang's
+    # start-up lines are how an operator follows a pod that takes minutes to load.
+    for raw in iter(src.readline, b""):
+        dst.write(mask_secrets(raw, secrets, API_KEY_SHOWN))
+        dst.flush()

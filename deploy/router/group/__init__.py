@@ -1,0 +1,1 @@
+"""A router process group: N serving processes on one port under one control process."""

@@ -1,0 +1,345 @@
+"""PD orchestration: the attempt loop and the race between the two legs.
+
+An attempt picks a (prefill, decode) pair, sends the same body (plus the bootstrap fields) to
+both at once and waits for decode's answer, or its first chunk when streaming, while watching the
+prefill leg and the client. A failed leg makes the attempt worth retrying on another pair while
+nothing has reached the client; the other leg of a given-up attempt is always aborted.
+
+Before the first attempt, a token limit above the model's context length is refused (400), and a
+request that finds every pair at its capacity waits for room in the `CapacityGate` (429 after the
+queue timeout). A worker's answer that it is full (`UpstreamBusy`) is no failure: the request
+tries another pair that has room right away, and otherwise gets the busy status (503 or 429) with
+Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import math
+import random
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.responses import Response
+
+from ...common.openai_errors import ApiError, normalize_error_body
+from ..api.request_ids import RequestIds
+from ..api.validation import batch_size
+from ..config import RouterConfig
+from ..exceptions import (
+    ClientGone,
+    NoHealthyWorker,
+    UpstreamBusy,
+    UpstreamError,
+    UpstreamStatusError,
+    UpstreamTimeout,
+    WorkerAtCapacity,
+)
+from ..log import logger
+from ..transport.client import Body, Reply
+from ..workers.capacity import CapacityGate, Demand, Reservation, check_max_tokens, estimate
+from ..workers.pairs import Pair, PairPicker
+from ..workers.registry import Worker
+from .legs import Legs, PairStreamOutcome
+from .logprobs import merge_first_event, merge_logprobs, wants_input_logprobs
+from .relay import ClientWatch, RelayResponse, openai_finish_reasons
+from .tasks import cancel_legs, finished_ok
+
+__all__ = ["PDProxy"]
+
+# Decode answered with an error: a dying prefill (failed KV transfer) is the usual cause, and its
+# connection error is due within moments; wait that long before blaming the decode.
+_BLAME_GRACE_S = 0.1
+
+OpenLeg = Callable[[Worker, str, bytes, str], Awaitable[Reply]]
+
+
+class PDProxy:
+    def __init__(self, config: RouterConfig, pairs: PairPicker, legs: Legs) -> None:
+        self.config = config
+        self.pairs = pairs
+        self.legs = legs
+        self._rng = random.Random()
+        # With no healthy worker: a worker can be admitted at the next probe round.
+        self._retry_after = str(max(1, math.ceil(config.health_interval_s)))
+        # Requests waiting for a pair with room share the admission queue's bounds (capacity.py).
+        depth = legs.metrics.capacity_queue_depth
+        self.gate = CapacityGate(
+            max_waiting=config.max_queued_requests, timeout_s=config.queue_timeout_s, on_depth=depth.set
+        )
+
+    async def unary(self, endpoint: str, payload: dict[str, Any], ids: RequestIds, watch: ClientWatch) -> Response:
+        try:
+            _, reply, prefill_t = await self._attempts(endpoint, payload, ids.router, self.legs.post, watch.gone)
+        finally:
+            watch.stop()
+        body = reply.body
+        if reply.status < 300 and wants_input_logprobs(endpoint, payload):
+            body = await self._with_prefill_logprobs(prefill_t, body, merge_logprobs)
+        self._watch_prefill(prefill_t)
+        if reply.status >= 400:
+            return _refused(reply, ids)
+        if endpoint != "/generate":
+            body = openai_finish_reasons(body)
+        return Response(body, status_code=reply.status, media_type=reply.content_type, headers=ids.headers)
+
+    async def stream(self, endpoint: str, payload: dict[str, Any], ids: RequestIds, watch: ClientWatch) -> Response:
+        # One watch on the client for the whole request: the relay takes it over.
+        try:
+            open_decode = self.legs.open_stream
+            pair, reply, prefill_t = await self._attempts(endpoint, payload, ids.router, open_decode, watch.gone)
+            if reply.stream is None:  # decode refused (4xx)
+                self._watch_prefill(prefill_t)
+                watch.stop()
+                return _refused(reply, ids)
+            first = reply.body
+            if wants_input_logprobs(endpoint, payload):
+                try:
+                    first = await self._with_prefill_logprobs(prefill_t, first, merge_first_event)
+                except BaseException:
+                    self._give_up(pair, reply.stream)
+                    raise
+        except BaseException:
+            watch.stop()
+            raise
+        self._watch_prefill(prefill_t)
+        outcome = PairStreamOutcome(self.legs, pair)
+        return RelayResponse(reply, first, outcome, headers=ids.headers, watch=watch, openai=endpoint != "/generate")
+
+    async def _attempts(
+        self, endpoint: str, payload: dict[str, Any], rid: str, open_decode: OpenLeg, disconnect: asyncio.Future[None]
+    ) -> tuple[Pair, Reply, asyncio.Task[Reply]]:
+        """Run attempts until decode gives an answer (or its first chunk), or `disconnect` (the
+        client left) ends them. `rid`: the router's id of the request (never the client's: the
+        engines abort by it). Returns the pair, decode's reply and the prefill task (possibly
+        still running)."""
+        check_max_tokens(endpoint, payload, self.pairs.registry)
+        demand = estimate(endpoint, payload, batch_size(endpoint, payload))
+        exclude: list[Worker] = []
+        last_error: UpstreamError | None = None
+        deadline: float | None = None
+        for attempt in range(self.config.max_retries + 1):
+            if attempt:
+                delay = min(self.config.retry_max_backoff_s, self.config.retry_backoff_s * 2 ** (attempt - 1))
+                await asyncio.sleep(delay * (0.5 + self._rng.random()))
+            # Each attempt gets its own rid: an abort sent for a failed attempt must not hit
+            # the retry, and sglang refuses a rid that is still in flight.
+            attempt_rid = rid if attempt == 0 else f"{rid}.{attempt}"
+            try:
+                pair = await self._pick(endpoint, payload, attempt_rid, exclude, demand, disconnect, first=not attempt)
+            except (NoHealthyWorker, WorkerAtCapacity) as exc:
+                if last_error is not None:
+                    raise _gave_up(last_error, attempt) from exc
+                # Streamed or not, nothing has been sent yet: a plain OpenAI-shaped 503.
+                raise ApiError(
+                    503, str(exc), code="no_healthy_worker", headers={"retry-after": self._retry_after}
+                ) from exc
+            if deadline is None:  # the time waited for room does not count against the request
+                deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
+            reservation = pair.reservation
+            assert reservation is not None
+            prefill_t = asyncio.ensure_future(self.legs.post(pair.prefill, endpoint, pair.bodies.prefill, attempt_rid))
+            prefill_t.add_done_callback(reservation.release_prefill)
+            if pair.dp_ranks:
+                prefill_t.add_done_callback(pair.release_ranks)
+            decode_t = asyncio.ensure_future(open_decode(pair.decode, endpoint, pair.bodies.decode, attempt_rid))
+            decode_t.add_done_callback(functools.partial(_release_unless_streaming, reservation))
+            try:
+                outcome = await self._race(pair, prefill_t, decode_t, disconnect, deadline)
+            except BaseException:
+                cancel_legs(prefill_t, decode_t)
+                self._abort_unfinished(pair, decode_t)
+                raise
+            if isinstance(outcome, Reply):
+                return pair, outcome, prefill_t
+            last_error = outcome
+            exclude.append(outcome.worker)
+            self.legs.metrics.retries.labels(outcome.worker.role).inc()
+        assert last_error is not None
+        raise _gave_up(last_error, self.config.max_retries + 1)
+
+    async def _pick(
+        self,
+        endpoint: str,
+        payload: dict[str, Any],
+        rid: str,
+        exclude: list[Worker],
+        demand: Demand,
+        disconnect: asyncio.Future[None],
+        *,
+        first: bool,
+    ) -> Pair:
+        """A pair with room for `demand`, its capacity reserved. The first attempt waits its turn in
+        the gate while every pair is full (or others wait already: no request jumps the queue); a
+        retry does not wait, it raises WorkerAtCapacity."""
+
+        def pick() -> Pair:
+            pair = self.pairs.pick(endpoint, payload, rid, exclude, demand)
+            # Reserved in the same tick as the pick: no other request can take the same room.
+            pair.reservation = Reservation(pair.prefill, pair.decode, demand, self.gate.notify)
+            return pair
+
+        if not first:
+            return pick()
+        if not self.gate.waiting:
+            try:
+                return pick()
+            except WorkerAtCapacity:
+                pass
+        return await self.gate.wait(pick, disconnect)
+
+    async def _race(
+        self,
+        pair: Pair,
+        prefill_t: asyncio.Task[Reply],
+        decode_t: asyncio.Task[Reply],
+        disconnect: asyncio.Future[None],
+        deadline: float,
+    ) -> Reply | UpstreamError:
+        """Wait for decode's answer while watching prefill and the client. Returns the answer
+        (decode's, or prefill's own 4xx refusal), or the leg error that makes this attempt worth
+        retrying on another pair."""
+        loop = asyncio.get_running_loop()
+        # The prefill leg matters here only when it fails: a prefill that succeeds (the usual
+        # case, before decode answers) does not wake this task.
+        prefill_failed: asyncio.Future[None] = loop.create_future()
+
+        def on_prefill(task: asyncio.Task[Reply]) -> None:
+            if prefill_failed.done() or task.cancelled():
+                return
+            if task.exception() is not None or task.result().status >= 400:
+                prefill_failed.set_result(None)
+
+        prefill_t.add_done_callback(on_prefill)
+        watched: set[asyncio.Future[Any]] = {prefill_failed, decode_t, disconnect}
+        rids = pair.bodies.rids
+        try:
+            timeout = deadline - loop.time()
+            done = (
+                set()
+                if timeout <= 0
+                else (await asyncio.wait(watched, timeout=timeout, return_when="FIRST_COMPLETED"))[0]
+            )
+            if not done:
+                raise _timeout_error(self.config.request_timeout_s)
+            if disconnect in done:
+                raise ClientGone()
+            if prefill_failed in done:
+                if finished_ok(decode_t):
+                    return decode_t.result()  # decode answered; prefill's failure no longer matters
+                cancel_legs(decode_t)
+                self.legs.abort(pair.decode, rids)
+                exc = prefill_t.exception()
+                if isinstance(exc, UpstreamError):
+                    self.legs.failed(exc)
+                    return exc
+                if exc is not None:
+                    raise exc
+                return prefill_t.result()  # the engine refused the request itself (4xx)
+            # decode_t is done.
+            exc = decode_t.exception()
+            if exc is None:
+                reply = decode_t.result()
+                if reply.status >= 400 and not prefill_t.done():
+                    cancel_legs(prefill_t)
+                    self.legs.abort(pair.prefill, rids)
+                return reply
+            if isinstance(exc, UpstreamStatusError) and not prefill_t.done():
+                await asyncio.wait({prefill_t}, timeout=_BLAME_GRACE_S)
+            prefill_exc = prefill_t.exception() if prefill_t.done() and not prefill_t.cancelled() else None
+            if not prefill_t.done():
+                cancel_legs(prefill_t)
+                self.legs.abort(pair.prefill, rids)
+            if not isinstance(exc, UpstreamError):
+                raise exc
+            if isinstance(exc, UpstreamStatusError) and isinstance(prefill_exc, UpstreamError):
+                exc = prefill_exc  # the prefill's fault, not the decode's
+            self.legs.failed(exc)
+            return exc
+        finally:
+            prefill_t.remove_done_callback(on_prefill)
+
+    def _abort_unfinished(self, pair: Pair, decode_t: asyncio.Task[Reply]) -> None:
+        # The request is given up (client gone, deadline passed): both legs get /abort_request,
+        # a finished prefill too, since the decode may still be pulling its KV cache.
+        self._give_up(pair, decode_t.result().stream if finished_ok(decode_t) else None)
+
+    def _give_up(self, pair: Pair, opened: Body | None) -> None:
+        """Abort both legs; close decode's stream if it opened one (the relay never took it)."""
+        self.legs.abort(pair.prefill, pair.bodies.rids)
+        self.legs.abort(pair.decode, pair.bodies.rids)
+        if opened is not None:
+            opened.close()
+            self.legs.end(pair.decode)
+            if pair.reservation is not None:
+                pair.reservation.release_decode()
+
+    async def _with_prefill_logprobs(
+        self, prefill_t: asyncio.Task[Reply], body: bytes, merge: Callable[[bytes, bytes], bytes]
+    ) -> bytes:
+        try:
+            prefill = await asyncio.wait_for(asyncio.shield(prefill_t), self.config.request_timeout_s)
+            return merge(prefill.body, body)
+        except (UpstreamError, TimeoutError, ValueError) as exc:
+            logger.warning("could not merge prefill input logprobs", extra={"error": str(exc)})
+            return body
+
+    def _watch_prefill(self, prefill_t: asyncio.Task[Reply]) -> None:
+        """Prefill legs that outlive decode's answer: retrieve their outcome so no error is lost."""
+
+        def record(task: asyncio.Future[Reply]) -> None:
+            if not task.cancelled() and isinstance(exc := task.exception(), UpstreamError):
+                self.legs.failed(exc)
+
+        if prefill_t.done():
+            record(prefill_t)
+        else:
+            prefill_t.add_done_callback(record)
+
+
+def _release_unless_streaming(reservation: Reservation, task: asyncio.Task[Reply]) -> None:
+    """The decode leg's task ended: its reservation ends with it, unless it opened a stream (whose
+    owner releases it when the stream closes)."""
+    if not finished_ok(task) or task.result().stream is None:
+        reservation.release_decode()
+
+
+def _refused(reply: Reply, ids: RequestIds) -> Response:
+    """An engine's own refusal (4xx), in the one OpenAI error shape."""
+    body = normalize_error_body(reply.status, reply.body)
+    return Response(body, status_code=reply.status, media_type="application/json", headers=ids.headers)
+
+
+def _timeout_error(seconds: float) -> ApiError:
+    return ApiError(
+        504,
+        f"The workers did not answer within the request timeout of {seconds:g} s; "
+        "retry, or raise --request-timeout if such requests are expected.",
+        code="upstream_timeout",
+    )
+
+
+def _gave_up(error: UpstreamError, attempts: int) -> ApiError:
+    # The worker's URL and the error text stay in the router's log (with the request id): the
+    # client learns what happened, not the cluster's internal addresses.
+    logger.warning(
+        "request failed on every attempt",
+        extra={"attempts": attempts, "worker": error.worker.url, "role": error.worker.role, "error": str(error)},
+    )
+    if isinstance(error, UpstreamBusy):
+        return ApiError(
+            error.status,
+            f"The {error.worker.role} workers are full (they answered {error.status} to the request "
+            f"{attempts} time(s)). Retry after the Retry-After delay.",
+            code="worker_busy",
+            headers={"retry-after": error.retry_after},
+        )
+    timed_out = isinstance(error, UpstreamTimeout)
+    what = "did not answer in time" if timed_out else "failed"
+    return ApiError(
+        504 if timed_out else 502,
+        f"The request failed after {attempts} attempt(s): the {error.worker.role} worker {what}. "
+        "Retry later; the router's log has the details under this request id.",
+        code="upstream_error",
+    )

@@ -1,0 +1,161 @@
+"""Relay decode's SSE stream to the client chunk by chunk, and report how it ended.
+
+The relay owns the open stream; whoever started it learns the outcome through `StreamOutcome`,
+exactly one call per stream: `completed`, `failed` (the decode broke mid-stream: the client gets
+an OpenAI-shaped SSE error event and `[DONE]`, since nothing can be retried once bytes reached
+it), or `abandoned` (the client went away, or sending to it failed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Mapping
+from typing import Protocol
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from ...common.openai_errors import sse_error
+from ..api.connection import CLIENT_GONE
+from ..exceptions import UpstreamError
+from ..transport.client import Body, Reply
+
+__all__ = ["ClientWatch", "RelayResponse", "StreamOutcome", "openai_finish_reasons"]
+
+# sglang's OpenAI routes report an aborted request (aborted by /abort_request, by the scheduler
+# under memory pressure, or for a prompt over the context) as `finish_reason: "abort"`, which is not
+# one of OpenAI's values (stop, length, content_filter, tool_calls, function_call) and which strict
+# clients refuse. It becomes "length": the one OpenAI value that says the answer was cut short;
+# "stop" would tell the client the answer is complete. Done on bytes, and only when the chunk holds
+# the word, so the common chunk costs one `in` test.
+_ABORT = re.compile(rb'("finish_reason"\s*:\s*)"abort"')
+
+
+def openai_finish_reasons(chunk: bytes) -> bytes:
+    """`chunk` (JSON or SSE of an OpenAI route) with sglang's "abort" finish reason mapped to OpenAI's."""
+    if b'"abort"' not in chunk:
+        return chunk
+    return _ABORT.sub(rb'\1"length"', chunk)
+
+
+class StreamOutcome(Protocol):
+    def waiting(self) -> None:
+        """The relay waits for the worker's next bytes (the stall watchdog's clock runs)."""
+
+    def progressed(self) -> None:
+        """Bytes arrived from the worker (the stall watchdog's heartbeat)."""
+
+    def completed(self) -> None:
+        """The stream reached its end and the client got all of it."""
+
+    def failed(self, error: UpstreamError) -> None:
+        """The worker failed mid-stream; the client got an error event."""
+
+    def abandoned(self) -> None:
+        """The client left before the end (or sending to it failed)."""
+
+
+class RelayResponse(Response):
+    """Streams `reply` (its first chunk, possibly rewritten, then the rest) to the client."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        reply: Reply,
+        first: bytes,
+        outcome: StreamOutcome,
+        *,
+        headers: Mapping[str, str],
+        watch: ClientWatch | None = None,
+        openai: bool = True,
+    ) -> None:
+        """`headers`: the answer's own (its request ids). `watch`: the request's watch on the
+        client, which the relay takes over (and stops); without one the relay starts its own."""
+        assert reply.stream is not None, "RelayResponse needs an open stream (WorkerClient.open_stream)"
+        # Like StreamingResponse: no body attribute, so no Content-Length header.
+        self.status_code = reply.status
+        self.media_type = reply.content_type
+        self.background = None
+        self.init_headers({**headers, "cache-control": "no-cache", "x-accel-buffering": "no"})
+        self.stream: Body = reply.stream
+        self.first = openai_finish_reasons(first) if openai else first
+        self.openai = openai  # an OpenAI route: finish reasons are mapped to OpenAI's values
+        self.outcome = outcome
+        self.watch = watch
+        self.finished = False
+        self.abandoned = False  # the client left mid-stream: logged and counted as 499
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        relay = asyncio.ensure_future(self._relay(send))
+        watch = self.watch if self.watch is not None else ClientWatch(scope, receive)
+        try:
+            await asyncio.wait({relay, watch.gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not relay.done():
+                relay.cancel()
+                await asyncio.gather(relay, return_exceptions=True)
+            watch.stop()
+            self._close()
+        if relay.done() and not relay.cancelled() and relay.exception() is not None:
+            raise relay.exception()  # type: ignore[misc]
+
+    async def _relay(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        if self.first:
+            await send({"type": "http.response.body", "body": self.first, "more_body": True})
+        try:
+            waiting, progressed = self.outcome.waiting, self.outcome.progressed
+            while True:
+                waiting()
+                if not (chunk := await self.stream.next_chunk()):
+                    break
+                progressed()
+                if self.openai:
+                    chunk = openai_finish_reasons(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            self.finished = True
+            self.outcome.completed()
+        except UpstreamError as exc:
+            self.finished = True
+            self.outcome.failed(exc)
+            # The error text (with the worker's URL) is logged by outcome.failed, not sent.
+            message = "The decode worker failed mid-stream; the answer is incomplete. Retry the request."
+            error = sse_error(502, message, code="upstream_stream_error")
+            await send({"type": "http.response.body", "body": error, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _close(self) -> None:
+        # A finished stream goes back to the pool; an unfinished one closes its connection.
+        if self.finished:
+            self.stream.release()
+        else:
+            self.stream.close()
+            self.abandoned = True
+            self.outcome.abandoned()
+
+
+class ClientWatch:
+    """`gone` resolves when the client disconnects. Under the router's own HTTP protocol it is the
+    connection's future (no task per request: connection.py); under another ASGI server (tests)
+    a task that reads receive() for `http.disconnect`. Stop the watch when the request ends."""
+
+    __slots__ = ("_owned", "gone")
+
+    def __init__(self, scope: Scope, receive: Receive) -> None:
+        shared = ((scope.get("extensions") or {}).get(CLIENT_GONE) or {}).get("future")
+        self._owned = shared is None
+        self.gone: asyncio.Future[None] = shared if shared is not None else asyncio.ensure_future(_disconnect(receive))
+
+    def stop(self) -> None:
+        if self._owned:  # the connection's own future outlives the request: never cancel it
+            self.gone.cancel()
+
+
+async def _disconnect(receive: Receive) -> None:
+    """Return when the client disconnects (the request body has been read already)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return

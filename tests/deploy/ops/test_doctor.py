@@ -1,0 +1,171 @@
+"""`sglang-pd doctor`: versions, GPU, kernel, DeepEP layout, SBO modes and why not; `plan --check` SBO warnings."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+
+from sglang_pd.deploy.cli import main
+from sglang_pd.deploy.ops import doctor
+from sglang_pd.deploy.spec.topology import parse_topology
+from sglang_pd.sglang_patches import status
+
+pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves it out
+
+has_deepep = status.distribution_version("sgl-deep-ep") is not None
+
+
+@pytest.fixture
+def sm90(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(status, "device_capability", lambda: (9, 0))
+    monkeypatch.setattr(doctor, "_gpu", lambda: {"capability": "sm_90", "name": "NVIDIA H200", "count": 8})
+    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+
+
+def test_json_report_on_this_machine(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "--format", "json", "--skip-targets"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    keys = {"versions", "gpu", "kernel", "deepep_combine", "plugin", "deepep_driver", "hook_targets", "sbo"}
+    assert set(doc) == keys | {"sglang_flags"}
+    assert doc["sglang_flags"] is None  # --skip-targets imports no sglang
+    assert set(doc["versions"]) == set(doctor.DISTRIBUTIONS)
+    assert doc["versions"]["sglang-pd"] is not None
+    assert set(doc["sbo"]) == {"full", "shared-only"}
+    if status.device_capability() is None:  # a CPU machine says so, for both modes
+        assert doc["gpu"]["capability"] is None
+        assert doc["sbo"]["full"] == {"ok": False, "reason": "no CUDA device is visible"}
+        assert not doc["kernel"]["usable"] and "no CUDA device" in doc["kernel"]["reason"]
+
+
+def test_table_report(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "--skip-targets"]) == 0
+    out = capsys.readouterr().out
+    rows = ("sglang", "sgl-deep-ep", "sgl-deep-gemm", "GPU", "our sm_90 kernel", "DeepEP driver options", "SBO full")
+    for row in rows:
+        assert any(line.startswith(row) for line in out.splitlines()), row
+
+
+@pytest.mark.skipif(not has_deepep, reason="sgl-deep-ep is not installed (dev extra, --no-deps)")
+def test_sm90_with_our_kernel_serves_both_halves(sm90) -> None:
+    doc = doctor.collect(check_targets=False)
+    assert doc["kernel"]["usable"], doc["kernel"]
+    assert doc["deepep_combine"]["layout"] == "deepep"
+    assert doc["sbo"]["full"] == {"ok": True, "reason": "", "by": "sglang-pd plugin, deepep signal layout"}
+    assert doc["sbo"]["shared-only"]["ok"]
+
+
+def test_kernel_row_says_which_kernel_runs(sm90, monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel = pytest.importorskip(status.KERNEL_MODULE, reason="our kernel needs torch and triton")
+    for ws, expected in ((True, "warp-specialized (Gluon): yes"), (False, "Triton only")):
+        monkeypatch.setattr(kernel, "ws_usable", lambda *a, ws=ws: ws)
+        doc = doctor.collect(check_targets=False)
+        assert doc["kernel"]["usable"] and doc["kernel"]["warp_specialized"] is ws
+        row = next(line for line in doctor.format_table(doc).splitlines() if line.startswith("our sm_90 kernel"))
+        assert expected in row, row
+
+
+@pytest.mark.skipif(not has_deepep, reason="sgl-deep-ep is not installed (dev extra, --no-deps)")
+def test_sm90_without_our_kernel_serves_shared_only(
+    sm90, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, status.KERNEL_MODULE, None)
+    doc = doctor.collect(check_targets=False)
+    assert not doc["sbo"]["full"]["ok"] and "does not import" in doc["sbo"]["full"]["reason"]
+    assert doc["sbo"]["shared-only"]["ok"]
+    assert main(["doctor", "--skip-targets", "--expect", "shared-only"]) == 0
+    assert main(["doctor", "--skip-targets", "--expect", "full"]) == doctor.EXIT_INVALID
+    assert "error: SBO full cannot run here: our kernel" in capsys.readouterr().err
+
+
+def test_sglang_plugins_whitelist_without_us_is_reported(sm90, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SGLANG_PLUGINS", "someone_else")
+    doc = doctor.collect(check_targets=False)
+    assert doc["plugin"]["entry_point"] and not doc["plugin"]["loaded_by_sglang"]
+    assert doc["sbo"]["shared-only"] == {"ok": False, "reason": "the sglang-pd plugin is excluded by SGLANG_PLUGINS"}
+
+
+def test_other_architectures(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(doctor, "_gpu", lambda: {"capability": "sm_80", "name": "A100", "count": 8})
+    assert (
+        "needs Hopper (sm_90, with this plugin) or Blackwell; this is sm_80"
+        in (doctor.collect(check_targets=False)["sbo"]["full"]["reason"])
+    )
+    monkeypatch.setattr(doctor, "_gpu", lambda: {"capability": "sm_100", "name": "B200", "count": 8})
+    assert doctor.collect(check_targets=False)["sbo"]["full"]["ok"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang is not installed")
+def test_hook_targets_are_checked_against_the_installed_sglang() -> None:
+    doc = doctor.collect(check_targets=True)
+    assert doc["hook_targets"] == {name: "ok" for name in doc["hook_targets"]}
+    assert set(doc["hook_targets"]) == {"moe-config", "down-gemm", "combine-signal", "combine-call", "shared-only"}
+
+
+@pytest.mark.parametrize(
+    ("gpu", "sbo", "warned"),
+    [("A100", "full", True), ("L40S", "shared-only", True), ("H200", "full", False), ("B200", "full", False)],
+)
+def test_plan_warnings_for_sbo_on_gpus_this_build_cannot_serve(preset_dict, gpu: str, sbo: str, warned: bool) -> None:
+    data = preset_dict()
+    data["hardware"]["gpu"] = gpu
+    data["decode"]["sbo"] = sbo
+    warnings = doctor.sbo_topology_warnings(parse_topology(data))
+    assert bool(warnings) == warned, warnings
+    if warned:
+        assert warnings[0].startswith(f"decode.sbo: {sbo} on hardware.gpu {gpu}: this build serves SBO on Hopper")
+
+
+def test_plan_warns_when_the_plugin_is_not_installed(preset_dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(doctor.importlib.metadata, "entry_points", lambda group: [])
+    [warning] = doctor.sbo_topology_warnings(parse_topology(preset_dict()))
+    assert "needs the sglang-pd sglang plugin, and its entry point is not installed here" in warning
+
+
+def test_plan_check_shows_the_sbo_warning(preset_dict, write_topology, capsys: pytest.CaptureFixture[str]) -> None:
+    data = preset_dict()
+    data["hardware"]["gpu"] = "A100"
+    main(["plan", str(write_topology(data)), "--check", "--format", "json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert any(w.startswith("decode.sbo: full on hardware.gpu A100") for w in doc["warnings"])
+
+
+# --- DeepEP's NVIDIA driver options (/proc/driver/nvidia/params) or GDRCopy ---------------------
+
+PARAMS_SET = 'EnableStreamMemOPs: 1\nRegistryDwords: "PeerMappingOverride=1;"\nEnableMSI: 1\n'
+PARAMS_UNSET = 'EnableStreamMemOPs: 0\nRegistryDwords: ""\nEnableMSI: 1\n'
+
+
+@pytest.mark.parametrize(
+    ("params", "gdrcopy", "ok"),
+    [(PARAMS_SET, False, True), (PARAMS_UNSET, True, True), (PARAMS_UNSET, False, False)],
+    ids=["driver-options", "gdrcopy", "neither"],
+)
+def test_deepep_driver_options(tmp_path, params: str, gdrcopy: bool, ok: bool) -> None:
+    (tmp_path / "params").write_text(params)
+    if gdrcopy:
+        (tmp_path / "gdrdrv").touch()
+    found = doctor.deepep_driver(tmp_path / "params", tmp_path / "gdrdrv")
+    assert found["ok"] is ok and found["driver"] is True
+    if not ok:
+        assert "DeepEP across nodes will fail" in found["detail"]
+        assert 'NVreg_EnableStreamMemOPs=1 NVreg_RegistryDwords="PeerMappingOverride=1;"' in found["detail"]
+        assert "or install GDRCopy" in found["detail"]
+
+
+def test_deepep_driver_without_nvidia_driver(tmp_path) -> None:
+    found = doctor.deepep_driver(tmp_path / "absent", tmp_path / "gdrdrv")
+    assert found == {"ok": None, "driver": False, "detail": f"no NVIDIA driver here ({tmp_path / 'absent'} is absent)"}
+
+
+def test_kv_probe_reports_the_driver_options(monkeypatch) -> None:
+    from sglang_pd.deploy.kv import cli as kv_cli
+
+    missing = {"ok": False, "driver": True, "detail": "EnableStreamMemOPs=not 1; " + doctor.DRIVER_FIX}
+    monkeypatch.setattr(doctor, "deepep_driver", lambda: missing)
+    row = kv_cli._deepep_driver_check()
+    assert row == {"check": "deepep-driver", "ok": False, "advisory": True, "detail": missing["detail"]}
+    monkeypatch.setattr(doctor, "deepep_driver", lambda: {"ok": None, "driver": False, "detail": "no NVIDIA driver"})
+    assert kv_cli._deepep_driver_check()["ok"] is True  # nothing to check on a machine without the driver

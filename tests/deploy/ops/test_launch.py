@@ -1,0 +1,382 @@
+"""`sglang-pd launch`: node rank and leader from LeaderWorkerSet's env, pod checks, dry run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sglang_pd.deploy.cli import main
+from sglang_pd.deploy.common.contract import ENV_ROUTER_WORKER_API_KEY, ENV_WORKER_API_KEY
+from sglang_pd.deploy.ops import launch
+from sglang_pd.deploy.ops.launch import (
+    API_KEY_FLAG,
+    CAP_IPC_LOCK,
+    LaunchError,
+    has_capability,
+    pod_checks,
+    pod_settings_from_env,
+    resolve_command,
+)
+from sglang_pd.deploy.sglang.render import render_node
+from sglang_pd.deploy.spec.topology import PRESETS_DIR, PodSettings, load_topology
+
+PRESET_DIR = PRESETS_DIR
+R1 = PRESET_DIR / "deepseek-r1-h200-1p1d.yaml"
+LWS = {"LWS_LEADER_ADDRESS": "decode-0.decode.llm", "LWS_GROUP_SIZE": "2"}
+
+
+@pytest.fixture(scope="module")
+def r1():
+    return load_topology(R1)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_multi_node_rank_and_leader_from_lws(r1, rank) -> None:
+    cmd = resolve_command(r1, "decode", {**LWS, "LWS_WORKER_INDEX": str(rank)})
+    assert cmd.argv == render_node(r1, "decode", node_rank=rank, leader_host="decode-0.decode.llm").argv
+    assert cmd.argv[cmd.argv.index("--dist-init-addr") + 1] == "decode-0.decode.llm:5000"
+
+
+def test_single_node_role_needs_no_lws(r1) -> None:
+    assert resolve_command(r1, "prefill", {}).argv == render_node(r1, "prefill").argv
+
+
+def test_missing_lws_env_is_explained(r1) -> None:
+    with pytest.raises(LaunchError, match=r"decode spans 2 nodes but LWS_LEADER_ADDRESS, LWS_WORKER_INDEX"):
+        resolve_command(r1, "decode", {})
+
+
+def test_group_size_must_match_topology(r1) -> None:
+    with pytest.raises(LaunchError, match=r"LWS_GROUP_SIZE=4 but the topology's decode.nodes=2"):
+        resolve_command(r1, "decode", {**LWS, "LWS_GROUP_SIZE": "4", "LWS_WORKER_INDEX": "0"})
+
+
+def test_worker_index_out_of_range(r1) -> None:
+    with pytest.raises(LaunchError, match=r"LWS_WORKER_INDEX=2 is outside 0..1"):
+        resolve_command(r1, "decode", {**LWS, "LWS_WORKER_INDEX": "2"})
+
+
+def test_pod_checks_name_the_fix(r1, monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    checks = {c.name: c for c in pod_checks(r1, "decode")}
+    assert {"gpus", "shm", "memlock", "rdma"} <= set(checks)
+    assert not checks["gpus"].ok
+    assert checks["gpus"].detail == (
+        "2 GPU(s) visible, topology needs 8 per node; the pod must request 8 GPUs (hardware.gpus_per_node)"
+    )
+    # This machine has no InfiniBand: the RDMA check fails and says how to expose it.
+    if not Path("/sys/class/infiniband").is_dir():
+        assert not checks["rdma"].ok and "rdma.mode" in checks["rdma"].detail
+    assert pod_checks(r1, "router") == []
+
+
+def test_dry_run_prints_argv_env_and_checks(capsys, monkeypatch) -> None:
+    for k, v in {**LWS, "LWS_WORKER_INDEX": "1"}.items():
+        monkeypatch.setenv(k, v)
+    assert main(["launch", "--role", "decode", "--topology", str(R1), "--dry-run"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["node_rank"] == 1 and doc["env"] == {
+        "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK": "128",
+        "SGLANG_PD_SBO_MODE": "full",
+    }
+    assert doc["argv"][doc["argv"].index("--node-rank") + 1] == "1"
+    assert {"gpus", "shm", "memlock", "rdma"} <= {c["name"] for c in doc["checks"]}
+
+
+def test_failed_checks_stop_the_launch(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert main(["launch", "--role", "prefill", "--topology", str(R1)]) == 1
+    err = capsys.readouterr().err
+    assert "pod check gpus: FAILED: 1 GPU(s) visible, topology needs 8 per node" in err
+    assert "pod check(s) failed; fix them or pass --skip-checks" in err
+
+
+def test_router_role_passes_its_flags(capsys) -> None:
+    assert main(["launch", "--role", "router", "--topology", str(R1), "--dry-run", "--", "--kubernetes"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["argv"] == ["-m", "sglang_pd.deploy.cli", "router", "--topology", str(R1), "--kubernetes"]
+    assert doc["python"] == sys.executable
+    assert doc["checks"] == []
+
+
+def test_invalid_topology_is_refused(tmp_path, capsys) -> None:
+    text = R1.read_text().replace("ep: 16", "ep: 8")
+    (tmp_path / "t.yaml").write_text(text)
+    assert main(["launch", "--role", "decode", "--topology", str(tmp_path / "t.yaml"), "--dry-run"]) == 1
+    assert "decode.ep: DeepEP is the all-to-all" in capsys.readouterr().err
+
+
+# Tests that start the launch leave this machine's netfilter rules alone; the rules themselves are
+# tested in a network namespace of their own (tests/deploy/kv/test_firewall.py).
+NO_FIREWALL = "--no-kv-firewall"
+
+
+# --- the Mooncake ports' rules: named peers, shown by --dry-run, required at start ----------------
+
+
+def test_dry_run_shows_the_kv_rules_it_would_install(capsys) -> None:
+    argv = ["launch", "--role", "prefill", "--topology", str(R1), "--dry-run"]
+    assert main([*argv, "--kv-peers", "p.llm, d.llm", "--kv-allow-from", "10.20.0.0/16"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["kv_firewall"] == {
+        "chain": "SGLPD-KV-PREFILL",
+        "ports": "15000-17000",
+        "peers": ["p.llm", "d.llm"],
+        "allow_from": ["10.20.0.0/16"],
+    }
+    assert main([*argv, NO_FIREWALL]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_firewall"] == {"off": True}
+    assert main([*argv]) == 0  # a dry run reports the problem, as it reports failed checks
+    assert "would accept no peer" in json.loads(capsys.readouterr().out)["kv_firewall"]["problem"]
+    assert main(["launch", "--role", "router", "--topology", str(R1), "--dry-run"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_firewall"] is None  # the router opens no KV port
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ([], "error: the Mooncake ports of this engine would accept no peer: name the PD engines"),
+        (["--kv-allow-from", "10.0.0.0/33"], "error: --kv-allow-from: '10.0.0.0/33' is not an address or CIDR"),
+    ],
+    ids=["no-peer", "bad-range"],
+)
+def test_an_engine_without_valid_peers_does_not_start(monkeypatch, capsys, flags, message) -> None:
+    monkeypatch.setattr(launch, "pod_checks", lambda t, role: [])
+    started: list[tuple] = []
+    monkeypatch.setattr(launch.os, "execvpe", lambda *a: started.append(a))
+    monkeypatch.setattr(launch, "supervise", lambda *a, **k: started.append(a) or 0)
+    assert main(["launch", "--role", "prefill", "--topology", str(R1), *flags]) == 1
+    assert started == [] and message in capsys.readouterr().err
+
+
+def test_an_http_port_inside_the_kv_range_is_refused(monkeypatch, capsys, tmp_path) -> None:
+    t = yaml.safe_load(R1.read_text())
+    t["prefill"]["port"] = 15500
+    path = tmp_path / "r1.yaml"
+    path.write_text(yaml.safe_dump(t))
+    monkeypatch.setattr(launch, "pod_checks", lambda t, role: [])
+    monkeypatch.setattr(launch.os, "execvpe", lambda *a: pytest.fail("sglang started"))
+    argv = ["launch", "--role", "prefill", "--topology", str(path), "--kv-allow-from", "10.0.0.0/8"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "error: the prefill engine's HTTP port 15500 lies in Mooncake's port range 15000-17000" in err
+
+
+def test_without_the_rules_the_launch_says_the_ports_are_open(monkeypatch, capsys) -> None:
+    rc, _, how = _start_prefill(monkeypatch)
+    assert rc == 0 and how == [("exec",)]
+    assert "warning: --no-kv-firewall: the Mooncake ports (TCP 15000-17000) accept every source" in (
+        capsys.readouterr().err
+    )
+
+
+# --- locked memory: CAP_IPC_LOCK lets RDMA pin past RLIMIT_MEMLOCK ---------------------------------
+
+STATUS = "Name:\tpython3\nCapInh:\t0000000000000000\nCapPrm:\t{cap}\nCapEff:\t{cap}\nCapBnd:\t000001ffffffffff\n"
+
+
+def _status(tmp_path: Path, cap: str) -> Path:
+    path = tmp_path / "status"
+    path.write_text(STATUS.format(cap=cap))
+    return path
+
+
+def test_capability_is_read_from_capeff(tmp_path) -> None:
+    assert has_capability(CAP_IPC_LOCK, _status(tmp_path, "00000000a80465fb"))  # docker's default set + IPC_LOCK
+    assert not has_capability(CAP_IPC_LOCK, _status(tmp_path, "00000000a80425fb"))  # docker's default set
+    assert not has_capability(CAP_IPC_LOCK, tmp_path / "absent")
+
+
+def _memlock_check(monkeypatch, tmp_path, limit: int, cap: str):
+    monkeypatch.setattr(launch.resource, "getrlimit", lambda _: (limit, limit))
+    monkeypatch.setattr(launch, "PROC_STATUS", _status(tmp_path, cap))
+    monkeypatch.setattr(launch.has_capability, "__defaults__", (launch.PROC_STATUS,))
+    return {c.name: c for c in pod_checks(load_topology(R1), "decode")}["memlock"]
+
+
+def test_memlock_passes_with_cap_ipc_lock(monkeypatch, tmp_path) -> None:
+    check = _memlock_check(monkeypatch, tmp_path, 8 << 20, "00000000a80465fb")  # 8 MiB, a runtime default
+    assert check.ok and check.required
+    assert check.detail == "locked-memory limit 8388608 bytes, but CAP_IPC_LOCK lets Mooncake pin KV memory past it"
+
+
+def test_memlock_without_the_capability_warns_but_does_not_stop_the_pod(monkeypatch, tmp_path, capsys) -> None:
+    check = _memlock_check(monkeypatch, tmp_path, 64 << 10, "00000000a80425fb")
+    assert not check.ok and not check.required
+    assert "no CAP_IPC_LOCK" in check.detail and "add the IPC_LOCK capability" in check.detail
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    monkeypatch.setattr(launch, "pod_checks", lambda t, role: [check])
+    started: list[tuple] = []
+    for name in ("execve", "execvpe"):  # the launcher replaces itself with sglang: record it instead
+        monkeypatch.setattr(launch.os, name, lambda *a: started.append(a))
+    assert main(["launch", "--role", "prefill", "--topology", str(R1), NO_FIREWALL]) == 0
+    assert len(started) == 1  # the warning did not stop the start
+    assert "pod check memlock: WARNING: locked-memory limit 65536 bytes and no CAP_IPC_LOCK" in capsys.readouterr().err
+
+
+def test_memlock_large_enough_needs_no_capability(monkeypatch, tmp_path) -> None:
+    assert _memlock_check(monkeypatch, tmp_path, launch.resource.RLIM_INFINITY, "0000000000000000").ok
+
+
+# --- RDMA device access and the chart's pod settings --------------------------------------------
+
+
+def test_rdma_devices_that_cannot_be_opened_fail(monkeypatch, tmp_path) -> None:
+    sysfs, dev = tmp_path / "sys", tmp_path / "dev"
+    (sysfs / "mlx5_0").mkdir(parents=True)
+    dev.mkdir()
+    (dev / "uverbs0").write_text("")
+    (dev / "uverbs0").chmod(0)
+    monkeypatch.setattr(launch, "INFINIBAND_SYSFS", sysfs)
+    monkeypatch.setattr(launch, "INFINIBAND_DEV", dev)
+    real_open = launch.os.open
+
+    def refuse(path, flags, *a):  # root may open a mode-0 file: refuse as the device cgroup would
+        if str(path).endswith("uverbs0"):
+            raise PermissionError(1, "Operation not permitted")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(launch.os, "open", refuse)
+    checks = {c.name: c for c in pod_checks(load_topology(R1), "decode")}
+    access = checks["rdma-access"]
+    assert not access.ok and access.required
+    assert access.detail.startswith("cannot open uverbs0 (Operation not permitted): the pod lacks device access")
+    monkeypatch.setattr(launch.os, "open", real_open)
+    (dev / "uverbs0").chmod(0o600)
+    assert {c.name: c for c in pod_checks(load_topology(R1), "decode")}["rdma-access"].ok
+
+
+def test_pod_settings_come_from_the_charts_env() -> None:
+    env = {
+        "SGLANG_PD_POD_RDMA_MODE": "hostNetwork",
+        "SGLANG_PD_POD_PRIVILEGED": "false",
+        "SGLANG_PD_POD_MODEL_SOURCE": "hub",
+        "SGLANG_PD_POD_STARTUP_BUDGET_S": "1800",
+        "SGLANG_PD_POD_DOWNLOAD_BYTES_PER_S": "500000000",
+    }
+    assert pod_settings_from_env(env) == PodSettings("hostNetwork", False, "hub", 1800, 5e8)
+    assert pod_settings_from_env({}) is None  # not a chart pod: no pod rules
+    with pytest.raises(LaunchError, match=r"SGLANG_PD_POD_RDMA_MODE='hostnet'"):
+        pod_settings_from_env({**env, "SGLANG_PD_POD_RDMA_MODE": "hostnet"})
+
+
+def test_pod_settings_that_break_a_rule_stop_the_launch(monkeypatch, capsys) -> None:
+    for k, v in {
+        "SGLANG_PD_POD_RDMA_MODE": "hostNetwork",
+        "SGLANG_PD_POD_PRIVILEGED": "false",
+        "SGLANG_PD_POD_MODEL_SOURCE": "hub",
+        "SGLANG_PD_POD_STARTUP_BUDGET_S": "1800",
+    }.items():
+        monkeypatch.setenv(k, v)
+    assert main(["launch", "--role", "prefill", "--topology", str(R1), "--dry-run"]) == 1
+    err = capsys.readouterr().err
+    assert "the pod's settings do not fit the topology" in err
+    assert "rdma.mode: hostNetwork mounts the host's /dev/infiniband" in err
+    assert "startupProbe: a 1800 s startup budget cannot download ~684 GB" in err
+
+
+# --- the worker key: sglang gets `--api-key=KEY` from the environment at start ---------------------
+
+WORKER_KEY = "wk-5f0c1e9a7d3b"
+
+
+def _exec_prefill(monkeypatch, topology: Path = R1) -> tuple[int, list[list[str]]]:
+    """Run `launch --role prefill` up to the start, recording the argv it would exec or supervise."""
+    return _start_prefill(monkeypatch, topology)[:2]
+
+
+def _start_prefill(monkeypatch, topology: Path = R1) -> tuple[int, list[list[str]], list[tuple[str, ...]]]:
+    """As `_exec_prefill`, also recording how it started: ("exec",) or ("supervise", *secrets)."""
+    monkeypatch.setattr(launch, "pod_checks", lambda t, role: [])
+    started: list[list[str]] = []
+    how: list[tuple[str, ...]] = []
+
+    def supervise(argv, env, secrets) -> int:
+        started.append(list(argv))
+        how.append(("supervise", *secrets))
+        return 0
+
+    def execvpe(file, argv, env) -> None:
+        started.append(argv)
+        how.append(("exec",))
+
+    monkeypatch.setattr(launch.os, "execvpe", execvpe)
+    monkeypatch.setattr(launch, "supervise", supervise)
+    return main(["launch", "--role", "prefill", "--topology", str(topology), NO_FIREWALL]), started, how
+
+
+def test_the_worker_key_is_added_from_the_env_and_sglang_then_runs_supervised(monkeypatch) -> None:
+    monkeypatch.delenv(ENV_WORKER_API_KEY, raising=False)
+    rc, started, how = _start_prefill(monkeypatch)
+    assert rc == 0 and how == [("exec",)]  # no key, nothing to mask: sglang replaces the launcher
+    assert not any(a.startswith(API_KEY_FLAG) for a in started[0])
+    monkeypatch.setenv(ENV_WORKER_API_KEY, WORKER_KEY)
+    rc, started, how = _start_prefill(monkeypatch)
+    assert rc == 0 and how == [("supervise", WORKER_KEY)]  # its output masked, the key as the secret
+    argv = render_node(load_topology(R1), "prefill").argv
+    assert started[0] == [sys.executable, *argv, f"{API_KEY_FLAG}={WORKER_KEY}"]
+
+
+def test_dry_run_masks_the_worker_key(monkeypatch, capsys) -> None:
+    monkeypatch.setenv(ENV_WORKER_API_KEY, WORKER_KEY)
+    assert main(["launch", "--role", "prefill", "--topology", str(R1), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out)["argv"][-1] == "--api-key=${SGLANG_PD_WORKER_API_KEY}"
+    assert WORKER_KEY not in out
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("key", [WORKER_KEY, "-" + WORKER_KEY], ids=["key", "key-starting-with-dash"])
+def test_sglangs_parser_takes_the_key(monkeypatch, key) -> None:
+    server_args = pytest.importorskip("sglang.srt.server_args", reason="sglang is not installed (the `validate` extra)")
+    monkeypatch.setenv(ENV_WORKER_API_KEY, key)
+    _, started = _exec_prefill(monkeypatch)
+    parser = argparse.ArgumentParser()
+    server_args.ServerArgs.add_cli_args(parser)
+    assert started[0][1:3] == ["-m", "sglang.launch_server"]
+    assert parser.parse_args(started[0][3:]).api_key == key
+
+
+@pytest.mark.parametrize(
+    ("key", "message"),
+    [
+        ("", "SGLANG_PD_WORKER_API_KEY is set but empty"),
+        (WORKER_KEY + "\n", "SGLANG_PD_WORKER_API_KEY contains whitespace or control characters (a trailing newline"),
+    ],
+    ids=["empty", "trailing-newline"],
+)
+def test_a_key_no_header_can_carry_stops_the_launch(monkeypatch, capsys, key, message) -> None:
+    monkeypatch.setenv(ENV_WORKER_API_KEY, key)
+    rc, started = _exec_prefill(monkeypatch)
+    assert rc == 1 and started == []
+    assert message in capsys.readouterr().err
+    monkeypatch.delenv(ENV_WORKER_API_KEY)
+    monkeypatch.setenv(ENV_ROUTER_WORKER_API_KEY, key)  # the router pod's name, checked alike
+    assert main(["launch", "--role", "router", "--topology", str(R1), "--dry-run"]) == 1
+    assert message.replace(ENV_WORKER_API_KEY, ENV_ROUTER_WORKER_API_KEY) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--api-key", "other"], "prefill.extra_args sets --api-key and SGLANG_PD_WORKER_API_KEY is set too"),
+        (["--tokenizer-worker-num=4"], "prefill.extra_args sets --tokenizer-worker-num 4, and sglang refuses an API"),
+    ],
+    ids=["second-key", "multi-tokenizer"],
+)
+def test_extra_args_that_clash_with_the_key_stop_the_launch(
+    monkeypatch, capsys, preset_dict, write_topology, extra, message
+) -> None:
+    t = preset_dict()
+    t["prefill"]["extra_args"] = extra
+    path = write_topology(t)
+    monkeypatch.setenv(ENV_WORKER_API_KEY, WORKER_KEY)
+    rc, started = _exec_prefill(monkeypatch, path)
+    assert rc == 1 and started == [] and message in capsys.readouterr().err
+    monkeypatch.delenv(ENV_WORKER_API_KEY)  # without a key both are the topology's own business
+    assert _exec_prefill(monkeypatch, path)[0] == 0

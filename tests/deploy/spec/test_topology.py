@@ -1,0 +1,351 @@
+"""Topology models and cross-role rules: presets are valid; each broken rule names its field and fix."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sglang_pd.deploy.spec.topology import (
+    PRESETS_DIR,
+    PodSettings,
+    SBOMode,
+    TopologyError,
+    check_rules,
+    estimate_weight_bytes,
+    load_topology,
+    parse_topology,
+    required_startup_s,
+)
+
+PRESET_DIR = PRESETS_DIR
+PRESETS = sorted(PRESET_DIR.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.stem)
+def test_presets_are_valid(path: Path) -> None:
+    report = check_rules(load_topology(path))
+    assert report.errors == []
+    assert report.warnings == []
+
+
+def test_preset_fields(preset_dict) -> None:
+    t = load_topology(PRESET_DIR / "deepseek-r1-h200-1p1d.yaml")
+    assert (t.prefill.tp, t.prefill.tbo.enabled, t.decode.attn_dp_size, t.decode.ep) == (8, True, 16, 16)
+    assert t.decode.sbo is SBOMode.FULL
+    assert t.load_model_config()["num_attention_heads"] == 128
+
+
+def test_sbo_accepts_booleans(preset_dict) -> None:
+    d = preset_dict()
+    d["decode"]["sbo"] = False
+    assert parse_topology(d).decode.sbo is SBOMode.OFF
+
+
+def test_env_values_become_strings(preset_dict) -> None:
+    d = preset_dict()
+    d["decode"]["env"] = {"EP_MIN_TOKENS_PER_PART": 1, "NCCL_DEBUG": "INFO", "X": True}
+    assert parse_topology(d).decode.env == {"EP_MIN_TOKENS_PER_PART": "1", "NCCL_DEBUG": "INFO", "X": "true"}
+
+
+# --- load-time errors: malformed YAML, unknown keys, wrong types -------------------------------
+
+
+def test_malformed_yaml(write_topology) -> None:
+    path = write_topology("name: x\nmodel: {path: [unclosed\n")
+    with pytest.raises(TopologyError, match=r"malformed YAML at line \d+, column \d+"):
+        load_topology(path)
+
+
+def test_top_level_must_be_mapping(write_topology) -> None:
+    with pytest.raises(TopologyError, match="must be a YAML mapping at the top level, got list"):
+        load_topology(write_topology("- a\n- b\n"))
+
+
+def test_unknown_key_names_its_path(preset_dict) -> None:
+    d = preset_dict()
+    d["decode"]["sbo_mode"] = "full"
+    with pytest.raises(TopologyError, match=r"decode\.sbo_mode: unknown key; remove it or check its spelling"):
+        parse_topology(d)
+
+
+def test_wrong_type_names_its_path(preset_dict) -> None:
+    d = preset_dict()
+    d["prefill"]["tp"] = "eight"
+    with pytest.raises(TopologyError, match=r"prefill\.tp: Input should be a valid integer.*'eight'"):
+        parse_topology(d)
+
+
+def test_missing_key_names_its_path(preset_dict) -> None:
+    d = preset_dict()
+    del d["model"]["path"]
+    with pytest.raises(TopologyError, match=r"model\.path: required key is missing"):
+        parse_topology(d)
+
+
+def test_every_bad_key_is_reported_at_once(preset_dict) -> None:
+    d = preset_dict()
+    d["prefill"]["tp"] = -1
+    d["router"]["decode_policy"] = "cache_aware"
+    with pytest.raises(TopologyError) as info:
+        parse_topology(d)
+    assert "prefill.tp" in str(info.value)
+    assert "router.decode_policy" in str(info.value) and "prefill only" in str(info.value)
+
+
+def test_missing_file() -> None:
+    with pytest.raises(TopologyError, match="no such topology file"):
+        load_topology("/nonexistent/topology.yaml")
+
+
+# --- cross-role rules: one broken rule each ----------------------------------------------------
+
+
+def errors_of(d: dict) -> list[str]:
+    return check_rules(parse_topology(d, source_dir=PRESET_DIR)).errors
+
+
+def only_error(d: dict) -> str:
+    errs = errors_of(d)
+    assert len(errs) == 1, errs
+    return errs[0]
+
+
+def test_page_size_must_match_on_both_roles(preset_dict) -> None:
+    d = preset_dict()
+    d["decode"]["extra_args"] = ["--page-size", "32"]
+    msg = only_error(d)
+    assert msg.startswith("decode.extra_args[0]: --page-size must be equal on prefill and decode")
+    assert "set it once in model.page_size" in msg
+
+
+def test_kv_dtype_must_match_on_both_roles(preset_dict) -> None:
+    d = preset_dict()
+    d["prefill"]["extra_args"] = ["--kv-cache-dtype=fp8_e4m3"]
+    msg = only_error(d)
+    assert msg.startswith("prefill.extra_args[0]: --kv-cache-dtype must be equal on prefill and decode")
+    assert "model.kv_cache_dtype" in msg
+
+
+def test_prefill_gpus_must_fill_nodes(preset_dict) -> None:
+    d = preset_dict()
+    d["prefill"]["tp"] = d["prefill"]["ep"] = 16
+    msg = only_error(d)
+    assert msg.startswith("prefill.tp: 16 GPUs per instance do not fill prefill.nodes=1 x hardware.gpus_per_node=8")
+    assert "Set prefill.tp to 8 or prefill.nodes to match" in msg
+
+
+def test_decode_attention_dp_must_divide_tp(preset_dict) -> None:
+    d = preset_dict()
+    d["decode"]["attn_dp_size"] = 3
+    d["decode"]["max_running_requests"] = 300
+    msg = only_error(d)
+    assert msg.startswith("decode.attn_dp_size: 3 does not divide decode.tp=16")
+
+
+def test_deepep_needs_ep_equal_tp(preset_dict) -> None:
+    d = preset_dict()
+    d["decode"]["ep"] = 8
+    msg = only_error(d)
+    assert msg.startswith("decode.ep: DeepEP is the all-to-all")
+    assert "Set decode.ep to 16" in msg
+
+
+def test_sbo_needs_deepep_low_latency(preset_dict) -> None:
+    d = preset_dict()
+    d["decode"]["deepep_mode"] = "normal"
+    msg = only_error(d)
+    assert msg.startswith("decode.sbo: single-batch overlap (full) overlaps DeepEP low-latency")
+    assert "decode.deepep_mode: low_latency" in msg
+
+
+def test_sbo_needs_dp_attention(preset_dict) -> None:
+    d = preset_dict()
+    d["decode"]["attn_dp_size"] = 1
+    d["decode"]["max_running_requests"] = 128
+    msg = only_error(d)
+    assert msg.startswith("decode.sbo: single-batch overlap needs DP attention on decode")
+
+
+def test_tbo_on_decode_is_a_warning(preset_dict) -> None:
+    d = preset_dict()
+    d["decode"]["tbo"] = {"enabled": True}
+    report = check_rules(parse_topology(d, source_dir=PRESET_DIR))
+    assert report.errors == []
+    assert report.warnings[0].startswith("decode.tbo.enabled: two-batch overlap on decode cost 8-22%")
+
+
+def test_dispatch_budget_covers_per_rank_batch(preset_dict) -> None:
+    d = preset_dict()
+    d["decode"]["max_running_requests"] = 4096  # 256 per rank > 128
+    d["decode"]["cuda_graph_max_bs"] = 128
+    errs = errors_of(d)
+    assert [e.split(":")[0] for e in errs] == ["decode.dispatch_token_budget", "decode.cuda_graph_max_bs"]
+    msg = errs[0]
+    assert msg.startswith("decode.dispatch_token_budget: 128 tokens per rank cannot hold the per-rank decode batch")
+    assert "4096/16 = 256" in msg and "Raise decode.dispatch_token_budget to >= 256" in msg
+
+
+def test_dispatch_budget_covers_cuda_graph_batch(preset_dict) -> None:
+    d = preset_dict()
+    d["decode"]["cuda_graph_max_bs"] = 256
+    d["decode"]["max_running_requests"] = 4096
+    d["decode"]["dispatch_token_budget"] = 200
+    errs = errors_of(d)
+    assert any(e.startswith("decode.cuda_graph_max_bs: 256 exceeds decode.dispatch_token_budget=200") for e in errs)
+
+
+def test_dispatch_budget_is_not_set_through_env(preset_dict) -> None:
+    d = preset_dict()
+    d["decode"]["env"] = {"SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK": "64"}
+    assert only_error(d).startswith(
+        "decode.env.SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK: set decode.dispatch_token_budget instead"
+    )
+
+
+def test_bootstrap_port_is_set_once(preset_dict) -> None:
+    d = preset_dict()
+    d["prefill"]["extra_args"] = ["--disaggregation-bootstrap-port", "9000"]
+    msg = only_error(d)
+    assert msg.startswith(
+        "prefill.extra_args[0]: --disaggregation-bootstrap-port is rendered from prefill.bootstrap_port"
+    )
+
+
+def test_bootstrap_port_differs_from_http_port(preset_dict) -> None:
+    d = preset_dict()
+    d["prefill"]["bootstrap_port"] = d["prefill"]["port"]
+    assert only_error(d).startswith("prefill.bootstrap_port: 30000 equals prefill.port")
+
+
+def test_local_ports_must_not_collide(preset_dict) -> None:
+    d = preset_dict("local-cpu")
+    d["decode"]["port"] = d["prefill"]["bootstrap_port"]
+    assert (
+        only_error(d)
+        == "decode.port: port 8998 is also used by prefill.bootstrap_port on this host; choose another port."
+    )
+
+
+def test_colocated_roles_share_one_node_and_its_ports(preset_dict) -> None:
+    d = preset_dict("single-h200")
+    d["decode"].update(nodes=2, tp=2)
+    assert only_error(d) == (
+        "decode.nodes: 2, but hardware.colocated puts all on one node; "
+        "set decode.nodes: 1 or hardware.colocated: false."
+    )
+    d = preset_dict("single-h200")
+    d["decode"]["port"] = d["prefill"]["port"]
+    assert only_error(d).startswith("decode.port: port 30000 is also used by prefill.port on this host")
+
+
+def test_heads_divisible_by_attention_tp(preset_dict, write_topology, tmp_path) -> None:
+    d = preset_dict()
+    d["prefill"]["attn_dp_size"] = 1  # attention TP 8
+    config = {"num_attention_heads": 20, "n_routed_experts": 256}
+    (tmp_path / "odd.json").write_text(json.dumps(config))
+    d["model"]["config_json"] = "odd.json"
+    t = load_topology(write_topology(d))
+    errs = check_rules(t).errors
+    assert len(errs) == 1
+    assert errs[0].startswith("prefill.attn_dp_size: attention TP = tp / attn_dp_size = 8 does not divide")
+    assert "num_attention_heads=20" in errs[0]
+
+
+def test_experts_divisible_by_ep(preset_dict, write_topology, tmp_path) -> None:
+    d = preset_dict()
+    (tmp_path / "odd.json").write_text(json.dumps({"num_attention_heads": 128, "n_routed_experts": 24}))
+    d["model"]["config_json"] = "odd.json"
+    errs = check_rules(load_topology(write_topology(d))).errors
+    assert errs == ["decode.ep: 16 does not divide the model's 24 routed experts; choose ep among the divisors of 24."]
+
+
+def test_missing_config_json(preset_dict, write_topology) -> None:
+    d = preset_dict()
+    d["model"]["config_json"] = "absent.json"
+    t = load_topology(write_topology(d))
+    with pytest.raises(TopologyError, match=r"model\.config_json: file .*absent\.json does not exist"):
+        check_rules(t)
+
+
+def test_ib_device_gpu_index_in_range(preset_dict) -> None:
+    d = preset_dict()
+    d["transfer"]["ib_devices"][9] = "mlx5_0"
+    assert only_error(d) == "transfer.ib_devices.9: GPU index out of range 0..7."
+
+
+# --- rules that keep a deployment doing what the topology asks --------------------------------
+
+
+def test_cuda_graphs_must_cover_the_per_rank_decode_batch(preset_dict) -> None:
+    d = preset_dict()
+    d["decode"]["cuda_graph_max_bs"] = 64  # 2048 requests over 16 ranks = 128 per rank
+    msg = only_error(d)
+    assert msg.startswith("decode.cuda_graph_max_bs: 64 is below the per-rank decode batch")
+    assert "2048/16 = 128" in msg and "Set decode.cuda_graph_max_bs: 128" in msg
+
+
+def test_unset_cuda_graph_size_is_a_warning_with_the_value(preset_dict) -> None:
+    d = preset_dict()
+    del d["decode"]["cuda_graph_max_bs"]
+    report = check_rules(parse_topology(d, source_dir=PRESET_DIR))
+    assert report.ok
+    assert report.warnings == [
+        "decode.cuda_graph_max_bs: unset, so sglang sizes graphs from GPU memory; the per-rank decode batch is 128 "
+        "(max_running_requests / attn_dp_size). Set decode.cuda_graph_max_bs: 128."
+    ]
+
+
+@pytest.mark.parametrize(
+    ("gpu", "runner", "wanted"), [("H200", "auto", "deep_gemm"), ("B200", "deep_gemm", "flashinfer_cutedsl")]
+)
+def test_full_sbo_needs_the_runner_sglang_overlaps(preset_dict, gpu, runner, wanted) -> None:
+    d = preset_dict()
+    d["hardware"]["gpu"] = gpu
+    d["decode"]["moe_runner_backend"] = runner
+    msg = only_error(d)
+    assert msg.startswith("decode.moe_runner_backend: sbo: full overlaps the down GEMM with combine only when")
+    assert f"--moe-runner-backend {wanted} on {gpu}, but it is {runner}" in msg
+    assert f"Set decode.moe_runner_backend: {wanted}, or decode.sbo: shared-only." in msg
+    d["decode"]["sbo"] = "shared-only"
+    assert errors_of(d) == []
+
+
+def test_page_forcing_attention_backend_would_split_page_sizes(preset_dict) -> None:
+    d = preset_dict()
+    d["model"]["page_size"] = 32
+    d["decode"]["attention_backend"] = "flashmla"
+    msg = only_error(d)
+    assert msg.startswith("decode.attention_backend: flashmla takes 64-token pages and sglang would change")
+    assert "Set model.page_size: 64" in msg
+
+
+def test_host_network_rdma_needs_device_access(preset_dict) -> None:
+    t = parse_topology(preset_dict(), source_dir=PRESET_DIR)
+    errs = check_rules(t, PodSettings(rdma_mode="hostNetwork", privileged=False)).errors
+    assert len(errs) == 1
+    assert errs[0].startswith("rdma.mode: hostNetwork mounts the host's /dev/infiniband")
+    assert "Set securityContext.privileged=true, or rdma.mode=devicePlugin" in errs[0]
+    assert check_rules(t, PodSettings(rdma_mode="hostNetwork", privileged=True)).ok
+    assert check_rules(t, PodSettings(rdma_mode="devicePlugin", privileged=False)).ok
+
+
+def test_hub_download_needs_a_startup_budget_that_covers_the_model(preset_dict) -> None:
+    t = parse_topology(preset_dict(), source_dir=PRESET_DIR)
+    need = required_startup_s(estimate_weight_bytes(t.load_model_config() or {}), "hub")
+    errs = check_rules(t, PodSettings(model_source="hub", startup_budget_s=1800)).errors
+    assert len(errs) == 1
+    assert errs[0].startswith("startupProbe: a 1800 s startup budget cannot download ~684 GB of weights at 500 MB/s")
+    assert f"Raise the startup budget to >= {need} s" in errs[0] and "model.source=pvc or hostPath" in errs[0]
+    assert check_rules(t, PodSettings(model_source="hub", startup_budget_s=need)).ok
+    # From a volume there is nothing to download: the 30-minute budget covers load and warm-up.
+    assert check_rules(t, PodSettings(model_source="pvc", startup_budget_s=1800)).ok
+
+
+def test_weight_estimate_matches_the_published_checkpoint(preset_dict) -> None:
+    t = parse_topology(preset_dict(), source_dir=PRESET_DIR)
+    # DeepSeek-V3's FP8 checkpoint (163 safetensors shards) is about 689 GB on the hub.
+    assert estimate_weight_bytes(t.load_model_config() or {}) == pytest.approx(689e9, rel=0.03)
+    with pytest.raises(TopologyError, match="needs hidden_size and vocab_size"):
+        estimate_weight_bytes({"num_hidden_layers": 2})
