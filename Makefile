@@ -4,7 +4,8 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
-SGLANG_VERSION := 0.5.23
+# The deployed sglang release has one home: deploy/common/contract.py.
+SGLANG_VERSION := $(shell sed -n 's/^SGLANG_VERSION = "\(.*\)"$$/\1/p' deploy/common/contract.py)
 TOPOLOGY ?= local-cpu
 
 .PHONY: run test lint unit quick gpu-test clean
@@ -34,11 +35,16 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
+# Test processes for `make unit`: the tests mostly wait on the servers they start, so three share
+# CI's two cores; the files marked `serial` (latency bounds) then run alone.
+JOBS ?= 3
+
 unit: $(VENV)/.installed  ## the whole non-GPU suite, as CI runs it
-	$(VENV)/bin/pytest -m "not gpu"
+	$(VENV)/bin/pytest -m "not gpu and not serial" -n $(JOBS) --dist loadfile
+	$(VENV)/bin/pytest -m "serial and not gpu"
 
 quick: $(VENV)/.installed  ## the fast loop: the suite without the `slow` files (those starting processes), under 2 min
-	$(VENV)/bin/pytest -q -m "not gpu and not slow"
+	$(VENV)/bin/pytest -q -m "not gpu and not slow" -n 2
 
 test: lint unit  ## what CI runs
 

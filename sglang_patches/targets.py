@@ -12,12 +12,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from sglang_pd.deploy.common.contract import SGLANG_VERSION
 from sglang_pd.sglang_patches.status import distribution_version
 
 __all__ = ["SGLANG_TARGET_VERSION", "HookSpec", "HookTargetMissing", "TargetUnimportable", "check_target"]
 
 #: The sglang release every hook below was written against and tested with.
-SGLANG_TARGET_VERSION = "0.5.23"
+SGLANG_TARGET_VERSION = SGLANG_VERSION
 
 
 class HookTargetMissing(RuntimeError):

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import re
+import subprocess
 import tomllib
 from pathlib import Path
+
+from sglang_pd.deploy.common.contract import SGLANG_VERSION
 
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
@@ -32,6 +35,21 @@ def test_image_installs_the_core_dependencies() -> None:
     # The image has CUDA: it takes Mooncake's CUDA wheel instead of the non-CUDA one (never both).
     needed = {"mooncake-transfer-engine" if n == "mooncake-transfer-engine-non-cuda" else n for n in needed}
     assert needed - installed == set()
+
+
+def test_the_image_and_the_makefile_install_the_sglang_release_the_contract_names() -> None:
+    dockerfile = (REPO / "deploy" / "docker" / "Dockerfile").read_text()
+    assert re.search(rf"^ARG SGLANG_VERSION={re.escape(SGLANG_VERSION)}$", dockerfile, re.M), (
+        f"deploy/docker/Dockerfile: ARG SGLANG_VERSION must be {SGLANG_VERSION} (deploy/common/contract.py)"
+    )
+    make = subprocess.run(
+        ["make", "-s", "-f", "Makefile", "--eval=print-sglang: ; @echo $(SGLANG_VERSION)", "print-sglang"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert make.stdout.strip() == SGLANG_VERSION
 
 
 def test_readme_starts_with_the_two_commands_and_ci_runs_the_test_one() -> None:

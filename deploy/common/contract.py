@@ -67,6 +67,12 @@ def as_role(value: object) -> Role | None:
     return next((r for r in ROLES if r == value), None)
 
 
+# -- sglang ---------------------------------------------------------------------------------------
+# The sglang release this project deploys: the renderer writes its flags, the plugin's hooks are
+# written against it, the image installs it (deploy/docker/Dockerfile's SGLANG_VERSION, checked
+# equal by tests/test_packaging.py) and the Makefile reads it from here.
+SGLANG_VERSION = "0.5.23"
+
 # -- ports ----------------------------------------------------------------------------------------
 # sglang's defaults for the prefill bootstrap server (--disaggregation-bootstrap-port), and the
 # HTTP ports of one local stack (instances take consecutive ports from these).
@@ -133,3 +139,10 @@ ENV_SBO_MODE = "SGLANG_PD_SBO_MODE"
 ENV_LWS_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"
 ENV_LWS_WORKER_INDEX = "LWS_WORKER_INDEX"
 ENV_LWS_GROUP_SIZE = "LWS_GROUP_SIZE"
+
+
+def unsendable_key(key: str) -> bool:
+    """Whether an API key holds whitespace or control characters, which a `Bearer` header cannot
+    carry (a trailing newline from `kubectl create secret --from-file` is the usual one). The one
+    check of a key's form: `launch`, `up` and the router's client to its workers all use it."""
+    return any(c.isspace() or not c.isprintable() for c in key)

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from sglang_pd.deploy.estimate.roofline import Layout
-from sglang_pd.deploy.estimate.shapes import ModelShape
+from sglang_pd.deploy.spec.model_shape import ModelShape
 
 __all__ = ["KVCapacity", "kv_bytes_per_element", "kv_capacity"]
 

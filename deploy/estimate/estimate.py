@@ -9,7 +9,7 @@ from typing import Any
 from sglang_pd.deploy.estimate.capacity import KVCapacity, kv_bytes_per_element, kv_capacity
 from sglang_pd.deploy.estimate.hardware import load_hardware
 from sglang_pd.deploy.estimate.roofline import KV_TRANSFER, Cost, Layout, Roofline
-from sglang_pd.deploy.estimate.shapes import ModelShape
+from sglang_pd.deploy.spec.model_shape import ModelShape
 from sglang_pd.deploy.spec.topology import DecodeSpec, PrefillSpec, Topology, TopologyError
 
 __all__ = ["DEFAULT_INPUT_LEN", "DEFAULT_OUTPUT_LEN", "Estimate", "EstimateError", "estimate_topology"]

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from sglang_pd.deploy.estimate.hardware import GPUProfile, HardwareData
-from sglang_pd.deploy.estimate.shapes import ModelShape
+from sglang_pd.deploy.spec.model_shape import ModelShape
 
 __all__ = ["BOUNDS", "Cost", "Layout", "Roofline", "overlap", "shared_sms"]
 

@@ -41,6 +41,7 @@ from sglang_pd.deploy.common.contract import (
     ENV_ROUTER_WORKER_API_KEY,
     ENV_WORKER_API_KEY,
     as_role,
+    unsendable_key,
 )
 from sglang_pd.deploy.common.procs import mask_secrets, spawn
 from sglang_pd.deploy.kv.firewall import FirewallError, Network, PeerFirewall, parse_networks
@@ -250,7 +251,7 @@ def checked_worker_key(env: Mapping[str, str], name: str) -> str | None:
             f"{name} is set but empty: the Secret named in the chart's workerKeySecret holds no value under "
             "workerKeySecret.key. Put the key there, or unset workerKeySecret.name to run without a worker key."
         )
-    if key != key.strip() or any(c.isspace() or not c.isprintable() for c in key):
+    if unsendable_key(key):
         raise LaunchError(
             f"{name} contains whitespace or control characters (a trailing newline from "
             "`kubectl create secret --from-file`?), which an Authorization header cannot carry. Recreate the "

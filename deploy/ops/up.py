@@ -59,6 +59,7 @@ from sglang_pd.deploy.kv.firewall import FirewallError, LocalFirewall, remove_st
 from sglang_pd.deploy.kv.listeners import EXPOSURE_MARK, mooncake_port_range
 from sglang_pd.deploy.kv.mooncake_logs import LogAnnotator
 from sglang_pd.deploy.ops.launch import API_KEY_SHOWN, LaunchError, checked_worker_key, worker_key_args
+from sglang_pd.deploy.router.cli import router_flags
 from sglang_pd.deploy.sglang.compat import SglangVersionError, adapt_argv, installed_options
 from sglang_pd.deploy.spec.topology import InstanceEndpoint, Topology, TopologyError, load_checked_topology
 
@@ -204,12 +205,8 @@ def _router_child(t: Topology, host: str, port: int, eps: dict[str, list[Instanc
     """The router in front of the topology's instances on this host, with the topology's router
     settings (policies, admission, timeouts)."""
     eps = eps or endpoints(t)
-    r = t.router
     router = _cli("router", "--host", host, "--port", str(port))
-    router += ["--prefill-policy", r.prefill_policy, "--decode-policy", r.decode_policy]
-    router += ["--max-concurrent-requests", str(r.max_concurrent_requests)]
-    router += ["--max-queued-requests", str(r.max_queued_requests)]
-    router += ["--queue-timeout", f"{r.queue_timeout_s:g}", "--request-timeout", f"{r.request_timeout_s:g}"]
+    router += router_flags(t.router)
     router += ["--drain-timeout", f"{ROUTER_DRAIN_S:g}"]
     for ep in eps["prefill"]:
         router += ["--prefill", ep.url, str(ep.bootstrap_port)]

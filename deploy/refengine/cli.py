@@ -24,10 +24,12 @@ import os
 import sys
 import time
 
+from ..common.contract import DEFAULT_BOOTSTRAP_PORT, DEFAULT_PREFILL_PORT
+from .sources import DEFAULT_MODEL
+
 __all__ = ["add_arguments", "run"]
 
 ENV_PREFIX = "SGLANG_PD_REFENGINE_"
-DEFAULT_MODEL = "smollm2-135m-instruct"  # sources.DEFAULT_MODEL; not imported so `--help` stays fast
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,8 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--role", choices=("prefill", "decode", "both"), default="both")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--bootstrap-port", type=int, default=8998, help="prefill: the PD bootstrap port (8998)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PREFILL_PORT)
+    parser.add_argument(
+        "--bootstrap-port",
+        type=int,
+        default=DEFAULT_BOOTSTRAP_PORT,
+        help=f"prefill: the PD bootstrap port ({DEFAULT_BOOTSTRAP_PORT})",
+    )
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"model to serve (default {DEFAULT_MODEL}; see above)")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--seed", type=int, default=0, help="weight seed of the tiny model (same on both roles)")

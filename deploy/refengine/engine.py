@@ -25,9 +25,13 @@ from typing import Any, Literal, TypeVar
 
 import httpx
 
-from sglang_pd.deploy.common.contract import DEFAULT_BOOTSTRAP_PORT, ENV_WORKER_API_KEY, WORKER_AUTH_HEADER
+from sglang_pd.deploy.common.contract import (
+    DEFAULT_BOOTSTRAP_PORT,
+    ENV_WORKER_API_KEY,
+    SGLANG_VERSION,
+    WORKER_AUTH_HEADER,
+)
 from sglang_pd.deploy.kv import KVConfig, KVError, KVTransferEngine, PagedLayout, get_engine
-from sglang_pd.deploy.sglang.compat import DEPLOYED_VERSION as REPORTED_SGLANG_VERSION
 
 from .exceptions import PoolExhausted, RequestFailed
 from .kvpool import KVPool, default_num_pages
@@ -577,7 +581,7 @@ class RefEngine:
             "weights_digest": self.model.weights_digest,
             "engine": "sglang-pd reference engine",
             # The parallel layout as sglang 0.5.23 reports it (one engine: no TP, no DP attention).
-            "version": REPORTED_SGLANG_VERSION,
+            "version": SGLANG_VERSION,
             "tp_size": 1,
             "dp_size": 1,
             "attn_dp_size": 1,

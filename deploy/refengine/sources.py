@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from ..spec.topology import PRESETS_DIR
+from ..spec.presets import PRESETS_DIR
 
 __all__ = [
     "DEFAULT_MODEL",

@@ -194,6 +194,19 @@ def _parse_prefill(values: list[str]) -> tuple[str, int | None]:
         ) from None
 
 
+def router_flags(spec: RouterSpec) -> list[str]:
+    """The command-line flags that give a router `spec`'s settings (all but host and port), for a
+    parent that starts the router as a child (`up`); the table above is their one mapping."""
+    field_to_flag = {name: flag for flag, name in _FLAG_TO_FIELD.items()}
+    argv: list[str] = []
+    for name, value in spec.model_dump().items():
+        if name in ("host", "port"):
+            continue
+        flag = "--" + field_to_flag[name].replace("_", "-")
+        argv += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+    return argv
+
+
 def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None) -> tuple[RouterConfig, str]:
     """RouterConfig and the worker API key from parsed flags, the topology and the environment."""
     env = os.environ if environ is None else environ

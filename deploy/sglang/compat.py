@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypedDict
 
+from sglang_pd.deploy.common.contract import SGLANG_VERSION
+
 __all__ = [
     "EQUIVALENTS",
     "FlagReport",
@@ -28,7 +30,7 @@ __all__ = [
     "installed_options",
 ]
 
-DEPLOYED_VERSION = "0.5.23"
+DEPLOYED_VERSION = SGLANG_VERSION  # the release the renderer writes for
 
 
 class SglangVersionError(ValueError):

@@ -27,6 +27,8 @@ from sglang_pd.deploy.common.contract import (
     RoutingPolicy,
     policy_problem,
 )
+from sglang_pd.deploy.spec.model_shape import ShapeError, checkpoint_bytes
+from sglang_pd.deploy.spec.presets import PRESETS_DIR
 
 __all__ = [
     "GPU_CAPABILITY",
@@ -59,7 +61,6 @@ __all__ = [
 DEFAULT_DISPATCH_TOKEN_BUDGET = 128
 # Shipped presets (`local-cpu`, ...) and model configs (deepseek-v3-config.json). A config is found
 # by file name when a topology's relative `model.config_json` is not beside it (as in a pod).
-PRESETS_DIR = Path(__file__).parent / "presets"
 SHIPPED_CONFIGS_DIR = PRESETS_DIR
 
 Port = Annotated[int, Field(ge=1, le=65535)]
@@ -442,40 +443,12 @@ DEFAULT_LOAD_BYTES_PER_S = 2_000_000_000
 DEFAULT_WARMUP_S = 1200
 
 
-def _attention_params(cfg: dict[str, Any], hidden: int) -> int:
-    heads = int(cfg.get("num_attention_heads") or 0)
-    if cfg.get("kv_lora_rank"):  # MLA (DeepSeek-V2/V3): low-rank Q and compressed KV projections
-        nope, rope = int(cfg.get("qk_nope_head_dim", 0)), int(cfg.get("qk_rope_head_dim", 0))
-        v_dim, kv_rank = int(cfg.get("v_head_dim", 0)), int(cfg["kv_lora_rank"])
-        q_rank = cfg.get("q_lora_rank")
-        q = hidden * int(q_rank) + int(q_rank) * heads * (nope + rope) if q_rank else hidden * heads * (nope + rope)
-        return q + hidden * (kv_rank + rope) + kv_rank * heads * (nope + v_dim) + heads * v_dim * hidden
-    head_dim = int(cfg.get("head_dim") or hidden // max(heads, 1))
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    return 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
-
-
 def estimate_weight_bytes(cfg: dict[str, Any]) -> int:
-    """Checkpoint size estimated from a config.json: parameters x bytes per parameter.
-
-    Covers dense and MoE decoders with MHA/GQA or MLA attention, plus DeepSeek's next-token
-    prediction layers. FP8 checkpoints store linear weights in one byte; embeddings stay 16-bit.
-    """
-    hidden = int(cfg.get("hidden_size") or 0)
-    vocab = int(cfg.get("vocab_size") or 0)
-    if not hidden or not vocab:
-        raise TopologyError("model.config_json: needs hidden_size and vocab_size to estimate the checkpoint size.")
-    layers = int(cfg.get("num_hidden_layers") or 0) + int(cfg.get("num_nextn_predict_layers") or 0)
-    experts = int(cfg.get("n_routed_experts") or cfg.get("num_experts") or 0)
-    dense_layers = min(int(cfg.get("first_k_dense_replace", 0 if experts else layers)), layers)
-    dense_mlp = 3 * hidden * int(cfg.get("intermediate_size") or 0)
-    moe_inter = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0)
-    moe_mlp = (experts + int(cfg.get("n_shared_experts") or 0)) * 3 * hidden * moe_inter + hidden * experts
-    linear = layers * _attention_params(cfg, hidden) + dense_layers * dense_mlp + (layers - dense_layers) * moe_mlp
-    embeddings = vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
-    quant = cfg.get("quantization_config") or {}
-    linear_bytes = 1 if str(quant.get("quant_method", "")).startswith("fp8") else 2
-    return linear * linear_bytes + embeddings * 2
+    """Checkpoint size of a config.json (`model_shape.checkpoint_bytes`), as a topology error."""
+    try:
+        return checkpoint_bytes(cfg)
+    except ShapeError as e:
+        raise TopologyError(str(e)) from None
 
 
 def required_startup_s(

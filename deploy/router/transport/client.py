@@ -21,6 +21,7 @@ from typing import Literal, Protocol
 
 import orjson
 
+from ...common.contract import unsendable_key
 from ..exceptions import UpstreamBusy, UpstreamError, UpstreamStatusError, UpstreamTimeout, UpstreamUnreachable
 from ..log import logger
 from ..workers.registry import Worker
@@ -92,7 +93,7 @@ class WorkerClient(ABC):
         self.timeouts = timeouts
         self.headers = {"content-type": "application/json"}
         if api_key:
-            if not api_key.isprintable() or " " in api_key:
+            if unsendable_key(api_key):
                 raise ValueError(
                     "The worker API key has spaces or control characters (a trailing newline from a file?), "
                     "which no HTTP header can carry; strip them from the key."

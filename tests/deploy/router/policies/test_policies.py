@@ -14,8 +14,8 @@ from sglang_pd.deploy.router.policies import (
     RoutingRequest,
     make_policy,
 )
-from sglang_pd.deploy.router.workers.registry import Worker
 from sglang_pd.deploy.router.workers.breaker import CircuitBreaker
+from sglang_pd.deploy.router.workers.registry import Worker
 
 
 def _workers(n: int, role: str = "prefill") -> list[Worker]:

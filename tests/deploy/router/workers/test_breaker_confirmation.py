@@ -17,9 +17,9 @@ from sglang_pd.deploy.router.exceptions import UpstreamStatusError, UpstreamTime
 from sglang_pd.deploy.router.metrics import RouterMetrics
 from sglang_pd.deploy.router.pd.legs import Legs
 from sglang_pd.deploy.router.transport.client import WorkerClient
-from sglang_pd.deploy.router.workers.registry import Worker, WorkerRegistry
 from sglang_pd.deploy.router.workers.breaker import BreakerState
 from sglang_pd.deploy.router.workers.health import HealthChecker
+from sglang_pd.deploy.router.workers.registry import Worker, WorkerRegistry
 from tests.support.polling import wait_until
 from tests.support.router_workers import InProcessCluster
 

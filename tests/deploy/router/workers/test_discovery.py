@@ -14,9 +14,9 @@ from kubernetes import watch
 from sglang_pd.deploy.common.contract import LABEL_LWS_WORKER_INDEX, worker_selector
 from sglang_pd.deploy.router.config import KubernetesDiscoveryConfig
 from sglang_pd.deploy.router.policies import CacheAware, RoundRobin, RoutingRequest
-from sglang_pd.deploy.router.workers.registry import WorkerRegistry
 from sglang_pd.deploy.router.workers.discovery import KubernetesDiscovery, pod_endpoint
 from sglang_pd.deploy.router.workers.pairs import PairPicker
+from sglang_pd.deploy.router.workers.registry import WorkerRegistry
 from tests.support.paths import REPO
 
 CONFIG = KubernetesDiscoveryConfig(namespace="llm", port=30000)

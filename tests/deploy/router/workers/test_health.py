@@ -21,8 +21,8 @@ import pytest
 from sglang_pd.deploy.router.config import RouterConfig
 from sglang_pd.deploy.router.metrics import RouterMetrics
 from sglang_pd.deploy.router.transport.client import Timeouts
-from sglang_pd.deploy.router.workers.registry import Worker, WorkerRegistry
 from sglang_pd.deploy.router.workers.health import HealthChecker
+from sglang_pd.deploy.router.workers.registry import Worker, WorkerRegistry
 from tests.support.polling import wait_until
 from tests.support.router_workers import FakeWorker, InProcessCluster
 

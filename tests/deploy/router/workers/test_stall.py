@@ -24,14 +24,16 @@ import pytest
 from sglang_pd.deploy.router.config import RouterConfig
 from sglang_pd.deploy.router.metrics import RouterMetrics
 from sglang_pd.deploy.router.pd.legs import PairStreamOutcome
-from sglang_pd.deploy.router.workers.registry import Worker, WorkerRegistry
 from sglang_pd.deploy.router.workers.breaker import BreakerState
 from sglang_pd.deploy.router.workers.health import HealthChecker
+from sglang_pd.deploy.router.workers.registry import Worker, WorkerRegistry
 from tests.support.polling import wait_until
 
 from ..conftest import Cluster, RunningRouter
 
-pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves it out
+# slow: over 8 s in all on 2 cores (`make quick` leaves it out); serial: its latency bounds hold on
+# idle cores, so `make unit` runs it alone, after the parallel part.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 CHAT = "/v1/chat/completions"
 SGLANG_TICK_S = 1.0  # the test workers' default: sglang's /health looks once a second

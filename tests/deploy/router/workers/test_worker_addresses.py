@@ -13,8 +13,8 @@ import pytest
 from sglang_pd.deploy.router import RouterConfig, WorkerRegistrationError, create_app
 from sglang_pd.deploy.router.cli import main
 from sglang_pd.deploy.router.config import KubernetesDiscoveryConfig
-from sglang_pd.deploy.router.workers.registry import WorkerRegistry, refused_address
 from sglang_pd.deploy.router.workers.discovery import KubernetesDiscovery
+from sglang_pd.deploy.router.workers.registry import WorkerRegistry, refused_address
 
 from ..conftest import Cluster
 from ..test_bad_input import assert_openai_error

@@ -1,15 +1,27 @@
-"""Parameter counts and per-token sizes of a DeepSeek-V3-class model (MLA + MoE), from its config.json."""
+"""What a model's config.json says of its size: the one reader of parameter counts and weight dtypes.
+
+`ModelShape` is the full shape of a DeepSeek-V3-class model (MLA + MoE) that the estimate's
+roofline needs; `checkpoint_bytes` is the checkpoint size of any decoder (dense or MoE, MHA, GQA or
+MLA) that startup budgets are computed from. Both count MLA's projections and detect FP8 here.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ModelShape", "ShapeError"]
+__all__ = ["ModelShape", "ShapeError", "checkpoint_bytes", "linear_weight_bytes"]
 
 
 class ShapeError(ValueError):
     """The config.json lacks a field the estimate needs."""
+
+
+def linear_weight_bytes(cfg: dict[str, Any]) -> int:
+    """Bytes per linear-layer weight: 1 for an FP8 checkpoint (`quant_method` fp8, or a variant
+    such as `fp8_block`), else 2; embeddings and the LM head stay 16-bit either way."""
+    quant = cfg.get("quantization_config") or {}
+    return 1 if str(quant.get("quant_method", "")).startswith("fp8") else 2
 
 
 def _req(cfg: dict[str, Any], key: str) -> int:
@@ -46,7 +58,6 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> ModelShape:
-        quant = (cfg.get("quantization_config") or {}).get("quant_method")
         layers = _req(cfg, "num_hidden_layers")
         return cls(
             hidden=_req(cfg, "hidden_size"),
@@ -66,7 +77,7 @@ class ModelShape:
             n_group=int(cfg.get("n_group") or 1),
             topk_group=int(cfg.get("topk_group") or 1),
             vocab=_req(cfg, "vocab_size"),
-            weight_bytes=1.0 if quant == "fp8" else 2.0,
+            weight_bytes=float(linear_weight_bytes(cfg)),
         )
 
     @property
@@ -111,3 +122,34 @@ class ModelShape:
         moe = self.moe_layers * (experts_per_gpu + self.shared_experts) * self.expert_params * self.weight_bytes
         embed_and_head = self.lm_head_params * 2 * (1 + 1 / lm_head_tp)
         return attention + dense + moe + embed_and_head
+
+
+def _attention_params(cfg: dict[str, Any], hidden: int) -> int:
+    heads = int(cfg.get("num_attention_heads") or 0)
+    if cfg.get("kv_lora_rank"):  # MLA (DeepSeek-V2/V3): low-rank Q and compressed KV projections
+        replicated, sharded = ModelShape.from_config(cfg).attention_params(attn_tp=1)
+        return replicated + sharded
+    head_dim = int(cfg.get("head_dim") or hidden // max(heads, 1))
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    return 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+
+
+def checkpoint_bytes(cfg: dict[str, Any]) -> int:
+    """Checkpoint size estimated from a config.json: parameters x bytes per parameter.
+
+    Covers dense and MoE decoders with MHA/GQA or MLA attention, plus DeepSeek's next-token
+    prediction layers. FP8 checkpoints store linear weights in one byte; embeddings stay 16-bit.
+    """
+    hidden = int(cfg.get("hidden_size") or 0)
+    vocab = int(cfg.get("vocab_size") or 0)
+    if not hidden or not vocab:
+        raise ShapeError("model.config_json: needs hidden_size and vocab_size to estimate the checkpoint size.")
+    layers = int(cfg.get("num_hidden_layers") or 0) + int(cfg.get("num_nextn_predict_layers") or 0)
+    experts = int(cfg.get("n_routed_experts") or cfg.get("num_experts") or 0)
+    dense_layers = min(int(cfg.get("first_k_dense_replace", 0 if experts else layers)), layers)
+    dense_mlp = 3 * hidden * int(cfg.get("intermediate_size") or 0)
+    moe_inter = int(cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 0)
+    moe_mlp = (experts + int(cfg.get("n_shared_experts") or 0)) * 3 * hidden * moe_inter + hidden * experts
+    linear = layers * _attention_params(cfg, hidden) + dense_layers * dense_mlp + (layers - dense_layers) * moe_mlp
+    embeddings = vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
+    return linear * linear_weight_bytes(cfg) + embeddings * 2
