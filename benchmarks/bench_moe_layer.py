@@ -58,7 +58,7 @@ Run (one process per GPU is spawned; from the repository root)::
     python3 benchmarks/bench_moe_layer.py --json decode.json
     python3 benchmarks/bench_moe_layer.py --mode tbo --json tbo.json
 
-DeepEP must be importable (scripts/build_deepep.sh installs it into /tmp/deepep; put that on
+DeepEP must be importable (scripts/gpu/build_deepep.sh installs it into /tmp/deepep; put that on
 PYTHONPATH). The machine rule NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
 NVSHMEM_DISABLE_NVLS=1 is enforced here; nothing uses NVLink multicast.
 """

@@ -14,7 +14,7 @@ Blackwell). When `status.deepep_layout()` says "deepep", two hooks bridge the ga
   `block_m` and `num_sms` have no counterpart and are dropped.
 
 With a DeepEP that takes sglang's keywords ("sglang" layout) both hooks pass everything through;
-DeepEP's `antgroup-opt` branch (DeepEP PR #483, the one `scripts/build_deepep.sh` builds) is one.
+DeepEP's `antgroup-opt` branch (DeepEP PR #483, the one `scripts/gpu/build_deepep.sh` builds) is one.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The plugin against the DeepEP revision that `scripts/build_deepep.sh` builds.
+"""The plugin against the DeepEP revision that `scripts/gpu/build_deepep.sh` builds.
 
 That revision is deepseek-ai/DeepEP branch `antgroup-opt` at 76f0271 (DeepEP PR #483, "Single
 Batch Overlap (SBO)"). Its `Buffer.low_latency_combine` takes sglang's sm_90 row-block contract

@@ -3,7 +3,7 @@
 The stand-ins are the router tests' `FakeWorker` (tests/support/router_workers.py, as a process) and
 the reference engine (deploy/refengine, the embedded default). The oracle is sglang itself:
 - `tests/support/sglang_recordings/sglang-0.5.17-http.json`, recorded from live sglang 0.5.17 servers on an H200
-  (`scripts/gpu_pd_check.py` through `scripts/record_sglang_http.py`);
+  (`scripts/gpu/gpu_pd_check.py` through `scripts/gpu/record_sglang_http.py`);
 - `tests/support/sglang_recordings/sglang-0.5.23-http.json`, read from 0.5.23's source, with its DP layouts checked
   against 0.5.23's own argument resolver here.
 
@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from scripts.record_sglang_http import shape
+from scripts.gpu.record_sglang_http import shape
 from sglang_pd.deploy.sglang.check import check_with_sglang, sglang_available
 from sglang_pd.deploy.spec.topology import PRESETS_DIR, load_topology
 from tests.support.paths import SGLANG_RECORDINGS

@@ -1,7 +1,7 @@
 """Rendered commands against two sglang releases' own parsers: 0.5.23 (installed) and 0.5.17 (recorded).
 
 The 0.5.17 option strings were read from `ServerArgs.add_cli_args` on the GPU machine that runs
-sglang 0.5.17 (`scripts/gpu_pd_run.sh` writes them); 0.5.23's come from the installed package.
+sglang 0.5.17 (`scripts/gpu/gpu_pd_run.sh` writes them); 0.5.23's come from the installed package.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ reads), so that `tests/support/test_doubles_match_sglang.py` can hold every stan
   than the context, an unknown model;
 - `/abort_request` for an unknown id, and a streamed request aborted by its id.
 
-    python scripts/record_sglang_http.py http://127.0.0.1:30000 --role single   # prints JSON
+    python scripts/gpu/record_sglang_http.py http://127.0.0.1:30000 --role single   # prints JSON
 """
 
 from __future__ import annotations

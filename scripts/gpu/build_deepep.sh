@@ -2,7 +2,7 @@
 # Build DeepEP from the source carried with the tree, for sm_90 only, against the machine's torch
 # and the NVSHMEM that torch's wheels installed (pip package nvidia-nvshmem-cu13). Fetches nothing.
 #
-#   bash scripts/build_deepep.sh [SRC] [PREFIX]     (from the repository root)
+#   bash scripts/gpu/build_deepep.sh [SRC] [PREFIX]     (from the repository root)
 #
 # SRC     DeepEP source (default: .gpu_bundle/deepep-src, else .gpu_bundle_deepep), not committed:
 #         github.com/deepseek-ai/DeepEP branch antgroup-opt at 76f027117d76 (DeepEP PR #483), whose

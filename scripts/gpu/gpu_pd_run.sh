@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The one-GPU check on a fresh CUDA machine without internet, from a clean checkout:
-#   bash scripts/gpu_pd_run.sh OUT_DIR [STAGES]      (run from the repository root)
+#   bash scripts/gpu/gpu_pd_run.sh OUT_DIR [STAGES]      (run from the repository root)
 #
-# The bundle `scripts/gpu_bundle.py` builds is cut into parts that each travel in one call
+# The bundle `scripts/gpu/gpu_bundle.py` builds is cut into parts that each travel in one call
 # (docs/gpu-check.md). Each call carries `.gpu_bundle/manifest.json` and the next part; this
 # script keeps the parts under /tmp (a warm machine keeps /tmp between calls) and, once it holds
-# all of them, unpacks the bundle, installs this checkout and runs `scripts/gpu_pd_check.py`.
+# all of them, unpacks the bundle, installs this checkout and runs `scripts/gpu/gpu_pd_check.py`.
 # A call that still lacks parts says which one to carry next and exits 0.
 # PD_COMMIT names the commit being checked (the checkout travels without .git); it goes in the report.
 set -euo pipefail
@@ -18,7 +18,7 @@ site=$bundle/site
 export PYTHONUNBUFFERED=1
 mkdir -p "$out" "$parts" "$bundle"
 if [ ! -f "$manifest" ]; then
-  echo "error: $manifest is missing: build it with 'python scripts/gpu_bundle.py' and carry it in every call" >&2
+  echo "error: $manifest is missing: build it with 'python scripts/gpu/gpu_bundle.py' and carry it in every call" >&2
   exit 2
 fi
 want=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["archive_sha256"])' "$manifest")
@@ -89,11 +89,11 @@ print(json.dumps({"sglang": sglang.__version__, "options": sorted(o for a in p._
   >"$out/sglang-options.json" || true
 # Every module the servers would miss, in one pass; stop here when any is missing
 # (SKIP_PROBE=1 skips it for a bundle already known good).
-if [ "${SKIP_PROBE:-0}" != 1 ]; then python3 scripts/gpu_import_probe.py >"$out/import-probe.json"; fi
+if [ "${SKIP_PROBE:-0}" != 1 ]; then python3 scripts/gpu/gpu_import_probe.py >"$out/import-probe.json"; fi
 if [ "${SKIP_PROBE:-0}" != 1 ] && ! python3 -c 'import json, sys; sys.exit(bool(json.load(open(sys.argv[1]))["missing"]))' "$out/import-probe.json"; then
   cat "$out/import-probe.json"
-  echo "error: modules missing on this machine (see import-probe.json); add them to scripts/gpu_bundle.py" >&2
+  echo "error: modules missing on this machine (see import-probe.json); add them to scripts/gpu/gpu_bundle.py" >&2
   exit 1
 fi
-python3 scripts/gpu_pd_check.py --out "$out" --stages "$stages" --gsm8k-data "$bundle/gsm8k-test.jsonl" \
+python3 scripts/gpu/gpu_pd_check.py --out "$out" --stages "$stages" --gsm8k-data "$bundle/gsm8k-test.jsonl" \
   --commit "${PD_COMMIT:-unknown}" --deadline-s "${PD_DEADLINE_S:-540}"

@@ -1,7 +1,7 @@
 """Real sglang on one GPU: PD through our router, checked token for token against one plain server.
 
 Runs on a CUDA machine where sglang, its kernel package and Mooncake's CUDA build import (see
-`scripts/gpu_bundle.py` for a machine without internet). In order:
+`scripts/gpu/gpu_bundle.py` for a machine without internet). In order:
 
 1. `single`: one plain (non-PD) sglang server; greedy outputs of the prompts in five forms
    (`/generate` plain and streamed, chat plain and streamed, the `openai` client); TTFT/ITL at
@@ -20,7 +20,7 @@ alive, `/health`, the router's view of its workers, the log's last lines); the w
 after --deadline-s. Writes `report.json` (every check with its numbers, the commit checked) and the
 servers' logs under --out.
 
-    python scripts/gpu_pd_check.py --out $OUT --gsm8k-data gsm8k-test.jsonl --commit SHA
+    python scripts/gpu/gpu_pd_check.py --out $OUT --gsm8k-data gsm8k-test.jsonl --commit SHA
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from record_sglang_http import record
 
 from sglang_pd.deploy.common.procs import Child, spawn
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TOPOLOGY = "single-h200"
 SINGLE_PORT = 31000
 ROUTER = "http://127.0.0.1:8000"
@@ -662,7 +662,7 @@ def main() -> int:
 
     recording: dict[str, Any] = {
         "sglang": sglang.__version__,
-        "source": "recorded from live servers by scripts/gpu_pd_check.py (scripts/record_sglang_http.py)",
+        "source": "recorded from live servers by scripts/gpu/gpu_pd_check.py (scripts/gpu/record_sglang_http.py)",
         "gpu": report.get("gpu"),
         "date": date,
         "commit": args.commit,

@@ -2,7 +2,7 @@
 # SBO and TBO measured on one multi-GPU host (2 x H200): build DeepEP from the carried source, then
 # run benchmarks/bench_moe_layer.py three times. Fetches nothing; about 9 minutes at most.
 #
-#   bash scripts/gpu_moe_run.sh OUT_DIR      (from the repository root)
+#   bash scripts/gpu/gpu_moe_run.sh OUT_DIR      (from the repository root)
 #
 # OUT_DIR gets five files:
 #   build.log          the DeepEP build (revision, toolchain, `import deep_ep` and its combine signature)
@@ -40,7 +40,7 @@ say "building DeepEP (log: $out/build.log)"
 # The benchmarks use hidden 7168 only: building DeepEP's low-latency kernels for that size alone cuts
 # their compile from minutes to seconds (unset DEEPEP_HIDDEN to build all eight sizes).
 export DEEPEP_HIDDEN=${DEEPEP_HIDDEN-7168}
-if bash scripts/build_deepep.sh "" /tmp/deepep >"$out/build.log" 2>&1; then
+if bash scripts/gpu/build_deepep.sh "" /tmp/deepep >"$out/build.log" 2>&1; then
   say "DeepEP: $(tail -n 1 "$out/build.log")"
 else
   say "DeepEP build FAILED; the last lines of build.log:"

@@ -21,9 +21,9 @@ Nothing here is committed; the bundle is rebuilt from the official wheels. The p
 one per device call, in order, each call within the warm machine's idle window of the one before
 (docs/gpu-check.md):
 
-    python scripts/gpu_bundle.py                  # writes .gpu_bundle/manifest.json, part-00, part-01, ...
+    python scripts/gpu/gpu_bundle.py                  # writes .gpu_bundle/manifest.json, part-00, part-01, ...
     # on the GPU machine, from the repository root, once per part (carry manifest.json + that part):
-    bash scripts/gpu_pd_run.sh OUT
+    bash scripts/gpu/gpu_pd_run.sh OUT
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)] + [
     "manylinux2014_x86_64",
     "manylinux1_x86_64",
@@ -264,7 +264,7 @@ def main() -> None:
     print(f"{args.out}: {manifest['archive_bytes'] / 2**20:.1f} MiB in {len(names)} parts ({', '.join(names)})")
     for i, name in enumerate(names):
         print(
-            f"  call {i + 1}: carry .gpu_bundle/manifest.json .gpu_bundle/{name}; run bash scripts/gpu_pd_run.sh $OUT"
+            f"  call {i + 1}: carry .gpu_bundle/manifest.json .gpu_bundle/{name}; run bash scripts/gpu/gpu_pd_run.sh $OUT"
         )
 
 

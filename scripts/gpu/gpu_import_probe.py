@@ -6,7 +6,7 @@ DeepSeek model, its Mooncake PD path and our router import; whenever a top-level
 missing it records the name and imports again in a fresh interpreter with a placeholder standing
 in for it, so one run lists them all. It only reports: nothing it stands in is used to serve.
 
-    python scripts/gpu_import_probe.py            # prints JSON: {"missing": [...], "failed": {...}}
+    python scripts/gpu/gpu_import_probe.py            # prints JSON: {"missing": [...], "failed": {...}}
 """
 
 from __future__ import annotations
