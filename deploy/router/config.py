@@ -25,6 +25,7 @@ from .transport.client import Timeouts
 __all__ = ["KubernetesDiscoveryConfig", "RouterConfig"]
 
 _SPEC = RouterSpec()
+_LIMITS = ConnectionLimits()
 # RouterConfig fields a topology's RouterSpec sets (same names).
 SPEC_FIELDS = (
     "host",
@@ -86,12 +87,12 @@ class RouterConfig:
     # Per connection (deploy/common/http_limits.py), checked while bytes arrive, before auth: the request
     # head (414 / 431 beyond), the time to send a head and a body (408), the connections held
     # open at once (503 beyond; 0: as many as descriptors allow), the idle keep-alive time.
-    max_request_line_bytes: int = 8 * 1024
-    max_header_bytes: int = 64 * 1024
-    max_header_count: int = 100
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 60.0
-    max_connections: int = 10_000
+    max_request_line_bytes: int = _LIMITS.max_request_line_bytes
+    max_header_bytes: int = _LIMITS.max_head_bytes
+    max_header_count: int = _LIMITS.max_header_count
+    header_timeout_s: float = _LIMITS.header_timeout_s
+    body_timeout_s: float = _LIMITS.body_timeout_s
+    max_connections: int = _LIMITS.max_connections
     keep_alive_timeout_s: float = 30.0
     # Timeouts towards workers. request_timeout_s bounds a whole non-streaming request and the
     # time to a stream's first byte; stream_idle_timeout_s bounds the gap between two chunks.

@@ -145,18 +145,8 @@ def _check_common(payload: dict[str, Any]) -> None:
     options = payload.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise _type_error("stream_options", "an object", options)
-    tools = payload.get("tools")
-    if tools is not None:
-        if not isinstance(tools, list):
-            raise _type_error("tools", "a list of tool objects", tools)
-        if len(tools) > _MAX_TOOLS:
-            raise _range_error("tools", f"a list of at most {_MAX_TOOLS} tools", f"{len(tools)} tools")
-    metadata = payload.get("metadata")
-    if metadata is not None:
-        if not isinstance(metadata, dict):
-            raise _type_error("metadata", "an object", metadata)
-        if len(metadata) > _MAX_METADATA:
-            raise _range_error("metadata", f"at most {_MAX_METADATA} key-value pairs", f"{len(metadata)} pairs")
+    _check_size(payload, "tools", list, "a list of tool objects", _MAX_TOOLS, "tools")
+    _check_size(payload, "metadata", dict, "an object", _MAX_METADATA, "key-value pairs")
     _check_logit_bias(payload.get("logit_bias"), "logit_bias")
 
 
@@ -185,6 +175,19 @@ def _check_logit_bias(bias: Any, param: str) -> None:
     for token, value in bias.items():
         if not _is_number(value) or not -_LOGIT_BIAS <= value <= _LOGIT_BIAS:
             raise _range_error(f"{param}.{token}", f"a number in [-{_LOGIT_BIAS}, {_LOGIT_BIAS}]", value)
+
+
+def _check_size(
+    payload: dict[str, Any], name: str, kind: type[list[Any] | dict[str, Any]], shape: str, most: int, unit: str
+) -> None:
+    """`payload[name]`, when given, is a `kind` (`shape`) of at most `most` `unit`."""
+    value = payload.get(name)
+    if value is None:
+        return
+    if not isinstance(value, kind):
+        raise _type_error(name, shape, value)
+    if len(value) > most:
+        raise _range_error(name, f"at most {most} {unit}", f"{len(value)} {unit}")
 
 
 def _range_error(param: str, expected: str, value: Any) -> ApiError:

@@ -113,28 +113,18 @@ def test_sbo_without_the_deepgemm_runner_is_only_the_shared_half() -> None:
 # / 4k input. Decode EP72 on 9 nodes, DP attention, TBO, batch 256 per device, 2,000-token KV:
 # 22,282 tok/s per node. TBO ablation: decode +25.5 % at 256 tokens per device, -27 % at 32.
 def blog_h100(decode_batch: int = 256) -> Topology:
-    redundant = ["--ep-num-redundant-experts", "32"]
+    def wide_ep(nodes: int, **role: Any) -> dict[str, Any]:
+        """DP attention and EP over every GPU of `nodes` nodes, TBO, 32 redundant experts."""
+        width = 8 * nodes
+        extra = ["--ep-num-redundant-experts", "32"]
+        return {"nodes": nodes, "tp": width, "attn_dp_size": width, "ep": width, "tbo": {"enabled": True},
+                "extra_args": extra, **role}  # fmt: skip
+
     return topology(
         "H100",
         80,
-        prefill={
-            "nodes": 4,
-            "tp": 32,
-            "attn_dp_size": 32,
-            "ep": 32,
-            "tbo": {"enabled": True},
-            "max_prefill_tokens": 16384,
-            "extra_args": redundant,
-        },
-        decode={
-            "nodes": 9,
-            "tp": 72,
-            "attn_dp_size": 72,
-            "ep": 72,
-            "tbo": {"enabled": True},
-            "max_running_requests": decode_batch * 72,
-            "extra_args": redundant,
-        },
+        prefill=wide_ep(4, max_prefill_tokens=16384),
+        decode=wide_ep(9, max_running_requests=decode_batch * 72),
     )
 
 

@@ -65,6 +65,18 @@ def kube_api() -> Iterator[Callable[[int], _KubeApi]]:
         api.thread.join(timeout=10)
 
 
+@pytest.fixture
+def cluster_api(kube_api: Callable[[int], _KubeApi], monkeypatch: pytest.MonkeyPatch) -> Callable[[int], _KubeApi]:
+    """A Kubernetes API stand-in answering `status`, which the gate's CLI takes for its cluster's."""
+
+    def start(status: int) -> _KubeApi:
+        api = kube_api(status)
+        monkeypatch.setattr(eval_cli_module, "in_cluster", lambda: api.cluster)
+        return api
+
+    return start
+
+
 def test_publish_patches_the_configmap_data_only(kube_api: Callable[[int], _KubeApi]) -> None:
     api = kube_api(200)
     publish_baseline("demo-gate-baseline", '{"a": 1}', api.cluster)
@@ -108,12 +120,10 @@ def test_a_clean_pass_becomes_the_next_baseline(
     dataset: Dataset,
     serve: Serve,
     eval_cli: Any,
-    kube_api: Callable[[int], _KubeApi],
-    monkeypatch: pytest.MonkeyPatch,
+    cluster_api: Callable[[int], _KubeApi],
     tmp_path: Path,
 ) -> None:
-    api = kube_api(200)
-    monkeypatch.setattr(eval_cli_module, "in_cluster", lambda: api.cluster)
+    api = cluster_api(200)
     answers = scripted_answers(dataset.problems, correct=lambda p: p.index % 10 != 0)
     server = serve(ServerScript(answers=answers))
 
@@ -131,10 +141,9 @@ def test_a_clean_pass_becomes_the_next_baseline(
 
 
 def test_a_failed_gate_is_not_stored(
-    dataset: Dataset, serve: Serve, eval_cli: Any, kube_api: Callable[[int], _KubeApi], monkeypatch: pytest.MonkeyPatch
+    dataset: Dataset, serve: Serve, eval_cli: Any, cluster_api: Callable[[int], _KubeApi]
 ) -> None:
-    api = kube_api(200)
-    monkeypatch.setattr(eval_cli_module, "in_cluster", lambda: api.cluster)
+    api = cluster_api(200)
     server = serve(ServerScript(answers=scripted_answers(dataset.problems, correct=lambda p: False)))
     result = eval_cli(
         server.base_url, "--num-questions", "10", "--min-accuracy", "0.5", "--publish-baseline", "demo-gate-baseline"
@@ -144,10 +153,9 @@ def test_a_failed_gate_is_not_stored(
 
 
 def test_a_refused_publish_is_a_warning(
-    dataset: Dataset, serve: Serve, eval_cli: Any, kube_api: Callable[[int], _KubeApi], monkeypatch: pytest.MonkeyPatch
+    dataset: Dataset, serve: Serve, eval_cli: Any, cluster_api: Callable[[int], _KubeApi]
 ) -> None:
-    api = kube_api(403)
-    monkeypatch.setattr(eval_cli_module, "in_cluster", lambda: api.cluster)
+    cluster_api(403)
     server = serve(ServerScript(answers=scripted_answers(dataset.problems, correct=lambda p: True)))
     result = eval_cli(server.base_url, "--num-questions", "10", "--publish-baseline", "cm")
     assert result.code == 0 and "warning: the passing report was not stored as the next baseline" in result.err

@@ -162,14 +162,21 @@ class PDStack:
     router: Proc
 
 
-@pytest.fixture(scope="package")
-def pd_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDStack]:
-    """One prefill engine, one decode engine and our router in front, shared by the package's tests."""
-    with launcher(tmp_path_factory.mktemp("pd")) as lx:
-        prefill, decode = lx.engine("prefill"), lx.engine("decode")
+@contextlib.contextmanager
+def pd_stack_of(tmp: Path, model: str = TINY_MODEL) -> Iterator[PDStack]:
+    """One prefill engine and one decode engine of `model`, our router in front, all ready."""
+    with launcher(tmp) as lx:
+        prefill, decode = lx.engine("prefill", model=model), lx.engine("decode", model=model)
         router = lx.router(prefill, decode)
         lx.wait()
         yield PDStack(prefill, decode, router)
+
+
+@pytest.fixture(scope="package")
+def pd_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDStack]:
+    """The tiny model's stack, shared by the package's tests."""
+    with pd_stack_of(tmp_path_factory.mktemp("pd")) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="package")

@@ -18,7 +18,7 @@ import pytest
 
 from tests.support.paths import REPO
 
-from .conftest import PDStack, greedy_reference, launcher
+from .conftest import PDStack, greedy_reference, pd_stack_of
 
 pytestmark = pytest.mark.slow
 
@@ -35,11 +35,8 @@ GSM8K_TEST = REPO.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 
 @pytest.fixture(scope="module")
 def smollm2_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDStack]:
-    with launcher(tmp_path_factory.mktemp("smollm2")) as lx:
-        prefill, decode = lx.engine("prefill", model=MODEL), lx.engine("decode", model=MODEL)
-        router = lx.router(prefill, decode)
-        lx.wait()
-        yield PDStack(prefill, decode, router)
+    with pd_stack_of(tmp_path_factory.mktemp("smollm2"), model=MODEL) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")

@@ -112,60 +112,48 @@ def only_error(d: dict) -> str:
     return errs[0]
 
 
-def test_page_size_must_match_on_both_roles(preset_dict) -> None:
+# (role, the fields set, how its one error starts, advice the error gives)
+ONE_BROKEN_RULE = {
+    "page size set twice": (
+        "decode", {"extra_args": ["--page-size", "32"]},
+        "decode.extra_args[0]: --page-size must be equal on prefill and decode", "set it once in model.page_size",
+    ),
+    "KV dtype on one role": (
+        "prefill", {"extra_args": ["--kv-cache-dtype=fp8_e4m3"]},
+        "prefill.extra_args[0]: --kv-cache-dtype must be equal on prefill and decode", "model.kv_cache_dtype",
+    ),
+    "prefill GPUs over its nodes": (
+        "prefill", {"tp": 16, "ep": 16},
+        "prefill.tp: 16 GPUs per instance do not fill prefill.nodes=1 x hardware.gpus_per_node=8",
+        "Set prefill.tp to 8 or prefill.nodes to match",
+    ),
+    "attention DP not dividing TP": (
+        "decode", {"attn_dp_size": 3, "max_running_requests": 300},
+        "decode.attn_dp_size: 3 does not divide decode.tp=16", "",
+    ),
+    "DeepEP with EP below TP": (
+        "decode", {"ep": 8}, "decode.ep: DeepEP is the all-to-all", "Set decode.ep to 16",
+    ),
+    "SBO with DeepEP normal": (
+        "decode", {"deepep_mode": "normal"},
+        "decode.sbo: single-batch overlap (full) overlaps DeepEP low-latency", "decode.deepep_mode: low_latency",
+    ),
+    "SBO without DP attention": (
+        "decode", {"attn_dp_size": 1, "max_running_requests": 128},
+        "decode.sbo: single-batch overlap needs DP attention on decode", "",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("role", "fields", "starts", "advice"), ONE_BROKEN_RULE.values(), ids=ONE_BROKEN_RULE)
+def test_one_broken_rule_is_one_error(
+    preset_dict, role: str, fields: dict[str, object], starts: str, advice: str
+) -> None:
     d = preset_dict()
-    d["decode"]["extra_args"] = ["--page-size", "32"]
+    d[role].update(fields)
     msg = only_error(d)
-    assert msg.startswith("decode.extra_args[0]: --page-size must be equal on prefill and decode")
-    assert "set it once in model.page_size" in msg
-
-
-def test_kv_dtype_must_match_on_both_roles(preset_dict) -> None:
-    d = preset_dict()
-    d["prefill"]["extra_args"] = ["--kv-cache-dtype=fp8_e4m3"]
-    msg = only_error(d)
-    assert msg.startswith("prefill.extra_args[0]: --kv-cache-dtype must be equal on prefill and decode")
-    assert "model.kv_cache_dtype" in msg
-
-
-def test_prefill_gpus_must_fill_nodes(preset_dict) -> None:
-    d = preset_dict()
-    d["prefill"]["tp"] = d["prefill"]["ep"] = 16
-    msg = only_error(d)
-    assert msg.startswith("prefill.tp: 16 GPUs per instance do not fill prefill.nodes=1 x hardware.gpus_per_node=8")
-    assert "Set prefill.tp to 8 or prefill.nodes to match" in msg
-
-
-def test_decode_attention_dp_must_divide_tp(preset_dict) -> None:
-    d = preset_dict()
-    d["decode"]["attn_dp_size"] = 3
-    d["decode"]["max_running_requests"] = 300
-    msg = only_error(d)
-    assert msg.startswith("decode.attn_dp_size: 3 does not divide decode.tp=16")
-
-
-def test_deepep_needs_ep_equal_tp(preset_dict) -> None:
-    d = preset_dict()
-    d["decode"]["ep"] = 8
-    msg = only_error(d)
-    assert msg.startswith("decode.ep: DeepEP is the all-to-all")
-    assert "Set decode.ep to 16" in msg
-
-
-def test_sbo_needs_deepep_low_latency(preset_dict) -> None:
-    d = preset_dict()
-    d["decode"]["deepep_mode"] = "normal"
-    msg = only_error(d)
-    assert msg.startswith("decode.sbo: single-batch overlap (full) overlaps DeepEP low-latency")
-    assert "decode.deepep_mode: low_latency" in msg
-
-
-def test_sbo_needs_dp_attention(preset_dict) -> None:
-    d = preset_dict()
-    d["decode"]["attn_dp_size"] = 1
-    d["decode"]["max_running_requests"] = 128
-    msg = only_error(d)
-    assert msg.startswith("decode.sbo: single-batch overlap needs DP attention on decode")
+    assert msg.startswith(starts)
+    assert advice in msg
 
 
 def test_tbo_on_decode_is_a_warning(preset_dict) -> None:
