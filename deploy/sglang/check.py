@@ -10,8 +10,9 @@ Those run on a CPU machine given a few workarounds (docs/upstream-facts.md); the
 - `--disaggregation-ib-device` is dropped (sglang checks it against /sys/class/infiniband);
 - the leader address in `--dist-init-addr` becomes 127.0.0.1.
 
-Each topology is checked in one child process (sglang's import is slow and has global state);
-the child prints one JSON object per command: sglang's resolved values, or its error text.
+Commands are checked in a child process (sglang's import is slow and has global state), kept
+for every later check of the same GPU generation; the child answers one JSON object per
+command: sglang's resolved values, or its error text.
 
 After resolution the child also computes the *effective* view: what sglang will actually run.
 It publishes the resolved arguments the way a scheduler does, seeds sglang's MoE flags with
@@ -26,12 +27,16 @@ A fact the installed sglang cannot answer (another version) is reported as unkno
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import json
 import os
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -171,31 +176,14 @@ def check_with_sglang(t: Topology, python: str | None = None) -> list[SglangChec
     for c in commands:
         distinct.setdefault(json.dumps([c.argv, c.env], sort_keys=True), c)
 
+    cap = t.hardware.capability()
     with tempfile.TemporaryDirectory(prefix="sglang-pd-check-") as tmp:
         model_dir = _write_model_dir(config, Path(tmp))
-        jobs = [_validation_copy(c, model_dir) for c in distinct.values()]
-        cap = t.hardware.capability()
-        payload = json.dumps(
-            [
-                {"argv": a, "env": e, "role": c.role, "capability": list(cap) if cap else None}
-                for (a, e), c in zip(jobs, distinct.values(), strict=True)
-            ]
-        )
-        proc = subprocess.run(
-            [python or sys.executable, "-m", "sglang_pd.deploy.sglang.check"],
-            input=payload,
-            capture_output=True,
-            text=True,
-            timeout=CHILD_TIMEOUT_S,
-            env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"},
-            cwd=tmp,
-        )
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or len(results) != len(jobs):
-        raise RuntimeError(
-            f"sglang's resolver process failed (exit {proc.returncode}) before checking every command:\n"
-            + proc.stderr[-4000:]
-        )
+        jobs = []
+        for c in distinct.values():
+            argv, env = _validation_copy(c, model_dir)
+            jobs.append({"argv": argv, "env": env, "role": c.role, "capability": list(cap) if cap else None})
+        results = _resolver(python or sys.executable, cap).resolve(jobs)
     by_key = dict(zip(distinct, results, strict=True))
     checks = []
     for c in commands:
@@ -213,6 +201,98 @@ def check_with_sglang(t: Topology, python: str | None = None) -> list[SglangChec
             )
         )
     return checks
+
+
+class _Resolver:
+    """One child interpreter with sglang imported (`_child`), resolving jobs sent one per line.
+
+    sglang's import takes seconds, so a process keeps its child for every check of one GPU
+    generation: the child restores the environment and the platform patches after each job, but
+    sglang caches some capability answers for the life of the process, hence one child per
+    capability."""
+
+    def __init__(self, python: str) -> None:
+        self._cwd = tempfile.TemporaryDirectory(prefix="sglang-pd-resolver-")
+        self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (lives as long as the child)
+        self._proc = subprocess.Popen(
+            [python, "-m", "sglang_pd.deploy.sglang.check"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"},
+            cwd=self._cwd.name,
+        )
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self._lock = threading.Lock()
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            if line.startswith(_RESULT):  # sglang prints to stdout too
+                self._lines.put(line[len(_RESULT) :])
+        self._lines.put(None)
+
+    def resolve(self, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """sglang's verdict on each job, in order; raises when the child dies or takes too long."""
+        with self._lock:
+            assert self._proc.stdin is not None
+            deadline = time.monotonic() + CHILD_TIMEOUT_S
+            try:
+                for job in jobs:
+                    self._proc.stdin.write(json.dumps(job) + "\n")
+                self._proc.stdin.flush()
+                results = []
+                while len(results) < len(jobs):
+                    line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+                    if line is None:
+                        break
+                    results.append(json.loads(line))
+            except (OSError, queue.Empty):
+                results = []
+            if len(results) == len(jobs):
+                return results
+            if self._proc.poll() is None:
+                self._proc.kill()
+            self._proc.wait()
+            self._stderr.seek(0)
+            said = self._stderr.read()[-4000:]
+            self.close()
+            raise RuntimeError(
+                f"sglang's resolver process failed (exit {self._proc.returncode}) before checking every command:\n"
+                + said
+            )
+
+    @property
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.wait()
+        self._stderr.close()
+        self._cwd.cleanup()
+
+
+_RESULT = "sglang-pd-result "
+_RESOLVERS: dict[tuple[str, tuple[int, int] | None], _Resolver] = {}
+_RESOLVERS_LOCK = threading.Lock()
+
+
+def _resolver(python: str, cap: tuple[int, int] | None) -> _Resolver:
+    with _RESOLVERS_LOCK:
+        resolver = _RESOLVERS.get((python, cap))
+        if resolver is None or not resolver.alive:
+            resolver = _RESOLVERS[python, cap] = _Resolver(python)
+        return resolver
+
+
+@atexit.register
+def _close_resolvers() -> None:
+    for resolver in _RESOLVERS.values():
+        resolver.close()
 
 
 # --- what the topology asks for, against what sglang will do ------------------------------------
@@ -346,7 +426,8 @@ def _decode_problems(t: Topology, d: DecodeSpec, facts: dict[str, Any], need: An
 
 
 def _child() -> None:
-    """Resolve each {argv, env, role, capability} read from stdin; print one JSON line each.
+    """Resolve each {argv, env, role, capability} read from stdin, one JSON line each, until stdin
+    ends; print one result line each (`_RESULT` and JSON).
 
     Runs with sglang importable, in its own process: it patches sglang's platform facts.
     """
@@ -355,12 +436,12 @@ def _child() -> None:
     import logging
 
     logging.disable(logging.WARNING)
-    jobs = json.loads(sys.stdin.read())
     base_env = dict(os.environ)
     from sglang.srt.arg_groups.overrides import resolving_view
     from sglang.srt.server_args import prepare_server_args
 
-    for job in jobs:
+    for line in sys.stdin:
+        job = json.loads(line)
         os.environ.clear()
         os.environ.update({**base_env, **job["env"]})
         cap = tuple(job["capability"]) if job.get("capability") else None
@@ -385,7 +466,9 @@ def _child() -> None:
             out = {"ok": False, "error": said[-1] if said else f"sglang's parser exited with {exc.code}"}
         except Exception as exc:
             out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        print(json.dumps(out), flush=True)
+        print(_RESULT + json.dumps(out), flush=True)
+    os.environ.clear()
+    os.environ.update(base_env)
 
 
 def _patch_platform(scope: Any, cap: tuple[int, int] | None) -> None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -117,6 +119,29 @@ def test_hub_model_without_config_json_is_explained(preset_dict) -> None:
     del d["model"]["config_json"]
     with pytest.raises(SglangUnavailable, match=r"set model.config_json in the topology"):
         check_with_sglang(parse_topology(d, source_dir=PRESET_DIR))
+
+
+def test_one_child_serves_every_check_of_a_gpu_generation_and_a_dead_one_is_replaced() -> None:
+    from sglang_pd.deploy.sglang import check
+
+    t = load_topology(PRESET_DIR / "deepseek-r1-h200-1p1d.yaml")
+    check_with_sglang(t)
+    child = check._RESOLVERS[sys.executable, (9, 0)]
+    check_with_sglang(t)
+    assert check._RESOLVERS[sys.executable, (9, 0)] is child
+    child._proc.kill()
+    child._proc.wait()
+    assert all(c.ok for c in check_with_sglang(t))
+    assert check._RESOLVERS[sys.executable, (9, 0)] is not child
+
+
+def test_a_resolver_that_dies_is_an_error_not_a_hang(tmp_path: Path) -> None:
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\necho 'no sglang here' >&2\nexit 3\n")
+    python.chmod(0o755)
+    t = load_topology(PRESET_DIR / "deepseek-r1-h200-1p1d.yaml")
+    with pytest.raises(RuntimeError, match=r"(?s)failed \(exit 3\) before checking every command.*no sglang here"):
+        check_with_sglang(t, python=str(python))
 
 
 # --- the effective view -------------------------------------------------------------------------
