@@ -243,7 +243,7 @@ class _Resolver:
                 for job in jobs:
                     self._proc.stdin.write(json.dumps(job) + "\n")
                 self._proc.stdin.flush()
-                results = []
+                results: list[dict[str, Any]] = []
                 while len(results) < len(jobs):
                     line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
                     if line is None:
