@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -26,8 +25,7 @@ from .api.openapi import OPENAPI
 from .api.request_ids import RequestIds, request_ids
 from .api.validation import ENDPOINTS, parse_body, validate
 from .config import RouterConfig
-from .exceptions import ClientGone, WorkerRegistrationError
-from .group.control import ControlLink, ControlLost
+from .exceptions import ClientGone
 from .log import client_request_id_var, logger, request_id_var
 from .metrics import CONTENT_TYPE_LATEST, RouterMetrics
 from .pd.legs import Legs
@@ -35,8 +33,8 @@ from .pd.proxy import PDProxy
 from .pd.relay import ClientWatch, RelayResponse
 from .policies import make_policy
 from .transport.client import HttpWorkerClient, WorkerClient
-from .workers.discovery import KubernetesDiscovery
 from .workers.health import HealthChecker
+from .workers.owner import LocalWorkers, WorkerOwner
 from .workers.pairs import PairPicker
 from .workers.registry import WorkerRegistry
 
@@ -57,29 +55,20 @@ class RouterApp:
         worker_api_key: str = "",
         discovery_list_pods: Any = None,
         client: WorkerClient | None = None,
-        control_socket: socket.socket | None = None,
-        process_index: int = 0,
+        owner: WorkerOwner | None = None,
     ) -> None:
         """`client` replaces the HTTP transport to workers (tests pass an in-process one);
-        `discovery_list_pods` replaces the Kubernetes API call of discovery. `control_socket`
-        (this process's end of its control channel) makes this app one serving process of a
-        router process group (`group.py`): the group's control process then owns the workers,
-        their health and discovery."""
+        `discovery_list_pods` replaces the Kubernetes API call of discovery. `owner` owns the
+        workers: this app by default (`LocalWorkers`), or a router process group's control process
+        (`GroupMember`, for a serving process of the group)."""
         self.config = config
+        self.owner: WorkerOwner = owner if owner is not None else LocalWorkers(config, list_pods=discovery_list_pods)
         self.metrics = RouterMetrics()
         self.registry = WorkerRegistry(
             breaker_failure_threshold=config.breaker_failure_threshold,
             breaker_cooldown_s=config.breaker_cooldown_s,
             allow_link_local=config.allow_link_local_workers,
         )
-        self.control = (
-            ControlLink(control_socket, process_index, self.registry.sync) if control_socket is not None else None
-        )
-        if self.control is None:
-            for url, bootstrap_port in config.prefill_workers:
-                self.registry.add(url, "prefill", bootstrap_port=bootstrap_port)
-            for url in config.decode_workers:
-                self.registry.add(url, "decode")
         if client is None:
             client = HttpWorkerClient(timeouts=config.timeouts, api_key=worker_api_key)
         self.pairs = PairPicker(self.registry, make_policy(config.prefill_policy), make_policy(config.decode_policy))
@@ -94,14 +83,10 @@ class RouterApp:
             success_threshold=config.health_success_threshold,
             generate_interval_s=config.health_generate_interval_s,
             stall_s=config.stream_stall_s,
-            report=self.control.report if self.control is not None else None,
+            report=self.owner.report,
         )
         self.legs.health = self.health  # a worker's 5xx counts against it once a probe confirms it
-        self.discovery = (
-            KubernetesDiscovery(self.registry, config.kubernetes, list_pods=discovery_list_pods)
-            if config.kubernetes is not None and self.control is None
-            else None
-        )
+        self.owner.attach(self.registry, self.health, self._refresh_gauges)
         # Metric children of the hot path, looked up once.
         self._ttfb = {e: self.metrics.ttfb.labels(e) for e in ENDPOINTS}
         self._latency = {e: self.metrics.latency.labels(e) for e in ENDPOINTS}
@@ -167,15 +152,8 @@ class RouterApp:
 
     @asynccontextmanager
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
-        gauges = None
-        if self.control is not None:
-            await self.control.connect()
-            # Other processes of the group render this one's per-worker gauges from the shared
-            # files: keep them current (a scrape of this process refreshes them at once too).
-            gauges = asyncio.create_task(self._refresh_gauges_every(1.0))
+        await self.owner.start()
         await self.health.start()
-        if self.discovery is not None:
-            self.discovery.start(asyncio.get_running_loop())
         logger.info(
             "router started",
             extra={
@@ -186,14 +164,9 @@ class RouterApp:
         try:
             yield
         finally:
-            if gauges is not None:
-                gauges.cancel()
-            if self.discovery is not None:
-                await asyncio.to_thread(self.discovery.stop)
             await self.health.aclose()
             await self.legs.aclose()
-            if self.control is not None:
-                await self.control.aclose()
+            await self.owner.aclose()
 
     # -- routes ---------------------------------------------------------------------------------
 
@@ -294,11 +267,6 @@ class RouterApp:
             self.metrics.breaker_state.labels(w.role, w.url).set(int(w.breaker.state))
             self.metrics.worker_healthy.labels(w.role, w.url).set(int(w.healthy))
 
-    async def _refresh_gauges_every(self, period_s: float) -> None:
-        while True:
-            await asyncio.sleep(period_s)
-            self._refresh_gauges()
-
     async def list_workers(self) -> Response:
         return _json(
             {
@@ -318,18 +286,8 @@ class RouterApp:
             raise ApiError(
                 400, "'bootstrap_port' must be an integer port.", param="bootstrap_port", code="invalid_type"
             )
-        if self.control is not None:
-            status, body = await self._ask_control("add", url=url, role=role, bootstrap_port=port)
-            added = self.registry.get(body["url"], role)  # the change arrived before the reply
-            return _json(added.to_json() if added is not None else body, status=status)
-        try:
-            worker = self.registry.add(url, role, bootstrap_port=port, source="api")
-        except WorkerRegistrationError as exc:
-            raise ApiError(400, str(exc), param="url", code="invalid_value") from exc
-        # Answered once its first probe ended, or after the liveness timeout with the probe going on
-        # (a generation: sglang takes 1 s at best, 20 s at worst).
-        await self.health.check(worker, wait_s=self.config.health_timeout_s)
-        return _json(worker.to_json(), status=201)
+        status, shown = await self.owner.add(url, role, port)
+        return _json(shown, status=status)
 
     async def remove_worker(self, request: Request) -> Response:
         url = request.query_params.get("url")
@@ -344,28 +302,7 @@ class RouterApp:
             )
         if given_role is not None and role is None:
             raise ApiError(400, "'role' must be 'prefill' or 'decode'.", param="role", code="invalid_value")
-        if self.control is not None:
-            shown = {(w.role, w.url): w.to_json() for w in self.registry.all()}
-            _, body = await self._ask_control("remove", url=url, role=role)
-            return _json({"removed": [shown.get((w["role"], w["url"]), w) for w in body["removed"]]})
-        try:
-            removed = self.registry.remove(url, role)
-        except WorkerRegistrationError as exc:
-            raise ApiError(400, str(exc), param="url", code="invalid_value") from exc
-        if not removed:
-            raise ApiError(404, f"No worker {url} is registered. See GET /workers.", param="url", code="not_found")
-        return _json({"removed": [w.to_json() for w in removed]})
-
-    async def _ask_control(self, op: str, **args: Any) -> tuple[int, dict[str, Any]]:
-        """Run a /workers change in the group's control process; its refusal as our ApiError."""
-        assert self.control is not None
-        try:
-            status, body = await self.control.request(op, **args)
-        except ControlLost as exc:
-            raise ApiError(503, f"{exc} Retry shortly.", code="control_unavailable") from exc
-        if status >= 400:
-            raise ApiError(status, body["message"], param=body.get("param"), code=body.get("code", "invalid_value"))
-        return status, body
+        return _json({"removed": await self.owner.remove(url, role)})
 
 
 _OPENAPI_BODY = orjson.dumps(OPENAPI)

@@ -2,6 +2,7 @@
 
     RouterError
     ├── ClientGone              the client disconnected before its answer was ready
+    ├── ControlLost             a process group's control process is gone (also a ConnectionError)
     ├── NoHealthyWorker         no prefill or decode worker can take a request now
     ├── WorkerAtCapacity        every healthy worker of a role has all the requests it may take
     ├── WorkerRegistrationError a worker URL or role given to /workers or the CLI is invalid
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ClientGone",
+    "ControlLost",
     "NoHealthyWorker",
     "RouterError",
     "UpstreamBusy",
@@ -43,6 +45,10 @@ class RouterError(Exception):
 
 class ClientGone(RouterError):
     """The client disconnected before its answer was ready."""
+
+
+class ControlLost(RouterError, ConnectionError):
+    """The control process is gone: admin changes cannot be made through this process now."""
 
 
 class NoHealthyWorker(RouterError):

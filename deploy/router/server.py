@@ -63,7 +63,10 @@ def uvicorn_config(app: RouterApp, **overrides: Any) -> uvicorn.Config:
 def serve(app: RouterApp, *, sockets: list[socket.socket] | None = None) -> int:
     """Serve until stopped; the exit status. `sockets`: already-listening sockets to serve on
     (a router process group's) instead of binding the configured host and port."""
-    configure_logging(app.config.log_level, {"router_process": app.control.index} if app.control else None)
+    configure_logging(
+        app.config.log_level,
+        {"router_process": app.owner.process_index} if app.owner.process_index is not None else None,
+    )
     descriptors = raise_descriptor_limit()  # before the protocol class sizes its connection cap to it
     logger.info(
         "connection limits",

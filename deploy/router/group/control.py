@@ -33,10 +33,11 @@ from typing import Any
 
 import orjson
 
+from ..exceptions import ControlLost
 from ..log import logger
 from ..workers.registry import Worker
 
-__all__ = ["HEARTBEAT_S", "ControlLink", "ControlLost", "ControlServer"]
+__all__ = ["HEARTBEAT_S", "ControlLink", "ControlServer"]
 
 # One line holds every worker's state; far above what thousands of workers need.
 _LINE_LIMIT = 16 * 1024 * 1024
@@ -49,10 +50,6 @@ _REQUEST_TIMEOUT_S = 30.0
 
 Handler = Callable[[str, dict[str, Any]], Awaitable[tuple[int, dict[str, Any]]]]
 ReportHandler = Callable[[str, str, str, str], None]
-
-
-class ControlLost(ConnectionError):
-    """The control process is gone: admin changes cannot be made through this process now."""
 
 
 def _line(message: dict[str, Any]) -> bytes:

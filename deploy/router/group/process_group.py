@@ -427,6 +427,7 @@ def _serve_member(argv: list[str] | None = None) -> int:
     """A serving process of a group, as the control process starts it."""
     from ..app import RouterApp
     from ..server import serve
+    from .member import GroupMember
 
     parser = argparse.ArgumentParser(prog="sglang-pd router (serving process)")
     parser.add_argument("--index", type=int, required=True)
@@ -440,8 +441,7 @@ def _serve_member(argv: list[str] | None = None) -> int:
     app = RouterApp(
         config,
         worker_api_key=member["worker_api_key"],
-        control_socket=socket.socket(fileno=args.control_fd),
-        process_index=args.index,
+        owner=GroupMember(socket.socket(fileno=args.control_fd), args.index),
     )
     return serve(app, sockets=[socket.socket(fileno=args.listen_fd)])
 

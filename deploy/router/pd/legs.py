@@ -89,11 +89,10 @@ class Legs:
     # still opens the breaker (record_failure does not need the slot).
 
     def _begin(self, worker: Worker) -> None:
-        worker.breaker.on_dispatch()
-        worker.in_flight += 1
+        worker.dispatched()
 
     def end(self, worker: Worker) -> None:
-        worker.in_flight -= 1
+        worker.ended()
 
     def succeeded(self, worker: Worker) -> None:
         if worker.breaker.failures or worker.breaker.state:
@@ -110,7 +109,7 @@ class Legs:
             logger.info("worker busy", extra={"worker": worker.url, "role": worker.role, "error": str(exc)})
             worker.breaker.release_probe()  # a half-open probe learnt nothing: the next request probes
             return
-        worker.last_error = str(exc)
+        worker.failed_with(str(exc))
         if isinstance(exc, UpstreamTimeout):
             kind = "timeout"
         elif isinstance(exc, UpstreamStatusError):
@@ -178,15 +177,14 @@ class PairStreamOutcome:
         self.legs = legs
         self.pair = pair
         self.waiting_since = math.inf
-        pair.decode.streams.add(self)
-        pair.decode.last_stream_bytes = time.monotonic()
+        pair.decode.stream_opened(self)
 
     def waiting(self) -> None:
         self.waiting_since = time.monotonic()
 
     def progressed(self) -> None:
         self.waiting_since = math.inf
-        self.pair.decode.last_stream_bytes = time.monotonic()
+        self.pair.decode.stream_progressed(time.monotonic())
 
     def completed(self) -> None:
         self.legs.succeeded(self.pair.decode)
@@ -207,7 +205,7 @@ class PairStreamOutcome:
         self._close()
 
     def _close(self) -> None:
-        self.pair.decode.streams.discard(self)
+        self.pair.decode.stream_closed(self)
         self.legs.end(self.pair.decode)
         if self.pair.reservation is not None:
             self.pair.reservation.release_decode()

@@ -79,18 +79,17 @@ def _positive_int(value: Any) -> int | None:
 def take_server_info(worker: Worker, info: dict[str, Any]) -> None:
     """Record the capacity a worker's `/server_info` reports (sglang 0.5.17 and 0.5.23 use these
     keys; a missing or null one leaves that limit unknown, hence unenforced)."""
-    worker.max_running = _positive_int(info.get("max_running_requests"))
-    worker.max_total_tokens = _positive_int(info.get("max_total_num_tokens"))
+    worker.take_limits(_positive_int(info.get("max_running_requests")), _positive_int(info.get("max_total_num_tokens")))
     context = _positive_int(info.get("context_length"))
     if context is not None:
-        worker.context_length = context
+        worker.take_context_length(context)
 
 
 def take_model_card(worker: Worker, card: dict[str, Any]) -> None:
     """Record the context length of a worker's model card (sglang's `max_model_len`)."""
     context = _positive_int(card.get("max_model_len"))
     if context is not None:
-        worker.context_length = context
+        worker.take_context_length(context)
 
 
 class Demand:
@@ -156,24 +155,20 @@ class Reservation:
         self._decode: Worker | None = decode
         self._demand = demand
         self._on_release = on_release
-        prefill.admitted += demand.slots
-        prefill.admitted_tokens += demand.prefill_tokens
-        decode.admitted += demand.slots
-        decode.admitted_tokens += demand.decode_tokens
+        prefill.admit(demand.slots, demand.prefill_tokens)
+        decode.admit(demand.slots, demand.decode_tokens)
 
     def release_prefill(self, _: object = None) -> None:
         """The prefill leg ended (also a done callback)."""
         if self._prefill is not None:
-            self._prefill.admitted -= self._demand.slots
-            self._prefill.admitted_tokens -= self._demand.prefill_tokens
+            self._prefill.release(self._demand.slots, self._demand.prefill_tokens)
             self._prefill = None
             self._on_release()
 
     def release_decode(self, _: object = None) -> None:
         """The decode leg ended: its answer was read, its stream closed, or it failed."""
         if self._decode is not None:
-            self._decode.admitted -= self._demand.slots
-            self._decode.admitted_tokens -= self._demand.decode_tokens
+            self._decode.release(self._demand.slots, self._demand.decode_tokens)
             self._decode = None
             self._on_release()
 

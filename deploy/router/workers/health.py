@@ -71,7 +71,10 @@ from ..transport.client import Purpose, WorkerClient
 from .capacity import take_model_card, take_server_info
 from .registry import Worker, WorkerRegistry
 
-__all__ = ["GENERATION_PROBE", "LIVENESS_PROBE", "HealthChecker", "dp_ranks"]
+# `report(kind, worker, detail)`: a serving process's findings, for its group's control process.
+HealthReport = Callable[[str, Worker, str], None]
+
+__all__ = ["GENERATION_PROBE", "LIVENESS_PROBE", "HealthChecker", "HealthReport", "dp_ranks"]
 
 GENERATION_PROBE = "/health"
 LIVENESS_PROBE = "/v1/models"
@@ -102,7 +105,7 @@ class HealthChecker:
         success_threshold: int,
         generate_interval_s: float = 30.0,
         stall_s: float = 0.0,
-        report: Callable[[str, Worker, str], None] | None = None,
+        report: HealthReport | None = None,
     ) -> None:
         """`stall_s`: eject a worker whose open streams got no bytes for this long (0: off).
         `report(kind, worker, detail)`: hand findings to the group's control process instead of
@@ -188,13 +191,11 @@ class HealthChecker:
                 self.eject(worker, reason)
                 if self.report is not None:
                     self.report("stalled", worker, reason)
-                worker.last_stream_bytes = now  # a new stall window once it is readmitted
+                worker.stream_progressed(now)  # a new stall window once it is readmitted
 
     def eject(self, worker: Worker, reason: str) -> None:
         """Take `worker` out of routing until a generation probe passes again."""
-        worker.healthy = False
-        worker.consecutive_health_successes = 0
-        worker.last_error = reason
+        worker.eject(reason)
         self.metrics.worker_healthy.labels(worker.role, worker.url).set(0)
         logger.warning("worker ejected", extra={"worker": worker.url, "role": worker.role, "error": reason})
 
@@ -286,23 +287,13 @@ class HealthChecker:
         """Count a probe's outcome towards `worker`'s health, and log when that changes it.
         `check`: "generation", or "liveness" / "confirmation" (both liveness probes)."""
         was_healthy, first = worker.healthy, not worker.checked
-        generation = check == "generation"
-        if ok:
-            worker.consecutive_health_failures = 0
-            if generation and not worker.healthy:
-                worker.consecutive_health_successes += 1
-                if first or worker.consecutive_health_successes >= self.success_threshold:
-                    worker.set_healthy(True)  # admitted: see the module docstring
-        else:
-            worker.consecutive_health_successes = 0
-            worker.consecutive_health_failures += 1
-            worker.last_error = error
-            if first or generation or worker.consecutive_health_failures >= self.failure_threshold:
-                worker.set_healthy(False)
-        if worker.healthy != was_healthy:
-            worker.consecutive_health_successes = 0
-        # Only a generation probe admits: a liveness pass leaves a new worker unsettled.
-        worker.checked = worker.checked or generation or not ok
+        worker.record_probe(
+            ok,
+            error,
+            generation=check == "generation",
+            admit_after=self.success_threshold,
+            eject_after=self.failure_threshold,
+        )
         if self.registry.get(worker.url, worker.role) is worker:
             self.metrics.worker_healthy.labels(worker.role, worker.url).set(int(worker.healthy))
             self.metrics.breaker_state.labels(worker.role, worker.url).set(int(worker.breaker.state))
@@ -338,7 +329,7 @@ class HealthChecker:
             return
         if isinstance(models, dict) and isinstance(models.get("data"), list):
             cards = [m for m in models["data"] if isinstance(m, dict) and isinstance(m.get("id"), str)]
-            worker.models = [m["id"] for m in cards]
+            worker.take_models([m["id"] for m in cards])
             for card in cards:
                 take_model_card(worker, card)
 

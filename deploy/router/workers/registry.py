@@ -115,6 +115,10 @@ def refused_address(url: str) -> str | None:
 
 @dataclass(eq=False)
 class Worker:
+    """One worker and how it is doing. Its fields change only through its methods: the health
+    authority's verdicts and reports (`record_probe`, `eject`, `take_*`, `apply_state`) and the
+    request path's books (`dispatched`/`ended`, `admit`/`release`, the stream methods)."""
+
     url: WorkerURL
     role: Role
     breaker: CircuitBreaker
@@ -159,6 +163,93 @@ class Worker:
         if dp_size != self.dp_size:
             self.dp_size = dp_size
             self.dp_in_flight = [0] * dp_size
+
+    # -- the health authority's ----------------------------------------------------------------
+
+    def record_probe(self, ok: bool, error: str, *, generation: bool, admit_after: int, eject_after: int) -> None:
+        """Count a probe's outcome (health.py's module docstring has the rules): only a generation
+        probe admits, `admit_after` passes in a row readmit an ejected worker; a failed generation
+        probe, or `eject_after` failed liveness probes in a row, eject it. A new worker's first
+        verdict settles it either way."""
+        was_healthy, first = self.healthy, not self.checked
+        if ok:
+            self.consecutive_health_failures = 0
+            if generation and not self.healthy:
+                self.consecutive_health_successes += 1
+                if first or self.consecutive_health_successes >= admit_after:
+                    self.set_healthy(True)
+        else:
+            self.consecutive_health_successes = 0
+            self.consecutive_health_failures += 1
+            self.last_error = error
+            if first or generation or self.consecutive_health_failures >= eject_after:
+                self.set_healthy(False)
+        if self.healthy != was_healthy:
+            self.consecutive_health_successes = 0
+        self.checked = self.checked or generation or not ok
+
+    def eject(self, reason: str) -> None:
+        """Out of routing until a generation probe passes again."""
+        self.healthy = False
+        self.consecutive_health_successes = 0
+        self.last_error = reason
+
+    def take_limits(self, max_running: int | None, max_total_tokens: int | None) -> None:
+        """The capacity the worker reports (None: unknown, not enforced)."""
+        self.max_running, self.max_total_tokens = max_running, max_total_tokens
+
+    def take_context_length(self, context_length: int) -> None:
+        self.context_length = context_length
+
+    def take_models(self, models: list[str]) -> None:
+        self.models = models
+
+    def apply_state(self, state: dict[str, Any]) -> None:
+        """Take what the group's health authority knows (`state()` of its copy)."""
+        self.bootstrap_port = state["bootstrap_port"]
+        self.set_healthy(state["healthy"])
+        self.set_dp_size(state["dp_size"])
+        self.models = list(state["models"])
+        self.last_error = state["last_error"]
+        self.checked = state["checked"]
+        # .get: a state from a control process that predates capacity reports none
+        self.max_running = state.get("max_running")
+        self.max_total_tokens = state.get("max_total_tokens")
+        self.context_length = state.get("context_length")
+
+    # -- the request path's --------------------------------------------------------------------
+
+    def dispatched(self) -> None:
+        """A leg is sent to this worker (its breaker books a half-open probe)."""
+        self.breaker.on_dispatch()
+        self.in_flight += 1
+
+    def ended(self) -> None:
+        self.in_flight -= 1
+
+    def failed_with(self, error: str) -> None:
+        """A leg to this worker failed: the last error `GET /workers` shows."""
+        self.last_error = error
+
+    def admit(self, slots: int, tokens: int) -> None:
+        """Count a request's estimated share of this worker's capacity (capacity.py)."""
+        self.admitted += slots
+        self.admitted_tokens += tokens
+
+    def release(self, slots: int, tokens: int) -> None:
+        self.admitted -= slots
+        self.admitted_tokens -= tokens
+
+    def stream_opened(self, stream: PairStreamOutcome) -> None:
+        """A relayed stream took its first byte: from now on the stall watchdog watches it."""
+        self.streams.add(stream)
+        self.last_stream_bytes = time.monotonic()
+
+    def stream_progressed(self, now: float) -> None:
+        self.last_stream_bytes = now
+
+    def stream_closed(self, stream: PairStreamOutcome) -> None:
+        self.streams.discard(stream)
 
     def state(self) -> dict[str, Any]:
         """What the health authority knows of this worker (a router process group's shared state;
@@ -300,16 +391,7 @@ class WorkerRegistry:
             worker = self._workers.get((role, url)) or self.add(
                 url, role, bootstrap_port=state["bootstrap_port"], source=state["source"]
             )
-            worker.bootstrap_port = state["bootstrap_port"]
-            worker.set_healthy(state["healthy"])
-            worker.set_dp_size(state["dp_size"])
-            worker.models = list(state["models"])
-            worker.last_error = state["last_error"]
-            worker.checked = state["checked"]
-            # .get: a state from a control process that predates capacity reports none
-            worker.max_running = state.get("max_running")
-            worker.max_total_tokens = state.get("max_total_tokens")
-            worker.context_length = state.get("context_length")
+            worker.apply_state(state)
 
     def _rebuild(self) -> None:
         self.prefill = [w for (r, _), w in self._workers.items() if r == "prefill"]

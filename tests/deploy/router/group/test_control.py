@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from sglang_pd.deploy.router.group.control import ControlLink, ControlLost, ControlServer
+from sglang_pd.deploy.router.exceptions import ControlLost
+from sglang_pd.deploy.router.group.control import ControlLink, ControlServer
 from sglang_pd.deploy.router.workers.registry import WorkerRegistry
 
 
