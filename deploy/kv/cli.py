@@ -17,7 +17,6 @@ import ctypes
 import json
 import os
 import random
-import resource
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from ..common.node import MEMLOCK_FIX, memlock_limit
 from .config import KVConfig
 from .engine import get_engine
 from .exceptions import (
@@ -64,12 +64,8 @@ def diagnose(exc: BaseException) -> str:
     if isinstance(exc, DeviceMissing):
         return "mount /dev/infiniband and /sys/class/infiniband into the pod, or name an existing device (--device)."
     if isinstance(exc, RegistrationRefused):
-        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-        limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
-        return (
-            f"the locked-memory limit is {limit}: run with `ulimit -l unlimited`, or give the container the "
-            "IPC_LOCK capability and memlock=-1."
-        )
+        _, limit = memlock_limit()
+        return f"the locked-memory limit is {limit}: {MEMLOCK_FIX}."
     if isinstance(exc, TransportUnavailable):
         return (
             "install exactly one Mooncake wheel (mooncake-transfer-engine-non-cuda without CUDA) and the Debian "

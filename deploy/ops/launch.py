@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import json
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -43,6 +42,7 @@ from sglang_pd.deploy.common.contract import (
     as_role,
     unsendable_key,
 )
+from sglang_pd.deploy.common.node import CAP_IPC_LOCK, MEMLOCK_FIX, has_capability, memlock_limit
 from sglang_pd.deploy.common.procs import mask_secrets, spawn
 from sglang_pd.deploy.kv.firewall import FirewallError, Network, PeerFirewall, parse_networks
 from sglang_pd.deploy.kv.listeners import mooncake_port_range
@@ -78,14 +78,8 @@ LWS_GROUP_SIZE = ENV_LWS_GROUP_SIZE
 
 # sglang shares tensors between its processes through /dev/shm; NCCL needs more with many GPUs.
 MIN_SHM_BYTES = 16 << 30
-# Mooncake pins every registered KV region; a container's default 64 KiB limit fails registration.
-MIN_MEMLOCK_BYTES = 1 << 30
 INFINIBAND_SYSFS = Path("/sys/class/infiniband")
 INFINIBAND_DEV = Path("/dev/infiniband")
-PROC_STATUS = Path("/proc/self/status")
-# linux/capability.h: with CAP_IPC_LOCK the kernel lets a process lock (and an RDMA NIC pin) memory
-# past RLIMIT_MEMLOCK, which Kubernetes has no field to raise.
-CAP_IPC_LOCK = 14
 
 # How the chart set this pod up, for the topology's pod rules (`check_rules(t, pod)`).
 POD_ENV_RDMA_MODE = "SGLANG_PD_POD_RDMA_MODE"
@@ -150,22 +144,9 @@ def pod_settings_from_env(env: Mapping[str, str]) -> PodSettings | None:
         raise LaunchError(f"the chart's SGLANG_PD_POD_* variables are malformed: {exc}") from exc
 
 
-def has_capability(bit: int, status: Path = PROC_STATUS) -> bool:
-    """Whether this process holds capability `bit` in its effective set (CapEff in /proc/self/status)."""
-    try:
-        text = status.read_text()
-    except OSError:
-        return False
-    for line in text.splitlines():
-        if line.startswith("CapEff:"):
-            return bool(int(line.split()[1], 16) >> bit & 1)
-    return False
-
-
 def _memlock_check() -> PodCheck:
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    shown = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
-    if soft == resource.RLIM_INFINITY or soft >= MIN_MEMLOCK_BYTES:
+    enough, shown = memlock_limit()
+    if enough:
         return PodCheck("memlock", True, f"locked-memory limit {shown}")
     if has_capability(CAP_IPC_LOCK):
         return PodCheck(
@@ -174,8 +155,7 @@ def _memlock_check() -> PodCheck:
     return PodCheck(
         "memlock",
         False,
-        f"locked-memory limit {shown} and no CAP_IPC_LOCK: Mooncake may fail to register KV memory; add the "
-        "IPC_LOCK capability (the chart does) or raise the container runtime's memlock limit",
+        f"locked-memory limit {shown} and no CAP_IPC_LOCK: Mooncake may fail to register KV memory; {MEMLOCK_FIX}",
         required=False,
     )
 

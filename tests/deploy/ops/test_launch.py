@@ -11,13 +11,13 @@ import pytest
 import yaml
 
 from sglang_pd.deploy.cli import main
+from sglang_pd.deploy.common import node
 from sglang_pd.deploy.common.contract import ENV_ROUTER_WORKER_API_KEY, ENV_WORKER_API_KEY
+from sglang_pd.deploy.common.node import CAP_IPC_LOCK, has_capability
 from sglang_pd.deploy.ops import launch
 from sglang_pd.deploy.ops.launch import (
     API_KEY_FLAG,
-    CAP_IPC_LOCK,
     LaunchError,
-    has_capability,
     pod_checks,
     pod_settings_from_env,
     resolve_command,
@@ -193,9 +193,8 @@ def test_capability_is_read_from_capeff(tmp_path) -> None:
 
 
 def _memlock_check(monkeypatch, tmp_path, limit: int, cap: str):
-    monkeypatch.setattr(launch.resource, "getrlimit", lambda _: (limit, limit))
-    monkeypatch.setattr(launch, "PROC_STATUS", _status(tmp_path, cap))
-    monkeypatch.setattr(launch.has_capability, "__defaults__", (launch.PROC_STATUS,))
+    monkeypatch.setattr(node.resource, "getrlimit", lambda _: (limit, limit))
+    monkeypatch.setattr(node.has_capability, "__defaults__", (_status(tmp_path, cap),))
     return {c.name: c for c in pod_checks(load_topology(R1), "decode")}["memlock"]
 
 
@@ -220,7 +219,7 @@ def test_memlock_without_the_capability_warns_but_does_not_stop_the_pod(monkeypa
 
 
 def test_memlock_large_enough_needs_no_capability(monkeypatch, tmp_path) -> None:
-    assert _memlock_check(monkeypatch, tmp_path, launch.resource.RLIM_INFINITY, "0000000000000000").ok
+    assert _memlock_check(monkeypatch, tmp_path, node.resource.RLIM_INFINITY, "0000000000000000").ok
 
 
 # --- RDMA device access and the chart's pod settings --------------------------------------------
@@ -380,3 +379,13 @@ def test_extra_args_that_clash_with_the_key_stop_the_launch(
     assert rc == 1 and started == [] and message in capsys.readouterr().err
     monkeypatch.delenv(ENV_WORKER_API_KEY)  # without a key both are the topology's own business
     assert _exec_prefill(monkeypatch, path)[0] == 0
+
+
+def test_kv_probe_and_launch_give_one_memlock_advice(monkeypatch, tmp_path) -> None:
+    from sglang_pd.deploy.kv.cli import diagnose
+    from sglang_pd.deploy.kv.exceptions import RegistrationRefused
+
+    check = _memlock_check(monkeypatch, tmp_path, 64 << 10, "00000000a80425fb")
+    advice = diagnose(RegistrationRefused("ibv_reg_mr failed"))
+    assert advice == f"the locked-memory limit is 65536 bytes: {node.MEMLOCK_FIX}."
+    assert check.detail.endswith(node.MEMLOCK_FIX)
