@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from ..common.node import MEMLOCK_FIX, memlock_limit
+from ..common.node import MEMLOCK_FIX, deepep_driver, memlock_limit
 from .config import KVConfig
 from .engine import get_engine
 from .exceptions import (
@@ -165,8 +165,6 @@ def _deepep_driver_check() -> dict[str, Any]:
     Reported beside the KV checks because it is the same node's RDMA set-up; it is advice and does
     not change the exit code (KV transfer itself does not need it).
     """
-    from sglang_pd.deploy.ops.doctor import deepep_driver
-
     found = deepep_driver()
     return {"check": "deepep-driver", "ok": found["ok"] is not False, "advisory": True, "detail": found["detail"]}
 

@@ -15,21 +15,20 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import re
 import sys
-from pathlib import Path
 from typing import Any
 
 from sglang_pd.deploy.common.contract import EXIT_INVALID, EXIT_OK
+from sglang_pd.deploy.common.node import deepep_driver
 from sglang_pd.deploy.sglang.compat import FlagReport, flag_report, flag_summary
-from sglang_pd.deploy.spec.topology import SBOMode, Topology
+from sglang_pd.deploy.spec.topology import GPU_CAPABILITY, SBOMode, Topology
 
-__all__ = ["add_arguments", "collect", "deepep_driver", "format_table", "run", "sbo_topology_warnings"]
+__all__ = ["add_arguments", "collect", "format_table", "run", "sbo_topology_warnings"]
 
 
-#: GPU types by architecture. sm_90 needs this plugin for SBO; sglang serves SBO on Blackwell itself.
-HOPPER = frozenset({"H100", "H200", "H20", "H800", "GH200"})
-BLACKWELL = frozenset({"B100", "B200", "B300", "GB200", "GB300"})
+#: GPU types by architecture, from the topology's one GPU table. sm_90 needs this plugin for SBO;
+#: sglang serves SBO on Blackwell itself.
+HOPPER = frozenset(gpu for gpu, (major, _) in GPU_CAPABILITY.items() if major == 9)
 
 DISTRIBUTIONS = ("sglang", "sgl-deep-ep", "sgl-deep-gemm", "sglang-kernel", "sglang-pd", "torch", "triton")
 PLUGIN_ENTRY_POINT = "sglang_pd"
@@ -47,44 +46,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not import sglang to check the plugin's hook targets (faster)",
     )
-
-
-NVIDIA_PARAMS = Path("/proc/driver/nvidia/params")
-GDRDRV_DEVICE = Path("/dev/gdrdrv")
-DRIVER_FIX = (
-    "on every GPU node: echo 'options nvidia NVreg_EnableStreamMemOPs=1 "
-    'NVreg_RegistryDwords="PeerMappingOverride=1;"\' > /etc/modprobe.d/nvidia-deepep.conf, '
-    "then update-initramfs -u and reboot (or reload the nvidia modules); or install GDRCopy (gdrdrv)"
-)
-
-
-def deepep_driver(params: Path = NVIDIA_PARAMS, gdrdrv: Path = GDRDRV_DEVICE) -> dict[str, Any]:
-    """Whether the NVIDIA driver lets DeepEP (NVSHMEM over InfiniBand GPUDirect Async) work across nodes.
-
-    DeepEP's inter-node kernels need the driver options NVreg_EnableStreamMemOPs=1 and
-    PeerMappingOverride=1 (DeepEP's README, "Network configurations"), or GDRCopy's gdrdrv.
-    """
-    try:
-        text = params.read_text()
-    except OSError:
-        return {"ok": None, "driver": False, "detail": f"no NVIDIA driver here ({params} is absent)"}
-    stream = re.search(r"^EnableStreamMemOPs:\s*(\d+)", text, re.MULTILINE)
-    stream_mem_ops = stream is not None and stream.group(1) == "1"
-    peer_mapping = re.search(r"PeerMappingOverride\s*=\s*1", text) is not None
-    gdrcopy = gdrdrv.exists()
-    ok = (stream_mem_ops and peer_mapping) or gdrcopy
-    found = (
-        f"EnableStreamMemOPs={'1' if stream_mem_ops else 'not 1'}, "
-        f"PeerMappingOverride={'1' if peer_mapping else 'unset'}, GDRCopy {'loaded' if gdrcopy else 'absent'}"
-    )
-    return {
-        "ok": ok,
-        "driver": True,
-        "stream_mem_ops": stream_mem_ops,
-        "peer_mapping_override": peer_mapping,
-        "gdrcopy": gdrcopy,
-        "detail": found if ok else f"{found}; DeepEP across nodes will fail: {DRIVER_FIX}",
-    }
 
 
 def _gpu() -> dict[str, Any]:
@@ -239,10 +200,11 @@ def sbo_topology_warnings(t: Topology) -> list[str]:
     mode = t.decode.sbo
     if mode is SBOMode.OFF:
         return []
-    gpu = t.hardware.gpu.upper()
-    if gpu in BLACKWELL:
+    # The capability, not the name: `hardware.compute_capability` places a GPU type the table lacks.
+    cap = t.hardware.capability()
+    if cap is not None and cap[0] == 10:
         return []
-    if gpu not in HOPPER:
+    if cap != (9, 0):
         return [
             f"decode.sbo: {mode.value} on hardware.gpu {t.hardware.gpu}: this build serves SBO on Hopper "
             f"({', '.join(sorted(HOPPER))}, through its sglang plugin) and on Blackwell (sglang itself); "

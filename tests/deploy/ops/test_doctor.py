@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from sglang_pd.deploy.cli import main
+from sglang_pd.deploy.common import node
 from sglang_pd.deploy.ops import doctor
 from sglang_pd.deploy.spec.topology import parse_topology
 from sglang_pd.sglang_patches import status
@@ -105,12 +106,23 @@ def test_hook_targets_are_checked_against_the_installed_sglang() -> None:
 
 
 @pytest.mark.parametrize(
-    ("gpu", "sbo", "warned"),
-    [("A100", "full", True), ("L40S", "shared-only", True), ("H200", "full", False), ("B200", "full", False)],
+    ("gpu", "capability", "sbo", "warned"),
+    [
+        ("A100", None, "full", True),
+        ("L40S", None, "shared-only", True),
+        ("H200", None, "full", False),
+        ("B200", None, "full", False),
+        ("H200-NVL", "9.0", "full", False),  # a type the GPU table lacks, placed by its capability
+        ("A800", "8.0", "full", True),
+    ],
 )
-def test_plan_warnings_for_sbo_on_gpus_this_build_cannot_serve(preset_dict, gpu: str, sbo: str, warned: bool) -> None:
+def test_plan_warnings_for_sbo_on_gpus_this_build_cannot_serve(
+    preset_dict, gpu: str, capability: str | None, sbo: str, warned: bool
+) -> None:
     data = preset_dict()
     data["hardware"]["gpu"] = gpu
+    if capability is not None:
+        data["hardware"]["compute_capability"] = capability
     data["decode"]["sbo"] = sbo
     warnings = doctor.sbo_topology_warnings(parse_topology(data))
     assert bool(warnings) == warned, warnings
@@ -147,7 +159,7 @@ def test_deepep_driver_options(tmp_path, params: str, gdrcopy: bool, ok: bool) -
     (tmp_path / "params").write_text(params)
     if gdrcopy:
         (tmp_path / "gdrdrv").touch()
-    found = doctor.deepep_driver(tmp_path / "params", tmp_path / "gdrdrv")
+    found = node.deepep_driver(tmp_path / "params", tmp_path / "gdrdrv")
     assert found["ok"] is ok and found["driver"] is True
     if not ok:
         assert "DeepEP across nodes will fail" in found["detail"]
@@ -156,16 +168,16 @@ def test_deepep_driver_options(tmp_path, params: str, gdrcopy: bool, ok: bool) -
 
 
 def test_deepep_driver_without_nvidia_driver(tmp_path) -> None:
-    found = doctor.deepep_driver(tmp_path / "absent", tmp_path / "gdrdrv")
+    found = node.deepep_driver(tmp_path / "absent", tmp_path / "gdrdrv")
     assert found == {"ok": None, "driver": False, "detail": f"no NVIDIA driver here ({tmp_path / 'absent'} is absent)"}
 
 
 def test_kv_probe_reports_the_driver_options(monkeypatch) -> None:
     from sglang_pd.deploy.kv import cli as kv_cli
 
-    missing = {"ok": False, "driver": True, "detail": "EnableStreamMemOPs=not 1; " + doctor.DRIVER_FIX}
-    monkeypatch.setattr(doctor, "deepep_driver", lambda: missing)
+    missing = {"ok": False, "driver": True, "detail": "EnableStreamMemOPs=not 1; " + node.DRIVER_FIX}
+    monkeypatch.setattr(kv_cli, "deepep_driver", lambda: missing)
     row = kv_cli._deepep_driver_check()
     assert row == {"check": "deepep-driver", "ok": False, "advisory": True, "detail": missing["detail"]}
-    monkeypatch.setattr(doctor, "deepep_driver", lambda: {"ok": None, "driver": False, "detail": "no NVIDIA driver"})
+    monkeypatch.setattr(kv_cli, "deepep_driver", lambda: {"ok": None, "driver": False, "detail": "no NVIDIA driver"})
     assert kv_cli._deepep_driver_check()["ok"] is True  # nothing to check on a machine without the driver
