@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -121,18 +120,24 @@ def test_hub_model_without_config_json_is_explained(preset_dict) -> None:
         check_with_sglang(parse_topology(d, source_dir=PRESET_DIR))
 
 
-def test_one_child_serves_every_check_of_a_gpu_generation_and_a_dead_one_is_replaced() -> None:
+def test_one_child_serves_every_check_of_a_gpu_generation_and_a_dead_one_is_replaced(tmp_path: Path) -> None:
     from sglang_pd.deploy.sglang import check
 
+    # A stand-in child that answers every job as sglang's resolver would refuse it.
+    python = tmp_path / "python"
+    python.write_text(
+        '#!/bin/sh\nwhile read -r job; do echo \'sglang-pd-result {"ok": false, "error": "stand-in"}\'; done\n'
+    )
+    python.chmod(0o755)
     t = load_topology(PRESET_DIR / "deepseek-r1-h200-1p1d.yaml")
-    check_with_sglang(t)
-    child = check._RESOLVERS[sys.executable, (9, 0)]
-    check_with_sglang(t)
-    assert check._RESOLVERS[sys.executable, (9, 0)] is child
+    assert {c.error for c in check_with_sglang(t, python=str(python))} == {"stand-in"}
+    child = check._RESOLVERS[str(python), (9, 0)]
+    check_with_sglang(t, python=str(python))
+    assert check._RESOLVERS[str(python), (9, 0)] is child
     child._proc.kill()
     child._proc.wait()
-    assert all(c.ok for c in check_with_sglang(t))
-    assert check._RESOLVERS[sys.executable, (9, 0)] is not child
+    assert {c.error for c in check_with_sglang(t, python=str(python))} == {"stand-in"}
+    assert check._RESOLVERS[str(python), (9, 0)] is not child
 
 
 def test_a_resolver_that_dies_is_an_error_not_a_hang(tmp_path: Path) -> None:

@@ -114,17 +114,12 @@ def test_flag_report_against_0517_names_the_rewritten_flag(monkeypatch):
 
 
 @pytest.mark.sglang
-def test_plan_check_reports_the_installed_sglang_against_the_rendered_flags(installed):
-    import subprocess
-    import sys
+def test_plan_check_reports_the_installed_sglang_against_the_rendered_flags(installed, capsys):
+    from sglang_pd.deploy.cli import main
 
-    out = subprocess.run(
-        [sys.executable, "-m", "sglang_pd.deploy.cli", "plan", "single-h200", "--check", "--format", "json"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr
-    flags = json.loads(out.stdout)["sglang_flags"]
+    code = main(["plan", "single-h200", "--check", "--format", "json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    flags = json.loads(out)["sglang_flags"]
     assert flags["installed"] == installed[0]
     assert flags["unsupported"] == [] and flags["rewritten"] == {}
