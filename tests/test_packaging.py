@@ -1,13 +1,18 @@
-"""Packaging promises: every subpackage ships, the image has the package's dependencies, CI runs the README's tests."""
+"""Packaging promises: every subpackage and the gsm8k data ship, the images have the package's dependencies, CI runs
+the README's tests."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 import subprocess
+import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 from sglang_pd.deploy.common.contract import SGLANG_VERSION
+from sglang_pd.deploy.evals.data import GSM8K_SHA256
 
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
@@ -61,3 +66,15 @@ def test_readme_starts_with_the_two_commands_and_ci_runs_the_test_one() -> None:
     lines = (REPO / ".ci" / "run").read_text().splitlines()
     ci = [ln for ln in lines if ln and not ln.startswith(("#", "set ", "cd "))]
     assert ci == ["make test"]
+
+
+def test_the_wheel_ships_the_gsm8k_test_set_with_its_license(tmp_path: Path) -> None:
+    """The gate reads its data from the installed package (no network): the built wheel must hold it whole."""
+    build = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(tmp_path)]
+    subprocess.run([*build, "."], cwd=REPO, check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("sglang_pd-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        body = zf.read("sglang_pd/deploy/evals/gsm8k_data/test.jsonl")
+        notice = zf.read("sglang_pd/deploy/evals/gsm8k_data/LICENSE").decode()
+    assert hashlib.sha256(body).hexdigest() == GSM8K_SHA256
+    assert "MIT License" in notice and "Copyright (c) 2021 OpenAI" in notice
