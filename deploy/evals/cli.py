@@ -85,8 +85,9 @@ def _add_gsm8k(p: argparse.ArgumentParser) -> None:
         type=parse_source,
         default=None,
         metavar="PATH|URL",
-        help="a gsm8k jsonl file, or an http(s) URL to download one from (once, cached in $SGLANG_PD_CACHE_DIR; "
-        f"e.g. {GSM8K_URL}) (default: the test.jsonl shipped in sglang-pd, sha256-checked, no network)",
+        help="a gsm8k jsonl file, or an http(s) URL to download one from, once, into the cache ($SGLANG_PD_CACHE_DIR, "
+        f"else ~/.cache/sglang-pd), e.g. {GSM8K_URL} (default: the test.jsonl shipped in sglang-pd, sha256-checked, "
+        "no network)",
     )
     data.add_argument(
         "--data-sha256",

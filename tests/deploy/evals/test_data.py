@@ -14,10 +14,15 @@ from typing import Any
 import httpx
 import pytest
 
-from sglang_pd.deploy.evals import DataUnavailable, Download, ensure_dataset, load_dataset, load_packaged
+from sglang_pd.deploy.evals import Dataset, DataUnavailable, Download, ensure_dataset, load_dataset, load_packaged
 from sglang_pd.deploy.evals import data as data_module
 from sglang_pd.deploy.evals.data import GSM8K_BYTES, GSM8K_SHA256, default_cache_path, parse_source, sha256_of
-from tests.support.gsm8k_server import ServerScript, scripted_answers
+from tests.support.gsm8k_server import Gsm8kTestServer, ServerScript, scripted_answers
+
+from .conftest import CliResult
+
+Serve = Callable[[ServerScript], Gsm8kTestServer]
+EvalCli = Callable[..., CliResult]
 
 
 class _FileServer:
@@ -150,14 +155,19 @@ def test_no_writable_cache_says_what_to_set(file_server: _FileServer, tmp_path: 
 
 @pytest.fixture
 def no_network(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Any download attempt fails the test's expectations: the attempts are recorded, and each raises."""
+    """The download function and httpx's streaming GET both raise if called; each attempt is recorded."""
     attempts: list[str] = []
 
-    def refuse(method: str, url: str, **kwargs: Any) -> Any:
+    def refuse_stream(method: str, url: str, **kwargs: Any) -> Any:
         attempts.append(url)
         raise httpx.ConnectError(f"no network in this test ({url})")
 
-    monkeypatch.setattr(data_module.httpx, "stream", refuse)
+    def refuse_download(url: str, *args: Any, **kwargs: Any) -> None:
+        attempts.append(url)
+        raise AssertionError(f"the gsm8k data was downloaded from {url} although no --data URL was given")
+
+    monkeypatch.setattr(data_module.httpx, "stream", refuse_stream)
+    monkeypatch.setattr(data_module, "_download", refuse_download)
     return attempts
 
 
@@ -170,7 +180,7 @@ def test_the_packaged_copy_is_the_canonical_test_set(no_network: list[str]) -> N
 
 
 def test_the_gate_runs_offline_on_the_packaged_copy(
-    no_network: list[str], dataset: Any, serve: Callable[[ServerScript], Any], eval_cli: Any
+    no_network: list[str], dataset: Dataset, serve: Serve, eval_cli: EvalCli
 ) -> None:
     server = serve(ServerScript(answers=scripted_answers(dataset.problems, correct=lambda p: True)))
     result = eval_cli(server.base_url, "--num-questions", "10", data=False)
@@ -207,7 +217,7 @@ def test_a_damaged_packaged_copy_is_refused_naming_the_file_and_the_fix(
 
 
 def test_a_damaged_packaged_copy_exits_3_through_the_cli(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_network: list[str], eval_cli: Any, closed_port: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_network: list[str], eval_cli: EvalCli, closed_port: int
 ) -> None:
     copy = _damaged_copy(tmp_path, monkeypatch, 1)
     result = eval_cli(f"http://127.0.0.1:{closed_port}/v1", data=False, report=False)
@@ -220,9 +230,9 @@ def test_a_damaged_packaged_copy_exits_3_through_the_cli(
 
 def test_data_url_downloads_once_through_the_cli(
     file_server: _FileServer,
-    dataset: Any,
-    serve: Callable[[ServerScript], Any],
-    eval_cli: Any,
+    dataset: Dataset,
+    serve: Serve,
+    eval_cli: EvalCli,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -242,13 +252,13 @@ def test_data_sha256_checks_a_local_file(tmp_path: Path, gsm8k_path: Path) -> No
         load_dataset(gsm8k_path, sha256="1" * 64)
 
 
-def test_data_sha256_must_be_a_sha256(eval_cli: Any, closed_port: int, capsys: pytest.CaptureFixture[str]) -> None:
+def test_data_sha256_must_be_a_sha256(eval_cli: EvalCli, closed_port: int, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         eval_cli(f"http://127.0.0.1:{closed_port}/v1", "--data-sha256", "abc", data=False, report=False)
     assert info.value.code == 2 and "'abc' is not a sha256 (64 hex digits)" in capsys.readouterr().err
 
 
-def test_data_sha256_needs_data(eval_cli: Any, closed_port: int) -> None:
+def test_data_sha256_needs_data(eval_cli: EvalCli, closed_port: int) -> None:
     result = eval_cli(f"http://127.0.0.1:{closed_port}/v1", "--data-sha256", "0" * 64, data=False, report=False)
     assert result.code == 2 and "--data-sha256 needs --data PATH|URL" in result.err
 
