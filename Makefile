@@ -7,8 +7,18 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 # The deployed sglang release has one home: deploy/common/contract.py.
 SGLANG_VERSION := $(shell sed -n 's/^SGLANG_VERSION = "\(.*\)"$$/\1/p' deploy/common/contract.py)
 TOPOLOGY ?= local-cpu
+VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
 
-.PHONY: run test lint unit quick gpu-test clean
+# `make image`: build and push the two images to REGISTRY (the chart's defaults are ghcr.io/sglang-pd):
+# REGISTRY/sglang-pd:TAG-sglangX (GPU: sglang, CUDA, Mooncake's CUDA wheel) for the engines, and
+# REGISTRY/sglang-pd-cpu:TAG (python slim, no torch or sglang) for the router, the gate and kv-probe.
+REGISTRY ?= ghcr.io/sglang-pd
+TAG ?= $(VERSION)
+DOCKER ?= docker
+GPU_IMAGE := $(REGISTRY)/sglang-pd:$(TAG)-sglang$(SGLANG_VERSION)
+CPU_IMAGE := $(REGISTRY)/sglang-pd-cpu:$(TAG)
+
+.PHONY: run test lint unit quick gpu-test image clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	@# Mooncake's non-CUDA wheel links libibverbs (Debian libibverbs1), even for TCP transfers.
@@ -50,6 +60,13 @@ test: lint unit  ## what CI runs
 
 gpu-test: $(VENV)/.installed  ## on a CUDA machine
 	$(VENV)/bin/pytest -m gpu
+
+image:  ## build and push both images: REGISTRY/sglang-pd:TAG-sglangX (GPU) and REGISTRY/sglang-pd-cpu:TAG
+	$(DOCKER) build -f deploy/docker/Dockerfile --build-arg SGLANG_VERSION=$(SGLANG_VERSION) -t $(GPU_IMAGE) .
+	$(DOCKER) build -f deploy/docker/Dockerfile.cpu -t $(CPU_IMAGE) .
+	$(DOCKER) push $(GPU_IMAGE)
+	$(DOCKER) push $(CPU_IMAGE)
+	@echo "pushed $(GPU_IMAGE) and $(CPU_IMAGE)"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -28,10 +28,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # the test doubles live in tests/support, outside the package
 
 from sglang_pd.deploy.cli import main as sglang_pd_main  # noqa: E402
-from sglang_pd.deploy.evals import load_dataset  # noqa: E402
+from sglang_pd.deploy.evals import PACKAGED_GSM8K, load_dataset  # noqa: E402
 from tests.support.gsm8k_server import Gsm8kTestServer, scripted_answers  # noqa: E402
 
-DEFAULT_DATA = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+DEFAULT_DATA = PACKAGED_GSM8K
 TARGET_S = 5.0
 
 

@@ -1,13 +1,20 @@
-"""Packaging promises: every subpackage ships, the image has the package's dependencies, CI runs the README's tests."""
+"""Packaging promises: every subpackage and the gsm8k data ship, the images have the package's dependencies, CI runs
+the README's tests."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 import subprocess
+import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
+from packaging.specifiers import SpecifierSet
+
 from sglang_pd.deploy.common.contract import SGLANG_VERSION
+from sglang_pd.deploy.evals.data import GSM8K_SHA256
 
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
@@ -61,3 +68,77 @@ def test_readme_starts_with_the_two_commands_and_ci_runs_the_test_one() -> None:
     lines = (REPO / ".ci" / "run").read_text().splitlines()
     ci = [ln for ln in lines if ln and not ln.startswith(("#", "set ", "cd "))]
     assert ci == ["make test"]
+
+
+def test_the_wheel_ships_the_gsm8k_test_set_with_its_license(tmp_path: Path) -> None:
+    """The gate reads its data from the installed package (no network): the built wheel must hold it whole."""
+    build = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(tmp_path)]
+    subprocess.run([*build, "."], cwd=REPO, check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("sglang_pd-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        body = zf.read("sglang_pd/deploy/evals/gsm8k_data/test.jsonl")
+        notice = zf.read("sglang_pd/deploy/evals/gsm8k_data/LICENSE").decode()
+    assert hashlib.sha256(body).hexdigest() == GSM8K_SHA256
+    assert "MIT License" in notice and "Copyright (c) 2021 OpenAI" in notice
+
+
+# The slim CPU image (router, gate, kv-probe): the package with the kv-cpu extra, never torch or sglang.
+CPU_DOCKERFILE = REPO / "deploy" / "docker" / "Dockerfile.cpu"
+# What only the GPU image may hold: CUDA builds and the engine.
+GPU_ONLY = {"torch", "torchvision", "triton", "sglang", "mooncake-transfer-engine", "sgl-deep-ep", "sgl-kernel"}
+
+
+def _pip_install_args(dockerfile: str) -> list[str]:
+    code = "\n".join(line for line in dockerfile.splitlines() if not line.lstrip().startswith("#"))
+    code = code.replace("\\\n", " ")
+    args: list[str] = []
+    for command in re.findall(r"pip install ([^&\n]*)", code):
+        args += [a.strip('"') for a in command.split() if not a.startswith("-")]
+    return args
+
+
+def test_the_cpu_image_installs_only_what_pyproject_pins() -> None:
+    args = _pip_install_args(CPU_DOCKERFILE.read_text())
+    extras: dict[str, list[str]] = PYPROJECT["project"]["optional-dependencies"]
+    pinned = set(PYPROJECT["project"]["dependencies"]) | {r for reqs in extras.values() for r in reqs}
+    chosen: list[str] = []
+    for arg in args:
+        package = re.fullmatch(r"\.\[([a-z0-9,-]+)\]", arg)
+        if package:
+            chosen += package.group(1).split(",")
+        else:
+            assert arg in pinned, f"deploy/docker/Dockerfile.cpu installs {arg!r}: write it as pyproject.toml pins it"
+    assert chosen == ["kv-cpu"], f"Dockerfile.cpu must install the package as '.[kv-cpu]', not with extras {chosen}"
+    installed = {_name(r) for r in [*PYPROJECT["project"]["dependencies"], *extras["kv-cpu"], *args] if r[0] != "."}
+    assert installed & GPU_ONLY == set(), "the CPU image would pull these GPU-only packages"
+    mooncake = [r for r in extras["kv-cpu"] if _name(r).startswith("mooncake")]
+    assert len(mooncake) == 1 and re.fullmatch(r"mooncake-transfer-engine-non-cuda==[\w.]+", mooncake[0]), (
+        f"the kv-cpu extra must pin exactly the non-CUDA Mooncake wheel with ==, not {mooncake}"
+    )
+
+
+def test_the_cpu_image_base_is_a_slim_python_that_pyproject_allows() -> None:
+    dockerfile = CPU_DOCKERFILE.read_text()
+    version = re.search(r"^ARG PYTHON_VERSION=(\d+\.\d+(?:\.\d+)?)$", dockerfile, re.M)
+    assert version, "deploy/docker/Dockerfile.cpu: ARG PYTHON_VERSION=X.Y must name the base image's Python"
+    assert re.search(r"^FROM python:\$\{PYTHON_VERSION\}-slim-\w+(@sha256:[0-9a-f]{64})?$", dockerfile, re.M)
+    requires = SpecifierSet(PYPROJECT["project"]["requires-python"])
+    assert requires.contains(version.group(1)), f"Python {version.group(1)} is outside requires-python {requires}"
+    # Mooncake's non-CUDA wheel links libibverbs even for TCP (the Makefile installs it on developer machines).
+    assert re.search(r"apt-get install [^\n]*libibverbs1", dockerfile)
+
+
+def test_make_image_builds_and_pushes_both_images_to_the_registry_given() -> None:
+    make = subprocess.run(
+        ["make", "-s", "-n", "image", "REGISTRY=registry.example.com/ml", "TAG=1.2.3", "DOCKER=docker"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    gpu = f"registry.example.com/ml/sglang-pd:1.2.3-sglang{SGLANG_VERSION}"
+    cpu = "registry.example.com/ml/sglang-pd-cpu:1.2.3"
+    lines = make.stdout.splitlines()
+    assert f"docker build -f deploy/docker/Dockerfile --build-arg SGLANG_VERSION={SGLANG_VERSION} -t {gpu} ." in lines
+    assert f"docker build -f deploy/docker/Dockerfile.cpu -t {cpu} ." in lines
+    assert f"docker push {gpu}" in lines and f"docker push {cpu}" in lines

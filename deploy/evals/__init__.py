@@ -1,7 +1,18 @@
 """The gsm8k accuracy gate: `sglang-pd eval gsm8k` against any OpenAI-compatible endpoint."""
 
 from .client import ClientConfig, Completion, EndpointClient, QuestionFailed, RetryPolicy
-from .data import GSM8K_SHA256, GSM8K_URL, Dataset, Problem, ensure_dataset, load_dataset
+from .data import (
+    GSM8K_SHA256,
+    GSM8K_URL,
+    PACKAGED_GSM8K,
+    Dataset,
+    Download,
+    Problem,
+    download_dataset,
+    ensure_dataset,
+    load_dataset,
+    load_packaged,
+)
 from .errors import DataUnavailable, EndpointError, EndpointUnreachable, EvalError, UsageError
 from .gate import (
     SCHEMA,
@@ -26,6 +37,7 @@ from .textfile import render_metrics, write_textfile
 __all__ = [
     "GSM8K_SHA256",
     "GSM8K_URL",
+    "PACKAGED_GSM8K",
     "SCHEMA",
     "STOP",
     "Baseline",
@@ -33,6 +45,7 @@ __all__ = [
     "Completion",
     "DataUnavailable",
     "Dataset",
+    "Download",
     "EndpointClient",
     "EndpointError",
     "EndpointUnreachable",
@@ -56,6 +69,7 @@ __all__ = [
     "check_floor",
     "check_paired",
     "compute_metrics",
+    "download_dataset",
     "ensure_dataset",
     "evaluate",
     "few_shot_prefix",
@@ -64,6 +78,7 @@ __all__ = [
     "last_number",
     "load_baseline",
     "load_dataset",
+    "load_packaged",
     "newcombe_interval",
     "paired_interval",
     "paired_power",

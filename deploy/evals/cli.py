@@ -6,7 +6,8 @@ Exit codes (stable; the Helm test and the post-upgrade Job rely on them):
   2  bad usage: a bad flag value, or a --baseline report that cannot be used (the reason is printed:
      it did not pass, has errors, another schema, data file, API, shot count, max_tokens, or
      does not hold this run's questions)
-  3  no data: offline without --data, an unreadable file, or a checksum mismatch
+  3  no data: an unreadable or damaged file (the shipped copy included), a checksum mismatch, or a
+     --data URL that cannot be downloaded
   4  the run cannot be judged on accuracy: the endpoint is unreachable, too many questions failed
      after retries (--max-error-rate), too many first attempts failed (--max-retry-rate), too many
      malformed responses (--max-invalid-rate) or truncated answers (--max-truncation-rate),
@@ -37,6 +38,7 @@ from ..common.contract import EXIT_INVALID as EXIT_GATE_FAILED
 from ..common.contract import EXIT_OK, EXIT_USAGE
 from ..common.contract import EXIT_UNAVAILABLE as EXIT_DATA
 from .client import ClientConfig, RetryPolicy
+from .data import GSM8K_URL, check_sha256, parse_source
 from .errors import DataUnavailable, EvalError, UsageError
 from .gate import DEFAULT_CONFIDENCE, DEFAULT_INTERVAL, DEFAULT_MAX_DROP
 from .gsm8k import (
@@ -59,6 +61,13 @@ def _num_questions(value: str) -> int | None:
     return None if value == "all" else positive_int(value)
 
 
+def _sha256(value: str) -> str:
+    try:
+        return check_sha256(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _add_gsm8k(p: argparse.ArgumentParser) -> None:
     target = p.add_argument_group("endpoint")
     target.add_argument(
@@ -71,7 +80,22 @@ def _add_gsm8k(p: argparse.ArgumentParser) -> None:
     target.add_argument("--api-key", default=None, help="bearer key (default: $OPENAI_API_KEY)")
 
     data = p.add_argument_group("questions")
-    data.add_argument("--data", type=Path, default=None, help="gsm8k jsonl (default: download test.jsonl once)")
+    data.add_argument(
+        "--data",
+        type=parse_source,
+        default=None,
+        metavar="PATH|URL",
+        help="a gsm8k jsonl file, or an http(s) URL to download one from, once, into the cache ($SGLANG_PD_CACHE_DIR, "
+        f"else ~/.cache/sglang-pd), e.g. {GSM8K_URL} (default: the test.jsonl shipped in sglang-pd, sha256-checked, "
+        "no network)",
+    )
+    data.add_argument(
+        "--data-sha256",
+        type=_sha256,
+        default=None,
+        metavar="HEX",
+        help="the sha256 the --data file must have (default: for a URL the canonical test.jsonl's, for a PATH none)",
+    )
     data.add_argument("--num-shots", type=int, default=DEFAULT_NUM_SHOTS, help=f"default: {DEFAULT_NUM_SHOTS}")
     data.add_argument(
         "--num-questions",
@@ -188,6 +212,8 @@ def build_options(args: argparse.Namespace) -> Gsm8kOptions:
         raise UsageError(f"--retry-backoff must be 0 or more, not {args.retry_backoff}.")
     if not 0.0 < args.confidence < 1.0:
         raise UsageError(f"--confidence must be in (0, 1), not {args.confidence}.")
+    if args.data_sha256 is not None and args.data is None:
+        raise UsageError("--data-sha256 needs --data PATH|URL (the shipped test.jsonl is always checked).")
     if args.baseline_optional and args.baseline is None:
         raise UsageError("--baseline-optional needs --baseline PATH.")
     client = ClientConfig(
@@ -204,6 +230,7 @@ def build_options(args: argparse.Namespace) -> Gsm8kOptions:
     return Gsm8kOptions(
         client=client,
         data=args.data,
+        data_sha256=args.data_sha256,
         num_shots=args.num_shots,
         num_questions=args.num_questions,
         sample=args.sample,

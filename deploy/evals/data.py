@@ -1,7 +1,10 @@
-"""The gsm8k test set: load a jsonl file, or download the canonical one once and check its sha256.
+"""The gsm8k test set: the copy shipped in this package (the default), a given file, or an explicit download.
 
-The canonical file is openai/grade-school-math's `test.jsonl` (1319 questions, MIT); no package
-ships it, so it is fetched at first use into a cache directory and verified every time it is read.
+The canonical file is openai/grade-school-math's `test.jsonl` (1319 questions, MIT; the notice is in
+`gsm8k_data/LICENSE`). It ships as package data, so the gate and the canary need no network; its
+sha256 is checked every time it is loaded, and a damaged copy is refused. `--data URL` downloads a
+copy instead (once, into a cache directory, checked against the canonical sha256 unless
+`--data-sha256` names another); `--data PATH` reads any gsm8k-format file.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,21 +23,51 @@ from .errors import DataUnavailable
 from .scoring import last_number
 
 __all__ = [
+    "GSM8K_BYTES",
     "GSM8K_SHA256",
     "GSM8K_URL",
+    "PACKAGED_GSM8K",
+    "DataSource",
     "Dataset",
+    "Download",
     "Problem",
+    "check_sha256",
     "default_cache_path",
+    "download_dataset",
     "ensure_dataset",
     "load_dataset",
+    "load_packaged",
+    "parse_source",
     "sha256_of",
 ]
 
 GSM8K_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/test.jsonl"
 GSM8K_SHA256 = "3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14"
+GSM8K_BYTES = 749738
 GSM8K_SIZE = 1319
+# The copy shipped in the package ([tool.setuptools.package-data] in pyproject.toml).
+PACKAGED_GSM8K = Path(__file__).resolve().parent / "gsm8k_data" / "test.jsonl"
 CACHE_ENV = "SGLANG_PD_CACHE_DIR"
 DOWNLOAD_TIMEOUT_S = 60.0
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True, slots=True)
+class Download:
+    """An explicit `--data URL`: fetched over HTTP(S) into the cache, then checked like any file."""
+
+    url: str
+
+
+# None: the packaged copy; a Path: a local file; a Download: a URL fetched on request only.
+DataSource = Path | Download | None
+
+
+def parse_source(value: str) -> Path | Download:
+    """`--data`'s value: an http(s) URL is a download, anything else a local path."""
+    if value.startswith(("http://", "https://")):
+        return Download(value)
+    return Path(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +100,14 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+def check_sha256(value: str) -> str:
+    """A sha256 as 64 lowercase hex digits (`--data-sha256`); raises ValueError otherwise."""
+    value = value.strip().lower()
+    if not _SHA256.match(value):
+        raise ValueError(f"{value!r} is not a sha256 (64 hex digits)")
+    return value
+
+
 def _label(answer: str, where: str) -> str:
     _, sep, tail = answer.rpartition("####")
     if not sep:
@@ -76,12 +118,7 @@ def _label(answer: str, where: str) -> str:
     return value
 
 
-def load_dataset(path: Path) -> Dataset:
-    """Read a gsm8k-format jsonl file: one `{"question": ..., "answer": "... #### N"}` object a line."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise DataUnavailable(f"Cannot read the gsm8k data file {path}: {exc.strerror or exc}.") from exc
+def _parse(path: Path, text: str) -> tuple[Problem, ...]:
     problems: list[Problem] = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -99,20 +136,68 @@ def load_dataset(path: Path) -> Dataset:
         problems.append(Problem(len(problems), question, answer, _label(answer, where)))
     if not problems:
         raise DataUnavailable(f"The gsm8k data file {path} holds no questions.")
-    return Dataset(path=path, sha256=sha256_of(path), problems=tuple(problems))
+    return tuple(problems)
+
+
+def _load(path: Path, expected_sha256: str | None, fix: str) -> Dataset:
+    """Read, checksum (before parsing, so a short file is named as such), parse."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise DataUnavailable(f"Cannot read the gsm8k data file {path}: {exc.strerror or exc}. {fix}") from exc
+    digest = hashlib.sha256(raw).hexdigest()
+    if expected_sha256 is not None and digest != expected_sha256:
+        size = f"{len(raw)} bytes"
+        if expected_sha256 == GSM8K_SHA256:
+            size += f", not {GSM8K_BYTES}" if len(raw) != GSM8K_BYTES else ", the right size"
+        raise DataUnavailable(
+            f"The gsm8k data file {path} has sha256 {digest} ({size}), not {expected_sha256}: "
+            f"it is damaged, cut short or another file. {fix}"
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataUnavailable(f"The gsm8k data file {path} is not UTF-8 text ({exc.reason}). {fix}") from exc
+    return Dataset(path=path, sha256=digest, problems=_parse(path, text))
+
+
+def load_dataset(path: Path, *, sha256: str | None = None) -> Dataset:
+    """Read a gsm8k-format jsonl file: one `{"question": ..., "answer": "... #### N"}` object a line.
+    With `sha256`, the file must have that digest."""
+    fix = (
+        "Replace it with a good copy, or leave out --data-sha256 to use it as it is."
+        if sha256 is not None
+        else "Pass --data PATH with a readable gsm8k jsonl file, or leave out --data for the copy shipped in sglang-pd."
+    )
+    return _load(path, sha256, fix)
+
+
+def load_packaged() -> Dataset:
+    """The test set shipped in this package, sha256-checked: no network."""
+    fix = (
+        "The sglang-pd installation is damaged: reinstall it (pip install --force-reinstall --no-deps sglang-pd, "
+        "or rebuild the image), or pass --data PATH|URL with a good copy of gsm8k test.jsonl "
+        f"(sha256 {GSM8K_SHA256})."
+    )
+    return _load(PACKAGED_GSM8K, GSM8K_SHA256, fix)
 
 
 def default_cache_path() -> Path:
-    """Where the downloaded test set lives: $SGLANG_PD_CACHE_DIR, else $XDG_CACHE_HOME/sglang-pd, else ~/.cache."""
+    """Where a downloaded test set lives: $SGLANG_PD_CACHE_DIR, else $XDG_CACHE_HOME/sglang-pd, else ~/.cache."""
     root = os.environ.get(CACHE_ENV) or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "sglang-pd"
     )
     return Path(root) / "gsm8k" / "test.jsonl"
 
 
+def _fallback_cache_path() -> Path:
+    return Path(tempfile.gettempdir()) / "sglang-pd" / "gsm8k" / "test.jsonl"
+
+
 def _offline_help(dest: Path) -> str:
     return (
-        f"Pass --data PATH with a copy of gsm8k test.jsonl (sha256 {GSM8K_SHA256}), "
+        "Leave out --data to use the copy shipped in sglang-pd (no network), "
+        f"pass --data PATH with a copy of the file (gsm8k test.jsonl: sha256 {GSM8K_SHA256}), "
         f"or place that file at {dest} (set {CACHE_ENV} to move the cache)."
     )
 
@@ -143,21 +228,18 @@ def _download(url: str, dest: Path, sha256: str, timeout_s: float) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def ensure_dataset(
-    path: Path | None = None,
+def download_dataset(
+    url: str,
     *,
-    url: str = GSM8K_URL,
     sha256: str = GSM8K_SHA256,
     cache_path: Path | None = None,
     timeout_s: float = DOWNLOAD_TIMEOUT_S,
 ) -> Dataset:
-    """`path` if given (any gsm8k-format file); else the cached canonical file, downloaded once."""
-    if path is not None:
-        return load_dataset(path)
+    """`--data URL`: the cached copy when its sha256 matches, else downloaded once into the cache."""
     candidates = [cache_path] if cache_path is not None else [default_cache_path(), _fallback_cache_path()]
     for dest in candidates:
         if dest.exists() and sha256_of(dest) == sha256:
-            return load_dataset(dest)
+            return load_dataset(dest, sha256=sha256)
     for i, dest in enumerate(candidates):
         try:
             dest.parent.mkdir(parents=True, exist_ok=True)
@@ -168,11 +250,29 @@ def ensure_dataset(
                 continue
             raise DataUnavailable(
                 f"Cannot write the gsm8k cache at {dest} ({exc.strerror or exc}). "
-                f"Set {CACHE_ENV} to a writable directory, or pass --data PATH."
+                f"Set {CACHE_ENV} to a writable directory, pass --data PATH, or leave out --data to use "
+                "the copy shipped in sglang-pd."
             ) from exc
-        return load_dataset(dest)
+        return load_dataset(dest, sha256=sha256)
     raise AssertionError("unreachable")
 
 
-def _fallback_cache_path() -> Path:
-    return Path(tempfile.gettempdir()) / "sglang-pd" / "gsm8k" / "test.jsonl"
+def ensure_dataset(
+    source: DataSource = None,
+    *,
+    sha256: str | None = None,
+    cache_path: Path | None = None,
+    timeout_s: float = DOWNLOAD_TIMEOUT_S,
+) -> Dataset:
+    """The data a run asks for: the packaged copy (None), a local file (a Path, checked against `sha256`
+    when given) or a download (a Download, checked against `sha256`, by default the canonical one)."""
+    if source is None:
+        if sha256 is not None and sha256 != GSM8K_SHA256:
+            raise DataUnavailable(
+                f"The gsm8k test set shipped in sglang-pd has sha256 {GSM8K_SHA256}, not {sha256}: "
+                "pass --data PATH|URL with the file --data-sha256 describes, or leave out --data-sha256."
+            )
+        return load_packaged()
+    if isinstance(source, Download):
+        return download_dataset(source.url, sha256=sha256 or GSM8K_SHA256, cache_path=cache_path, timeout_s=timeout_s)
+    return load_dataset(source, sha256=sha256)

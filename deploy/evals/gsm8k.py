@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .client import ClientConfig, EndpointClient
-from .data import ensure_dataset
+from .data import DataSource, ensure_dataset
 from .gate import (
     DEFAULT_CONFIDENCE,
     DEFAULT_INTERVAL,
@@ -53,7 +53,9 @@ MAX_SCORE_DISAGREEMENT = 0.01
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Gsm8kOptions:
     client: ClientConfig
-    data: Path | None = None
+    # None: the test set shipped in the package (no network); a Download only when asked for.
+    data: DataSource = None
+    data_sha256: str | None = None
     num_shots: int = DEFAULT_NUM_SHOTS
     # None: every question after the shots (1314 of test.jsonl), what the paired rule needs.
     num_questions: int | None = None
@@ -167,7 +169,7 @@ async def evaluate(options: Gsm8kOptions) -> Report:
     found before the run; problems during the run are in the report's status ("error")."""
     warnings: list[str] = []
     baseline = _load_baseline(options, warnings)
-    dataset = ensure_dataset(options.data)
+    dataset = ensure_dataset(options.data, sha256=options.data_sha256)
     items = build_items(
         dataset.problems,
         num_shots=options.num_shots,

@@ -1,4 +1,4 @@
-"""Fixtures for the gsm8k gate: the shared test set, a scripted OpenAI-compatible server on loopback,
+"""Fixtures for the gsm8k gate: the test set shipped in the package, a scripted OpenAI-compatible server on loopback,
 and a runner of the real CLI (`sglang-pd eval gsm8k ...`) that returns its exit code and output."""
 
 from __future__ import annotations
@@ -13,21 +13,17 @@ from typing import Any
 import pytest
 
 from sglang_pd.deploy.cli import main
-from sglang_pd.deploy.evals import Dataset, load_dataset
+from sglang_pd.deploy.evals import PACKAGED_GSM8K, Dataset, load_dataset
 from tests.support.gsm8k_server import Gsm8kTestServer, ServerScript
 from tests.support.paths import REPO
 
 REPO_ROOT = REPO
-GSM8K_DIR = REPO_ROOT.parent / "shared" / "data" / "gsm8k"
-GSM8K_TEST = GSM8K_DIR / "test.jsonl"
 NUM_SHOTS = 5
 
 
 @pytest.fixture(scope="session")
 def gsm8k_path() -> Path:
-    if not GSM8K_TEST.exists():
-        pytest.skip(f"{GSM8K_TEST} is missing: CI keeps ../shared/data/gsm8k beside the checkout.")
-    return GSM8K_TEST
+    return PACKAGED_GSM8K
 
 
 @pytest.fixture(scope="session")
@@ -68,22 +64,14 @@ class CliResult:
 
 @pytest.fixture
 def eval_cli(gsm8k_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Callable[..., CliResult]:
-    """Run `sglang-pd eval gsm8k` in-process with fast retries, the shared data and a report path."""
+    """Run `sglang-pd eval gsm8k` in-process with fast retries, the test set as `--data PATH` (`data=False`:
+    no `--data`, the packaged default) and a report path."""
     counter = iter(range(1000))
 
-    def run(base_url: str, *flags: str, report: bool = True) -> CliResult:
+    def run(base_url: str, *flags: str, report: bool = True, data: bool = True) -> CliResult:
         output = tmp_path / f"report-{next(counter)}.json"
-        argv = [
-            "eval",
-            "gsm8k",
-            "--base-url",
-            base_url,
-            "--data",
-            str(gsm8k_path),
-            "--quiet",
-            "--retry-backoff",
-            "0.01",
-        ]
+        argv = ["eval", "gsm8k", "--base-url", base_url, "--quiet", "--retry-backoff", "0.01"]
+        argv += ["--data", str(gsm8k_path)] if data else []
         argv += [*flags, *(["--output", str(output)] if report else [])]
         code = main(argv)
         captured = capsys.readouterr()
