@@ -263,15 +263,8 @@ def main() -> None:
     names = [str(part["name"]) for part in manifest["parts"]]  # type: ignore[attr-defined]
     print(f"{args.out}: {manifest['archive_bytes'] / 2**20:.1f} MiB in {len(names)} parts ({', '.join(names)})")
     for i, name in enumerate(names):
-<<<<<<< HEAD
-        print(
-            f"  call {i + 1}: carry .gpu_bundle/manifest.json .gpu_bundle/{name};"
-            " run bash scripts/gpu/gpu_pd_run.sh $OUT"
-        )
-=======
         carry = f".gpu_bundle/manifest.json .gpu_bundle/{name}"
         print(f"  call {i + 1}: carry {carry}; run bash scripts/gpu/gpu_pd_run.sh $OUT")
->>>>>>> data
 
 
 if __name__ == "__main__":
