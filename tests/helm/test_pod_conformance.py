@@ -1,0 +1,208 @@
+"""The chart and `sglang-pd launch` together: each documented value set rendered, every GPU pod's filesystem and
+environment laid out as Kubernetes, LWS and NVIDIA's device plugin would (pod_fs.py), and the container's own
+command run in it with --dry-run. What the chart accepts must start; what launch refuses, the chart refuses first,
+in the same words."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from sglang_pd.deploy.cli import build_parser
+from sglang_pd.deploy.ops import launch
+from sglang_pd.deploy.spec.topology import TopologyError
+
+from .conftest import PRESETS, helm_python, preset_topology
+from .pod_fs import GpuPod, Node, gpu_pods, lay_out
+
+pytestmark = pytest.mark.slow
+
+CONFIG = (PRESETS / "deepseek-v3-config.json").read_text()
+WEIGHTS = {"config.json": CONFIG}
+SECRETS = {"wk": {"worker-key": "wk-5f0c1e9a7d3b"}}
+
+
+def _custom_topology() -> dict[str, Any]:
+    """A user's own topology, naming its own model config (not one the chart ships)."""
+    t = preset_topology("deepseek-r1-h200-1p1d")
+    t["name"] = "my-r1"
+    t["model"]["config_json"] = "my-config.json"
+    return t
+
+
+# Every value set the README and docs/kubernetes.md document, on a node prepared as
+# docs/cluster-prerequisites.md asks (GPUs, RDMA NICs named as the topology names them, weights on the volume).
+SCENARIOS: dict[str, tuple[dict[str, Any], Node]] = {
+    "defaults": ({}, Node()),
+    "rdma-device-plugin": ({"rdma": {"mode": "devicePlugin"}}, Node()),
+    "pvc": ({"model": {"source": "pvc", "pvc": {"claimName": "weights"}}}, Node(volume_files=WEIGHTS)),
+    "pvc-subdirectory": (
+        {"model": {"source": "pvc", "pvc": {"claimName": "weights"}, "path": "/models/DeepSeek-R1"}},
+        Node(volume_files={"DeepSeek-R1/config.json": CONFIG}),
+    ),
+    "hostPath": ({"model": {"source": "hostPath", "hostPath": {"path": "/data/r1"}}}, Node(volume_files=WEIGHTS)),
+    "roce": ({"fabric": {"preset": "roce", "socketInterface": "bond0", "trafficClass": 106}}, Node()),
+    "h20-preset": ({"preset": "deepseek-v3-h20-3p2d", "fabric": {"preset": "roce"}}, Node()),
+    "cache-emptyDir": ({"cache": {"type": "emptyDir"}}, Node()),
+    "custom-topology-and-model-config": (
+        {"topology": _custom_topology(), "model": {"configFile": CONFIG, "sizeBytes": 684_386_025_472}},
+        Node(),
+    ),
+    "custom-topology-set-file": (
+        {"topology": yaml.safe_dump(_custom_topology()), "model": {"configFile": CONFIG, "sizeBytes": 700_000_000_000}},
+        Node(),
+    ),
+    # docs/kubernetes.md's install command: the user's topology file and weights on a PVC.
+    "docs-install": (
+        {
+            "topology": yaml.safe_dump(_custom_topology()),
+            "model": {
+                "source": "pvc",
+                "pvc": {"claimName": "weights"},
+                "configFile": CONFIG,
+                "sizeBytes": 684_386_025_472,
+            },
+        },
+        Node(volume_files=WEIGHTS),
+    ),
+    "lowered-warmup": ({"startupBudget": {"warmupSeconds": 300}}, Node()),
+    "lowered-startup-values": (
+        {
+            "startupBudget": {"warmupSeconds": 300, "loadBytesPerSecond": 4_000_000_000},
+            "model": {"sizeBytes": 400_000_000_000, "hub": {"downloadBytesPerSecond": 2_000_000_000}},
+        },
+        Node(),
+    ),
+    "worker-key": ({"workerKeySecret": {"name": "wk"}}, Node()),
+}
+
+
+def run_launch(
+    command: list[str], root: Path, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> tuple[int, str, str]:
+    """The container's command with --dry-run, its files under `root`: (exit status, stdout, stderr)."""
+    assert command[:2] == ["sglang-pd", "launch"], command
+    args: argparse.Namespace = build_parser("launch").parse_args([*command[1:], "--dry-run", "--root", str(root)])
+    try:
+        rc = launch.run(args, env)
+    except TopologyError as exc:  # what the CLI prints for it, with its exit status
+        print(f"error: {exc}", file=sys.stderr)
+        rc = 1
+    out, err = capsys.readouterr()
+    return rc, out, err.replace(str(root.resolve()), "").replace(str(root), "")
+
+
+def _launch_pod(
+    render, tmp_path: Path, capsys, values: dict[str, Any], node: Node
+) -> list[tuple[GpuPod, int, str, str]]:
+    docs = render(values)
+    results = []
+    for pod in gpu_pods(docs):
+        root = tmp_path / pod.name.replace("/", "-")
+        env = lay_out(root, docs, pod, node, SECRETS)
+        results.append((pod, *run_launch(pod.container["command"], root, env, capsys)))
+    return results
+
+
+def _flag(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+@pytest.mark.parametrize("strategy", ["envvar", "volume-mounts"])
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_every_gpu_pod_the_chart_renders_passes_launch(render, tmp_path, capsys, scenario, strategy) -> None:
+    values, node = SCENARIOS[scenario]
+    node = Node(strategy=strategy, rdma_devices=node.rdma_devices, volume_files=node.volume_files)
+    results = _launch_pod(render, tmp_path, capsys, copy.deepcopy(values), node)
+    assert {pod.role for pod, *_ in results} == {"prefill", "decode"}
+    for pod, rc, out, err in results:
+        assert rc == 0, f"{pod.name}: {err}"
+        doc = json.loads(out)
+        assert [c for c in doc["checks"] if c["required"] and not c["ok"]] == [], pod.name
+        gpus = next(c for c in doc["checks"] if c["name"] == "gpus")
+        assert gpus["detail"].startswith("8 GPU(s) visible"), gpus
+        argv = doc["argv"]
+        source = values.get("model", {}).get("source", "hub")
+        if source == "hub":
+            assert not _flag(argv, "--model-path").startswith("/") and "HF_HUB_OFFLINE" not in doc["env"]
+        else:
+            # The weights on the volume, never a hub download; the served name stays the topology's.
+            want = values["model"].get("path", "/models")
+            assert _flag(argv, "--model-path") == want and doc["env"]["HF_HUB_OFFLINE"] == "1"
+            assert _flag(argv, "--served-model-name") == "deepseek-r1"
+            assert {c["name"]: c["ok"] for c in doc["checks"]}["model"] is True
+        if scenario == "worker-key":
+            assert argv[-1] == "--api-key=${SGLANG_PD_WORKER_API_KEY}"
+
+
+def test_a_volume_without_the_weights_fails_in_the_pod(render, tmp_path, capsys) -> None:
+    values = {"model": {"source": "pvc", "pvc": {"claimName": "weights"}, "path": "/models/DeepSeek-R1"}}
+    for pod, rc, out, _ in _launch_pod(render, tmp_path, capsys, values, Node(volume_files=WEIGHTS)):
+        assert rc == 1, pod.name
+        model = {c["name"]: c for c in json.loads(out)["checks"]}["model"]
+        assert model["detail"].startswith("no /models/DeepSeek-R1/config.json on the pvc volume: copy the checkpoint")
+
+
+def _break_budget(root: Path, env: dict[str, str]) -> None:
+    env["SGLANG_PD_POD_STARTUP_BUDGET_S"] = "1800"
+
+
+def _unprivileged(root: Path, env: dict[str, str]) -> None:
+    env["SGLANG_PD_POD_PRIVILEGED"] = "false"
+
+
+def _drop_model_config(root: Path, env: dict[str, str]) -> None:
+    (root / "etc" / "sglang-pd" / "my-config.json").unlink()
+
+
+def _decode_on_one_node(root: Path, env: dict[str, str]) -> None:
+    path = root / "etc" / "sglang-pd" / "topology.yaml"
+    t = yaml.safe_load(path.read_text())
+    t["decode"]["nodes"] = 1
+    path.write_text(yaml.safe_dump(t))
+    env["LWS_GROUP_SIZE"], env["LWS_WORKER_INDEX"] = "1", "0"
+
+
+# What launch refuses in a pod, and the values that would have given the pod that state: the chart must refuse
+# those values at render time with launch's own message. Each: (refused values, accepted values, how the
+# refused values would have changed the accepted pod).
+CUSTOM = {"topology": _custom_topology(), "model": {"configFile": CONFIG, "sizeBytes": 684_386_025_472}}
+ONE_NODE_DECODE = preset_topology("deepseek-r1-h200-1p1d")
+ONE_NODE_DECODE["decode"]["nodes"] = 1
+REFUSALS = {
+    "startup-probe-too-short": ({"decode": {"startupProbe": {"failureThreshold": 180}}}, {}, _break_budget),
+    "host-rdma-unprivileged": ({"securityContext": {"privileged": False}}, {}, _unprivileged),
+    "model-config-not-shipped": (
+        {"topology": _custom_topology(), "model": {"sizeBytes": 684_386_025_472}},
+        CUSTOM,
+        _drop_model_config,
+    ),
+    "decode-ep16-on-one-8-gpu-node": ({"topology": ONE_NODE_DECODE}, {}, _decode_on_one_node),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_what_launch_refuses_the_chart_refuses_first_in_the_same_words(chart, render, tmp_path, capsys, case) -> None:
+    refused, accepted, change = REFUSALS[case]
+    with pytest.raises(helm_python.HelmError, match="VALUES VALIDATION") as info:
+        chart.render(copy.deepcopy(refused), name="demo", namespace="llm")
+    chart_says = str(info.value)
+    docs = render(copy.deepcopy(accepted))
+    pod = next(p for p in gpu_pods(docs) if p.role == "decode" and p.index == 0)
+    root = tmp_path / "pod"
+    env = lay_out(root, docs, pod, Node(), SECRETS)
+    change(root, env)
+    rc, _, err = run_launch(pod.container["command"], root, env, capsys)
+    assert rc == 1
+    said = [line.removeprefix("  - ").removeprefix("error: ") for line in err.splitlines()]
+    reasons = [s for s in said if s and "pod's settings do not fit" not in s and "breaks" not in s]
+    assert reasons, err
+    for reason in reasons:
+        assert reason in chart_says, f"launch says {reason!r}; the chart says {chart_says!r}"
