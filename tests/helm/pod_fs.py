@@ -110,6 +110,18 @@ def _write(path: Path, text: str = "") -> None:
     path.write_text(text)
 
 
+def mount_config_maps(root: Path, docs: list[dict[str, Any]], spec: dict[str, Any], container: dict[str, Any]) -> None:
+    """Write the ConfigMap volumes `container` mounts under `root`: every key a file, or the `items` chosen."""
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    for mount in container.get("volumeMounts", []):
+        volume = volumes[mount["name"]]
+        if "configMap" in volume:
+            data = _config_map(docs, volume["configMap"]["name"])
+            items = volume["configMap"].get("items") or [{"key": k, "path": k} for k in data]
+            for item in items:
+                _write(root / mount["mountPath"].lstrip("/") / item["path"], data[item["key"]])
+
+
 def lay_out(
     root: Path, docs: list[dict[str, Any]], pod: GpuPod, node: Node, secrets: dict[str, dict[str, str]] | None = None
 ) -> dict[str, str]:
@@ -121,12 +133,7 @@ def lay_out(
     for mount in c.get("volumeMounts", []):
         volume, target = volumes[mount["name"]], under(mount["mountPath"])
         target.mkdir(parents=True, exist_ok=True)
-        if "configMap" in volume:
-            data = _config_map(docs, volume["configMap"]["name"])
-            items = volume["configMap"].get("items") or [{"key": k, "path": k} for k in data]
-            for item in items:
-                _write(target / item["path"], data[item["key"]])
-        elif mount["mountPath"] == "/dev/infiniband":
+        if mount["mountPath"] == "/dev/infiniband":
             for i, _ in enumerate(node.rdma_devices):
                 _write(target / f"uverbs{i}")
         elif "persistentVolumeClaim" in volume or ("hostPath" in volume and mount["name"] == "model"):
@@ -138,6 +145,7 @@ def lay_out(
             _write(under("/dev/infiniband") / f"uverbs{i}")
     for dev in node.rdma_devices:
         (under("/sys/class/infiniband") / dev).mkdir(parents=True, exist_ok=True)
+    mount_config_maps(root, docs, pod.spec, c)
     env = _env(c, pod, node, secrets or {})
     gpus = _requests(c, "nvidia.com/gpu")
     uuids = [f"GPU-{pod.role}-{pod.index}-{i:02d}" for i in range(gpus)]

@@ -113,7 +113,9 @@ def test_optional_objects_render_only_when_asked(render) -> None:
         "Role",
         "RoleBinding",
         "Pod",
+        "Job",  # the plan check, a pre-install/pre-upgrade hook
     }
+    assert {d["metadata"]["name"] for d in render() if d["kind"] == "Job"} == {"demo-sglang-pd-plan"}
     on = {d["kind"] for d in render(EVERYTHING_ON)}
     assert {"Job", "AnalysisTemplate", "ServiceMonitor", "PodMonitor", "NetworkPolicy", "Ingress"} <= on
 

@@ -16,11 +16,12 @@ import pytest
 import yaml
 
 from sglang_pd.deploy.cli import build_parser
+from sglang_pd.deploy.cli import main as cli_main
 from sglang_pd.deploy.ops import launch
 from sglang_pd.deploy.spec.topology import TopologyError
 
-from .conftest import PRESETS, helm_python, preset_topology
-from .pod_fs import GpuPod, Node, gpu_pods, lay_out
+from .conftest import PRESETS, helm_python, one, preset_topology
+from .pod_fs import GpuPod, Node, gpu_pods, lay_out, mount_config_maps
 
 pytestmark = pytest.mark.slow
 
@@ -170,6 +171,17 @@ def _decode_on_one_node(root: Path, env: dict[str, str]) -> None:
     env["LWS_GROUP_SIZE"], env["LWS_WORKER_INDEX"] = "1", "0"
 
 
+def _typo(root: Path, env: dict[str, str]) -> None:
+    path = root / "etc" / "sglang-pd" / "topology.yaml"
+    t = yaml.safe_load(path.read_text())
+    t["decode"]["sbo_mode"] = "full"
+    path.write_text(yaml.safe_dump(t))
+
+
+TYPO = preset_topology("deepseek-r1-h200-1p1d")
+TYPO["decode"]["sbo_mode"] = "full"
+
+
 # What launch refuses in a pod, and the values that would have given the pod that state: the chart must refuse
 # those values at render time with launch's own message. Each: (refused values, accepted values, how the
 # refused values would have changed the accepted pod).
@@ -185,6 +197,8 @@ REFUSALS = {
         _drop_model_config,
     ),
     "decode-ep16-on-one-8-gpu-node": ({"topology": ONE_NODE_DECODE}, {}, _decode_on_one_node),
+    # Helm's schema cannot look inside a string: the chart checks its keys itself.
+    "typo-in-a-set-file-topology": ({"topology": yaml.safe_dump(TYPO)}, {}, _typo),
 }
 
 
@@ -201,8 +215,35 @@ def test_what_launch_refuses_the_chart_refuses_first_in_the_same_words(chart, re
     change(root, env)
     rc, _, err = run_launch(pod.container["command"], root, env, capsys)
     assert rc == 1
-    said = [line.removeprefix("  - ").removeprefix("error: ") for line in err.splitlines()]
-    reasons = [s for s in said if s and "pod's settings do not fit" not in s and "breaks" not in s]
+    said = [line.strip().removeprefix("- ").removeprefix("error: ") for line in err.splitlines()]
+    headers = ("pod's settings do not fit", "the topology breaks", "invalid topology")
+    reasons = [s for s in said if s and not any(h in s for h in headers)]
     assert reasons, err
     for reason in reasons:
         assert reason in chart_says, f"launch says {reason!r}; the chart says {chart_says!r}"
+
+
+def test_the_plan_hook_fails_the_release_with_plans_message(render, tmp_path, capsys) -> None:
+    # A rule only plan knows (sglang's SboFlags): the chart renders it, the pre-install hook refuses it.
+    t = preset_topology("deepseek-r1-h200-1p1d")
+    t["decode"]["moe_runner_backend"] = "auto"
+    for topology, status in ((preset_topology("deepseek-r1-h200-1p1d"), 0), (t, 1)):
+        docs = render({"topology": topology})
+        job = one(docs, "Job", "-plan")
+        config = one(docs, "ConfigMap", "-plan")
+        assert job["metadata"]["annotations"]["helm.sh/hook"] == "pre-install,pre-upgrade"
+        assert config["metadata"]["annotations"]["helm.sh/hook"] == "pre-install,pre-upgrade"
+        # The ConfigMap is created first: a pre-install hook runs before the release's own objects exist.
+        weights = [int(d["metadata"]["annotations"]["helm.sh/hook-weight"]) for d in (config, job)]
+        assert weights[0] < weights[1]
+        spec = job["spec"]["template"]["spec"]
+        container = spec["containers"][0]
+        assert "nvidia.com/gpu" not in str(container["resources"])
+        root = tmp_path / str(status)
+        mount_config_maps(root, docs, spec, container)
+        command = container["command"]
+        assert command[:2] == ["sglang-pd", "plan"]
+        assert cli_main([*command[1:-1], str(root / command[-1].lstrip("/"))]) == status
+        err = capsys.readouterr().err
+        if status:
+            assert "decode.moe_runner_backend: sbo: full overlaps the down GEMM with combine only when sglang" in err

@@ -143,6 +143,33 @@ Templates read it through "sglang-pd.topologyView"; the ConfigMap holds it verba
 {{- end -}}
 
 {{/*
+Return the data of a topology ConfigMap: the topology and, with model.configFile, the model's config.json.
+*/}}
+{{- define "sglang-pd.topologyData" -}}
+# The one source of truth: every pod renders its own command from this file.
+topology.yaml: |
+  {{- include "sglang-pd.topology" . | nindent 2 }}
+{{- with .Values.model.configFile }}
+# The model's config.json (model.configFile), mounted where topology.model.config_json names it.
+model-config.json: |
+  {{- . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/*
+Return the `items` of a topology ConfigMap volume: with model.configFile, its config.json goes where the
+topology's model.config_json names it, beside the topology; without, nothing (every key, as named).
+*/}}
+{{- define "sglang-pd.topologyItems" -}}
+{{- if .Values.model.configFile -}}
+{{- $t := include "sglang-pd.topologyView" . | fromYaml -}}
+items:
+  - {key: topology.yaml, path: topology.yaml}
+  - {key: model-config.json, path: {{ $t.model.config_json | quote }}}
+{{- end -}}
+{{- end -}}
+
+{{/*
 Return the topology as templates read it: the models' defaults (files/topology-defaults.yaml) under what the user set.
 */}}
 {{- define "sglang-pd.topologyView" -}}
@@ -151,11 +178,36 @@ Return the topology as templates read it: the models' defaults (files/topology-d
 {{- end -}}
 
 {{/*
+Return one line per key of .data that .fields (files/topology-fields.yaml, the topology's models) does not
+know, each named by its path under .path: in the words `sglang-pd launch` would use for it. Helm's schema
+check covers a topology given as values; this covers one given as a string (--set-file topology=FILE).
+*/}}
+{{- define "sglang-pd.unknownKeys" -}}
+{{- $fields := .fields -}}
+{{- range $k, $v := .data -}}
+{{- $where := printf "%s.%s" $.path $k -}}
+{{- if not (hasKey $fields $k) }}
+{{ $where }}: unknown key; remove it or check its spelling against the documented fields
+{{- else if and (kindIs "map" $v) (kindIs "map" (get $fields $k)) }}
+{{- include "sglang-pd.unknownKeys" (dict "data" $v "fields" (get $fields $k) "path" $where) }}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
 Collect every values problem the schema cannot express, then fail once with each fix spelled out.
 */}}
 {{- define "sglang-pd.validateValues" -}}
 {{- $messages := list -}}
 {{- $t := include "sglang-pd.topologyView" . | fromYaml -}}
+{{- if kindIs "string" .Values.topology -}}
+{{- $fields := .Files.Get "files/topology-fields.yaml" | fromYaml -}}
+{{- range include "sglang-pd.unknownKeys" (dict "data" (fromYaml .Values.topology) "fields" $fields "path" "topology") | splitList "\n" -}}
+{{- if . -}}
+{{- $messages = append $messages . -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- if and (eq .Values.model.source "pvc") (not .Values.model.pvc.claimName) -}}
 {{- $messages = append $messages "model.pvc.claimName: model.source is pvc but no claim is named. Set --set model.pvc.claimName=<pvc> or choose model.source=hub|hostPath." -}}
 {{- end -}}
@@ -568,12 +620,7 @@ spec:
     - name: topology
       configMap:
         name: {{ include "sglang-pd.fullname" $ }}-topology
-        {{- if $.Values.model.configFile }}
-        # The model's config.json where the topology's model.config_json names it, beside the topology.
-        items:
-          - {key: topology.yaml, path: topology.yaml}
-          - {key: model-config.json, path: {{ $t.model.config_json | quote }}}
-        {{- end }}
+        {{- include "sglang-pd.topologyItems" $ | nindent 8 }}
     - name: shm
       emptyDir:
         medium: Memory
