@@ -52,6 +52,7 @@ from sglang_pd.deploy.common.contract import (
 from sglang_pd.deploy.common.procs import mask_secrets, spawn
 from sglang_pd.deploy.kv.firewall import FirewallError, Network, PeerFirewall, parse_networks
 from sglang_pd.deploy.kv.listeners import mooncake_port_range
+from sglang_pd.deploy.ops.group import DEFAULT_LEADER_WAIT_S, GroupWaitError, group_hosts, resolve_all, wait_for_leader
 from sglang_pd.deploy.sglang.render import NodeCommand, render_node
 from sglang_pd.deploy.spec.topology import (
     MODEL_SOURCES,
@@ -67,6 +68,7 @@ __all__ = [
     "PodCheck",
     "add_arguments",
     "checked_worker_key",
+    "group_plan",
     "has_capability",
     "kv_firewall",
     "pod_checks",
@@ -356,6 +358,31 @@ def visible_gpus(env: Mapping[str, str], root: Path = Path("/")) -> tuple[int, s
     return 0, f"{DEV}/nvidia<N>"
 
 
+SOCKET_IFNAME_ENV = "NCCL_SOCKET_IFNAME"
+NET_SYSFS = Path("/sys/class/net")
+
+
+def _interface_check(ifname: str, root: Path) -> PodCheck:
+    # NCCL_SOCKET_IFNAME is a list of name prefixes; "^" excludes and "=" asks for exact names
+    # (https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html#nccl-socket-ifname).
+    if ifname.startswith("^"):
+        return PodCheck("socket-interface", True, f"{SOCKET_IFNAME_ENV}={ifname} excludes interfaces only")
+    exact = ifname.startswith("=")
+    wanted = [n.strip() for n in ifname.removeprefix("=").split(",") if n.strip()]
+    sysfs = under_root(root, NET_SYSFS)
+    present = sorted(p.name for p in sysfs.iterdir()) if sysfs.is_dir() else []
+    found = [w for w in wanted if any(p == w if exact else p.startswith(w) for p in present)]
+    if found:
+        return PodCheck("socket-interface", True, f"{SOCKET_IFNAME_ENV}={ifname}: {', '.join(found)} present")
+    return PodCheck(
+        "socket-interface",
+        False,
+        f"{SOCKET_IFNAME_ENV}={ifname} matches none of this pod's interfaces ({', '.join(present) or 'none'}); "
+        "NCCL, Gloo and NVSHMEM could not bootstrap. Name one in topology.hardware.socket_interface or the "
+        "chart's fabric.socketInterface",
+    )
+
+
 def _model_check(model_path: str, source: str, root: Path) -> PodCheck:
     # sglang would read a hub id as a repository to download: on a volume source the directory must be
     # the mounted checkpoint, with its config.json (what sglang and transformers read first).
@@ -416,6 +443,9 @@ def pod_checks(
         checks.append(_model_check(t.model_path(), model_source, root))
     if t.transfer.backend.startswith("mooncake"):
         checks.append(_memlock_check(root))
+    ifname = env.get(SOCKET_IFNAME_ENV, "")
+    if ifname:
+        checks.append(_interface_check(ifname, root))
     if t.transfer.protocol == "rdma":
         sysfs = under_root(root, INFINIBAND_SYSFS)
         present = sorted(p.name for p in sysfs.iterdir()) if sysfs.is_dir() else []
@@ -516,6 +546,45 @@ def _firewall_doc(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str,
     }
 
 
+# sglang's DP-attention sockets on the leader (dist-init port + 1..6 and worker ports) unpickle what they
+# receive, from any peer while this is empty (sglang 0.5.23 srt/utils/network.py, restrict_zmq_peers; a
+# comma-separated list of IP addresses).
+ZMQ_PEERS_ENV = "SGLANG_ZMQ_ALLOWED_PEERS"
+GROUP_WAIT_ENV = "SGLANG_PD_GROUP_WAIT_S"
+HOST_IP_ENV = "SGLANG_HOST_IP"
+
+
+def group_plan(argv: list[str], env: Mapping[str, str], nodes: int, node_rank: int) -> dict[str, object]:
+    """What this engine waits for and whom its ZMQ sockets admit: the group's pods (LWS names them from
+    the leader's address), loopback and this pod's own address; ranks > 0 wait for the leader's
+    rendezvous port (--dist-init-addr) first."""
+    leader = env.get(LWS_LEADER_ADDRESS, "127.0.0.1")
+    hosts = group_hosts(leader, nodes) if nodes > 1 else []
+    doc: dict[str, object] = {"peer_hosts": hosts, "also_allowed": ["127.0.0.1", *filter(None, [env.get(HOST_IP_ENV)])]}
+    if node_rank > 0:
+        doc["wait_for"] = _flag_value(argv, "--dist-init-addr")
+    return doc
+
+
+def _join_group(doc: Mapping[str, object], env: Mapping[str, str]) -> str:
+    """Wait for the group as `group_plan` says; the value of SGLANG_ZMQ_ALLOWED_PEERS."""
+    try:
+        timeout = float(env.get(GROUP_WAIT_ENV, DEFAULT_LEADER_WAIT_S))
+    except ValueError as exc:
+        raise LaunchError(f"{GROUP_WAIT_ENV} must be a number of seconds: {exc}") from exc
+    wait_for = doc.get("wait_for")
+    try:
+        if isinstance(wait_for, str) and wait_for:
+            host, _, port = wait_for.rpartition(":")
+            wait_for_leader(host, int(port), timeout)
+        hosts = doc["peer_hosts"]
+        found = resolve_all(list(hosts), timeout) if isinstance(hosts, list) else []
+    except GroupWaitError as exc:
+        raise LaunchError(str(exc)) from exc
+    also = doc["also_allowed"]
+    return ",".join(dict.fromkeys([*found, *(also if isinstance(also, list) else [])]))
+
+
 def _router_argv(args: argparse.Namespace) -> list[str]:
     extra = [a for a in args.router_args if a != "--"]
     return ["-m", "sglang_pd.deploy.cli", "router", "--topology", args.topology, *extra]
@@ -527,6 +596,10 @@ def _with_model_path(t: Topology, path: str) -> Topology:
     moved = t.model_copy(update={"model": model})
     moved._source_dir = t.source_dir
     return moved
+
+
+def _spec_nodes(t: Topology, role: Role) -> int:
+    return t.prefill.nodes if role == "prefill" else t.decode.nodes
 
 
 def _fail(message: str) -> int:
@@ -566,14 +639,14 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
             key_args = worker_key_args(argv, os_env, args.role)
     except LaunchError as exc:
         return _fail(str(exc))
-    checks = pod_checks(t, args.role, os_env, root, pod.model_source if pod else None)
+    checks = pod_checks(t, args.role, {**os_env, **role_env}, root, pod.model_source if pod else None)
     failed = [c for c in checks if not c.ok and c.required]
     for c in checks:
         verdict = "ok" if c.ok else ("FAILED" if c.required else "WARNING")
         print(f"pod check {c.name}: {verdict}: {c.detail}", file=sys.stderr)
     if args.dry_run:
         firewall_doc = _firewall_doc(args, {**os_env, **role_env})
-        doc = {
+        doc: dict[str, object] = {
             "role": args.role,
             "node_rank": node_rank,
             "python": sys.executable,  # runs argv, which starts with the module
@@ -582,6 +655,8 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
             "checks": [{"name": c.name, "ok": c.ok, "required": c.required, "detail": c.detail} for c in checks],
             "kv_firewall": firewall_doc,
         }
+        if pd_role is not None:
+            doc["group"] = group_plan(argv, os_env, _spec_nodes(t, pd_role), node_rank)
         print(json.dumps(doc, indent=2))
         # The same verdict as a real start: the pod would not start, so neither does the dry run pass.
         if failed and not args.skip_checks:
@@ -591,6 +666,13 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
         return EXIT_OK
     if failed and not args.skip_checks:
         return _fail(f"{len(failed)} pod check(s) failed; fix them or pass --skip-checks.")
+    if pd_role is not None:
+        # Ranks > 0 wait for the leader (LWS starts them with it), and every rank admits only its group.
+        try:
+            plan = group_plan(argv, os_env, _spec_nodes(t, pd_role), node_rank)
+            role_env[ZMQ_PEERS_ENV] = _join_group(plan, os_env)
+        except LaunchError as exc:
+            return _fail(str(exc))
     sys.stdout.flush()
     env = {**os_env, **role_env}
     if args.no_kv_firewall and args.role != "router":

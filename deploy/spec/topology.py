@@ -126,6 +126,12 @@ class HardwareSpec(_Strict):
         default_factory=list,
         description="RDMA devices of a node: one shared list, or one per GPU (length = gpus_per_node).",
     )
+    socket_interface: str | None = Field(
+        None,
+        description="Host interface for NCCL, Gloo and NVSHMEM bootstrap traffic (the chart sets NCCL_SOCKET_IFNAME, "
+        "GLOO_SOCKET_IFNAME and NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME to it), e.g. bond0; None: each picks one, which on "
+        "host-network nodes with CNI and bridge interfaces may be one the other nodes cannot reach.",
+    )
     compute_capability: str | None = Field(
         None,
         pattern=r"^\d+\.\d+$",

@@ -36,6 +36,8 @@ class Node:
     strategy: Strategy = "envvar"
     rdma_devices: tuple[str, ...] = tuple(f"mlx5_{i}" for i in range(8))
     ip: str = "10.0.0.11"
+    # Its network interfaces, as a host-network pod sees them in /sys/class/net.
+    interfaces: tuple[str, ...] = ("lo", "eth0", "bond0", "cni0")
     # Files a model volume (pvc or hostPath) holds, relative to the volume's root.
     volume_files: dict[str, str] = field(default_factory=dict)
 
@@ -145,6 +147,8 @@ def lay_out(
             _write(under("/dev/infiniband") / f"uverbs{i}")
     for dev in node.rdma_devices:
         (under("/sys/class/infiniband") / dev).mkdir(parents=True, exist_ok=True)
+    for name in node.interfaces if pod.spec.get("hostNetwork") else ("lo", "eth0"):
+        (under("/sys/class/net") / name).mkdir(parents=True, exist_ok=True)
     mount_config_maps(root, docs, pod.spec, c)
     env = _env(c, pod, node, secrets or {})
     gpus = _requests(c, "nvidia.com/gpu")

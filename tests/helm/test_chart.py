@@ -316,7 +316,14 @@ def test_unknown_model_needs_its_size_for_the_budget(chart, render) -> None:
 @pytest.mark.parametrize(
     ("fabric", "want", "absent"),
     [
-        ({}, {"NCCL_IB_HCA": "=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7"}, ["NCCL_IB_GID_INDEX"]),
+        (
+            {},
+            {
+                "NCCL_IB_HCA": "=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7",
+                "NVSHMEM_HCA_LIST": "mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7",
+            },
+            ["NCCL_IB_GID_INDEX", "NCCL_SOCKET_IFNAME"],
+        ),
         (
             {"preset": "roce", "socketInterface": "bond0", "trafficClass": 106},
             {
@@ -339,6 +346,16 @@ def test_fabric_presets(render, fabric, want, absent) -> None:
     env = _env(_decode_leader(render({"fabric": fabric}))["containers"][0])
     assert {k: env.get(k) for k in want} == want
     assert not set(absent) & set(env)
+
+
+def test_the_socket_interface_comes_from_the_topology(render) -> None:
+    topology = preset_topology("deepseek-r1-h200-1p1d")
+    topology["hardware"]["socket_interface"] = "bond0"
+    env = _env(_decode_leader(render({"topology": topology}))["containers"][0])
+    names = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME")
+    assert {k: env[k] for k in names} == dict.fromkeys(names, "bond0")
+    env = _env(_decode_leader(render({"topology": topology, "fabric": {"socketInterface": "eth1"}}))["containers"][0])
+    assert env["NCCL_SOCKET_IFNAME"] == "eth1"  # the chart's value wins
 
 
 def test_own_env_wins_over_the_fabric_preset(render) -> None:
@@ -525,3 +542,15 @@ def test_validate_values_names_the_fix(chart, values, message) -> None:
     with pytest.raises(helm_python.HelmError, match="VALUES VALIDATION") as info:
         chart.render(values, name="demo", namespace="llm")
     assert message in str(info.value)
+
+
+def test_the_only_group_is_not_drained_away(render) -> None:
+    # One decode group of 2 nodes (the default preset): evicting any pod would stop decode, as LWS recreates
+    # the whole group; the budget keeps all its pods until another group runs.
+    pdb = one(render(), "PodDisruptionBudget", "-decode")["spec"]
+    assert pdb["minAvailable"] == 2 and "maxUnavailable" not in pdb
+    opted = one(render({"decode": {"pdb": {"allowLastGroupDisruption": True}}}), "PodDisruptionBudget", "-decode")
+    assert opted["spec"]["maxUnavailable"] == 1
+    # Three prefill instances (the H20 preset): one at a time.
+    prefill = one(render({"preset": "deepseek-v3-h20-3p2d"}), "PodDisruptionBudget", "-prefill")["spec"]
+    assert prefill["maxUnavailable"] == 1 and "minAvailable" not in prefill

@@ -139,6 +139,12 @@ def test_every_gpu_pod_the_chart_renders_passes_launch(render, tmp_path, capsys,
             assert _flag(argv, "--model-path") == want and doc["env"]["HF_HUB_OFFLINE"] == "1"
             assert _flag(argv, "--served-model-name") == "deepseek-r1"
             assert {c["name"]: c["ok"] for c in doc["checks"]}["model"] is True
+        group = doc["group"]
+        if pod.size > 1:
+            # Its ZMQ sockets admit the group's pods, by LWS's names; ranks > 0 wait for the leader first.
+            assert group["peer_hosts"][0] == pod.leader_address and len(group["peer_hosts"]) == pod.size
+            assert group.get("wait_for") == (f"{pod.leader_address}:5000" if pod.index else None)
+        assert group["also_allowed"] == ["127.0.0.1", node.ip]
         if scenario == "worker-key":
             assert argv[-1] == "--api-key=${SGLANG_PD_WORKER_API_KEY}"
 
@@ -149,6 +155,26 @@ def test_a_volume_without_the_weights_fails_in_the_pod(render, tmp_path, capsys)
         assert rc == 1, pod.name
         model = {c["name"]: c for c in json.loads(out)["checks"]}["model"]
         assert model["detail"].startswith("no /models/DeepSeek-R1/config.json on the pvc volume: copy the checkpoint")
+
+
+def test_placeholder_nic_names_stop_the_pod_on_a_node_that_lacks_them(render, tmp_path, capsys) -> None:
+    # The H20 preset's NIC names are placeholders; on bonded RoCE NICs they are wrong, and NCCL would
+    # silently fall back to sockets.
+    bonded = Node(rdma_devices=("mlx5_bond_0", "mlx5_bond_1"))
+    values = {"preset": "deepseek-v3-h20-3p2d", "fabric": {"preset": "roce", "socketInterface": "bond0"}}
+    for pod, rc, out, _ in _launch_pod(render, tmp_path, capsys, values, bonded):
+        assert rc == 1, pod.name
+        rdma = {c["name"]: c for c in json.loads(out)["checks"]}["rdma"]
+        assert "missing mlx5_0, mlx5_1, mlx5_2" in rdma["detail"] and "hardware.rdma_devices" in rdma["detail"]
+
+
+def test_a_socket_interface_the_node_lacks_stops_the_pod(render, tmp_path, capsys) -> None:
+    topology = preset_topology("deepseek-r1-h200-1p1d")
+    topology["hardware"]["socket_interface"] = "ens1f0"
+    for pod, rc, out, _ in _launch_pod(render, tmp_path, capsys, {"topology": topology}, Node()):
+        assert rc == 1, pod.name
+        check = {c["name"]: c for c in json.loads(out)["checks"]}["socket-interface"]
+        assert check["detail"].startswith("NCCL_SOCKET_IFNAME=ens1f0 matches none of this pod's interfaces (bond0,")
 
 
 def _break_budget(root: Path, env: dict[str, str]) -> None:

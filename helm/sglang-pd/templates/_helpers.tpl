@@ -384,14 +384,16 @@ Return a role's startup budget in seconds (failureThreshold x periodSeconds).
 
 {{/*
 Return the fabric environment of GPU pods as a dict (YAML): fabric.preset infiniband or roce,
-the bootstrap interface, and the HCAs from topology.hardware.rdma_devices. NCCL, Gloo, NVSHMEM
+the bootstrap interface (fabric.socketInterface, else topology.hardware.socket_interface), and the
+HCAs from topology.hardware.rdma_devices (NCCL_IB_HCA, NVSHMEM_HCA_LIST), as sglang's LWS example
+and llm-d's wide-EP guide set them. NCCL, Gloo, NVSHMEM
 (DeepEP) and Mooncake read these; RoCE needs the GID index as well.
 */}}
 {{- define "sglang-pd.fabricEnv" -}}
 {{- $t := include "sglang-pd.topologyView" . | fromYaml -}}
 {{- $f := .Values.fabric -}}
 {{- $env := dict -}}
-{{- with $f.socketInterface -}}
+{{- with default $t.hardware.socket_interface $f.socketInterface -}}
 {{- $_ := set $env "NCCL_SOCKET_IFNAME" . -}}
 {{- $_ := set $env "GLOO_SOCKET_IFNAME" . -}}
 {{- $_ := set $env "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME" . -}}
@@ -399,6 +401,8 @@ the bootstrap interface, and the HCAs from topology.hardware.rdma_devices. NCCL,
 {{- if has $f.preset (list "infiniband" "roce") -}}
 {{- with $t.hardware.rdma_devices -}}
 {{- $_ := set $env "NCCL_IB_HCA" (printf "=%s" (join "," .)) -}}
+{{- /* NVSHMEM (DeepEP's transport) picks HCAs by itself otherwise, bonded or management ones included. */ -}}
+{{- $_ := set $env "NVSHMEM_HCA_LIST" (join "," .) -}}
 {{- end -}}
 {{- end -}}
 {{- if eq $f.preset "roce" -}}
@@ -709,9 +713,18 @@ metadata:
     {{- include "sglang-pd.labels" $ | nindent 4 }}
     app.kubernetes.io/component: {{ .component }}
 spec:
+  {{- $t := include "sglang-pd.topologyView" $ | fromYaml }}
+  {{- $spec := get $t .component }}
+  {{- $groups := ternary (get (default dict $spec) "instances") (get (default dict $spec) "groups") (eq .component "prefill") }}
   {{- if hasKey .cfg.pdb "minAvailable" }}
   minAvailable: {{ .cfg.pdb.minAvailable }}
+  {{- else if and (eq (int $groups) 1) (not .cfg.pdb.allowLastGroupDisruption) }}
+  # The only {{ .component }} group: LeaderWorkerSet recreates every pod of a group when one goes, so evicting
+  # any one pod stops serving. A drain waits here until another group runs (or allowLastGroupDisruption).
+  minAvailable: {{ $spec.nodes }}
   {{- else }}
+  # Counted in pods, but one eviction takes its whole group down (LWS recreates it), and the group's
+  # new pods count as unavailable until ready: so a voluntary disruption takes one group at a time.
   maxUnavailable: {{ .cfg.pdb.maxUnavailable }}
   {{- end }}
   selector:

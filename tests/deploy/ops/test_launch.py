@@ -438,3 +438,40 @@ def test_weights_on_a_volume_need_their_config_json_and_no_hub(r1, tmp_path) -> 
         "model.source is pvc, but --model-path is 'deepseek-ai/DeepSeek-R1', a hub"
     )
     assert "model" not in {c.name for c in pod_checks(r1, "prefill", {}, tmp_path, model_source="hub")}
+
+
+# --- the group: ranks wait for their leader; sglang's ZMQ sockets admit only the group's pods ---------
+
+
+def test_a_decode_rank_waits_for_its_leader_and_admits_only_its_group(monkeypatch, capsys) -> None:
+    for k, v in {**LWS, "LWS_WORKER_INDEX": "1", "SGLANG_HOST_IP": "10.0.0.12"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(launch, "pod_checks", lambda *a, **k: [])
+    waited: list[tuple] = []
+    monkeypatch.setattr(launch, "wait_for_leader", lambda host, port, timeout: waited.append((host, port, timeout)))
+    addresses = {"decode-0.decode.llm": "10.0.0.11", "decode-0-1.decode.llm": "10.0.0.12"}
+    monkeypatch.setattr(launch, "resolve_all", lambda hosts, timeout: [addresses[h] for h in hosts])
+    started: list[dict] = []
+    monkeypatch.setattr(launch.os, "execvpe", lambda file, argv, env: started.append(env))
+    argv = ["launch", "--role", "decode", "--topology", str(R1), NO_FIREWALL]
+    assert main(argv) == 0
+    assert waited == [("decode-0.decode.llm", 5000, 1800.0)]
+    assert started[0]["SGLANG_ZMQ_ALLOWED_PEERS"] == "10.0.0.11,10.0.0.12,127.0.0.1"
+    # The dry run shows the plan, names not addresses: nothing is waited for or resolved.
+    assert main([*argv, "--dry-run", "--skip-checks"]) == 0
+    group = json.loads(capsys.readouterr().out)["group"]
+    assert group == {
+        "peer_hosts": ["decode-0.decode.llm", "decode-0-1.decode.llm"],
+        "also_allowed": ["127.0.0.1", "10.0.0.12"],
+        "wait_for": "decode-0.decode.llm:5000",
+    }
+
+
+def test_a_leader_that_never_comes_stops_the_rank(monkeypatch, capsys) -> None:
+    for k, v in {**LWS, "LWS_WORKER_INDEX": "1", "SGLANG_PD_GROUP_WAIT_S": "0"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(launch, "pod_checks", lambda *a, **k: [])
+    monkeypatch.setattr(launch.os, "execvpe", lambda *a: pytest.fail("sglang started"))
+    assert main(["launch", "--role", "decode", "--topology", str(R1), NO_FIREWALL]) == 1
+    err = capsys.readouterr().err
+    assert "error: the group's leader decode-0.decode.llm:5000 does not accept connections" in err
