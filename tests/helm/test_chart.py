@@ -554,3 +554,14 @@ def test_the_only_group_is_not_drained_away(render) -> None:
     # Three prefill instances (the H20 preset): one at a time.
     prefill = one(render({"preset": "deepseek-v3-h20-3p2d"}), "PodDisruptionBudget", "-prefill")["spec"]
     assert prefill["maxUnavailable"] == 1 and "minAvailable" not in prefill
+
+
+@pytest.mark.parametrize(
+    ("source", "says"),
+    [("hub", "downloads the weights from the hub"), ("pvc", "loads the weights from the pvc volume (/models, no")],
+)
+def test_notes_say_what_a_cold_start_does_for_the_source(chart, source, says) -> None:
+    values = {"model": {"source": source, "pvc": {"claimName": "w"}}}
+    notes = next(v for k, v in chart.render(values, name="demo", namespace="llm").items() if k.endswith("NOTES.txt"))
+    assert says in notes
+    assert ("downloads" in notes) == (source == "hub")
