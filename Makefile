@@ -8,7 +8,7 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 SGLANG_VERSION := $(shell sed -n 's/^SGLANG_VERSION = "\(.*\)"$$/\1/p' deploy/common/contract.py)
 TOPOLOGY ?= local-cpu
 
-.PHONY: run test lint unit quick gpu-test clean
+.PHONY: run test lint unit quick gpu-test image clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	@# Mooncake's non-CUDA wheel links libibverbs (Debian libibverbs1), even for TCP transfers.
@@ -50,6 +50,12 @@ test: lint unit  ## what CI runs
 
 gpu-test: $(VENV)/.installed  ## on a CUDA machine
 	$(VENV)/bin/pytest -m gpu
+
+# The chart's default image (values.yaml image.repository:image.tag) is not published: build it, push it to
+# a registry the cluster pulls from, and point the chart there (docs/kubernetes.md "The image").
+IMAGE ?= ghcr.io/sglang-pd/sglang-pd:0.1.0-sglang$(SGLANG_VERSION)
+image:  ## build the GPU pods' image (deploy/docker/Dockerfile); `make image IMAGE=registry/name:tag && docker push ...`
+	docker build -f deploy/docker/Dockerfile --build-arg SGLANG_VERSION=$(SGLANG_VERSION) -t $(IMAGE) .
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -358,6 +358,32 @@ def visible_gpus(env: Mapping[str, str], root: Path = Path("/")) -> tuple[int, s
     return 0, f"{DEV}/nvidia<N>"
 
 
+# The image's CUDA 13 user space needs an R580 or newer kernel driver (CUDA 13.0 release notes, "CUDA
+# Toolkit and Corresponding Driver Versions": >= 580.65.06 on Linux); the kernel module states its version here.
+NVIDIA_DRIVER_VERSION = Path("/proc/driver/nvidia/version")
+MIN_DRIVER_MAJOR = 580
+
+
+def _driver_check(root: Path) -> PodCheck | None:
+    """The NVIDIA kernel driver against the image's CUDA; None where the pod cannot see it."""
+    try:
+        text = under_root(root, NVIDIA_DRIVER_VERSION).read_text()
+    except OSError:
+        return None
+    version = next((w for w in text.split() if w.count(".") >= 1 and w.split(".")[0].isdigit()), None)
+    if version is None:
+        return PodCheck("driver", False, f"cannot read a driver version in {NVIDIA_DRIVER_VERSION}", required=False)
+    major = int(version.split(".")[0])
+    if major >= MIN_DRIVER_MAJOR:
+        return PodCheck("driver", True, f"NVIDIA driver {version}")
+    return PodCheck(
+        "driver",
+        False,
+        f"NVIDIA driver {version} is older than R{MIN_DRIVER_MAJOR}, which the image's CUDA 13 needs; upgrade the "
+        "nodes' driver (with the GPU operator: its driver.version)",
+    )
+
+
 SOCKET_IFNAME_ENV = "NCCL_SOCKET_IFNAME"
 NET_SYSFS = Path("/sys/class/net")
 
@@ -427,6 +453,9 @@ def pod_checks(
             + ("" if have >= want else f"; the pod must request {want} GPUs (hardware.gpus_per_node)"),
         )
     )
+    driver = _driver_check(root)
+    if driver is not None:
+        checks.append(driver)
     try:
         shm = shutil.disk_usage(under_root(root, SHM)).total
     except OSError:

@@ -36,6 +36,8 @@ class Node:
     strategy: Strategy = "envvar"
     rdma_devices: tuple[str, ...] = tuple(f"mlx5_{i}" for i in range(8))
     ip: str = "10.0.0.11"
+    # What the NVIDIA kernel module reports in /proc/driver/nvidia/version.
+    driver: str = "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release Build  (dvs-builder)"
     # Its network interfaces, as a host-network pod sees them in /sys/class/net.
     interfaces: tuple[str, ...] = ("lo", "eth0", "bond0", "cni0")
     # Files a model volume (pvc or hostPath) holds, relative to the volume's root.
@@ -156,6 +158,7 @@ def lay_out(
     for i in range(gpus):
         _write(under("/dev") / f"nvidia{i}")
     _write(under("/dev") / "nvidiactl")
+    _write(under("/proc/driver/nvidia/version"), node.driver + "\n")
     if node.strategy == "envvar":
         env["NVIDIA_VISIBLE_DEVICES"] = ",".join(uuids) or "void"
     else:

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import jsonschema
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -22,6 +24,7 @@ from sglang_pd.deploy.spec.topology import TopologyError
 
 from .conftest import PRESETS, helm_python, one, preset_topology
 from .pod_fs import GpuPod, Node, gpu_pods, lay_out, mount_config_maps
+from .test_chart import CUSTOM_KINDS, K8S_VERSIONS, LWS_SCHEMA, as_pod, lws_pod_templates
 
 pytestmark = pytest.mark.slow
 
@@ -175,6 +178,26 @@ def test_a_socket_interface_the_node_lacks_stops_the_pod(render, tmp_path, capsy
         assert rc == 1, pod.name
         check = {c["name"]: c for c in json.loads(out)["checks"]}["socket-interface"]
         assert check["detail"].startswith("NCCL_SOCKET_IFNAME=ens1f0 matches none of this pod's interfaces (bond0,")
+
+
+def test_a_driver_older_than_cuda_13_needs_stops_the_pod(render, tmp_path, capsys) -> None:
+    old = Node(driver="NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.127.05  Tue Oct  8 03:22:07 UTC 2024")
+    for pod, rc, out, _ in _launch_pod(render, tmp_path, capsys, {}, old):
+        assert rc == 1, pod.name
+        driver = {c["name"]: c for c in json.loads(out)["checks"]}["driver"]
+        assert driver["detail"].startswith("NVIDIA driver 550.127.05 is older than R580, which the image's CUDA 13")
+
+
+@pytest.mark.parametrize("k8s", K8S_VERSIONS)
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_every_scenario_renders_objects_kubernetes_accepts(render, scenario, k8s) -> None:
+    for doc in render(copy.deepcopy(SCENARIOS[scenario][0])):
+        if doc["kind"] == "LeaderWorkerSet":
+            jsonschema.validate(doc, LWS_SCHEMA)
+            for tpl in lws_pod_templates(doc).values():
+                kubernetes_validate.validate(as_pod(tpl), k8s, strict=True)
+        elif doc["kind"] not in CUSTOM_KINDS:
+            kubernetes_validate.validate(doc, k8s, strict=True)
 
 
 def _break_budget(root: Path, env: dict[str, str]) -> None:
