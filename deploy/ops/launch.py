@@ -4,10 +4,13 @@ It renders the role's command from the topology (the one renderer, `deploy/sglan
 node rank and the leader's address from LeaderWorkerSet's environment, checks the topology
 against how the chart set the pod up (`PodSettings`, passed as SGLANG_PD_POD_* variables), checks
 what the pod needs (GPUs, /dev/shm, locked memory for Mooncake, IB devices it can open) and then
-execs sglang, or the router. The worker key (SGLANG_PD_WORKER_API_KEY, from the chart's Secret)
-reaches sglang as `--api-key=KEY` only here, at start; with a key, sglang runs as a supervised child
-whose output is masked (`supervise`) instead of replacing this process. `--dry-run` prints the exact
-argv (the key masked) and env instead.
+execs sglang, or the router. With weights on a volume (the chart's model.source pvc or hostPath)
+sglang gets the directory the chart mounted as --model-path, and HF_HUB_OFFLINE=1. The worker key
+(SGLANG_PD_WORKER_API_KEY, from the chart's Secret) reaches sglang as `--api-key=KEY` only here, at
+start; with a key, sglang runs as a supervised child whose output is masked (`supervise`) instead of
+replacing this process. `--dry-run` prints the exact argv (the key masked) and env instead, and exits
+1 when a required check fails. `--root DIR` reads the pod's files (topology, devices, /sys, the model
+volume) under DIR, to check a pod's filesystem laid out elsewhere.
 
 Before sglang starts, an engine pod fences Mooncake's KV ports (TCP MC_MIN_RPC_PORT..MC_MAX_RPC_PORT,
 which authenticate no one) to loopback and its PD peers: `--kv-peers` names host names (the chart
@@ -39,13 +42,17 @@ from sglang_pd.deploy.common.contract import (
     ENV_LWS_WORKER_INDEX,
     ENV_ROUTER_WORKER_API_KEY,
     ENV_WORKER_API_KEY,
+    EXIT_INVALID,
+    EXIT_OK,
+    Role,
     as_role,
     unsendable_key,
 )
-from sglang_pd.deploy.common.node import CAP_IPC_LOCK, MEMLOCK_FIX, has_capability, memlock_limit
+from sglang_pd.deploy.common.node import CAP_IPC_LOCK, MEMLOCK_FIX, PROC_STATUS, has_capability, memlock_limit
 from sglang_pd.deploy.common.procs import mask_secrets, spawn
 from sglang_pd.deploy.kv.firewall import FirewallError, Network, PeerFirewall, parse_networks
 from sglang_pd.deploy.kv.listeners import mooncake_port_range
+from sglang_pd.deploy.ops.group import DEFAULT_LEADER_WAIT_S, GroupWaitError, group_hosts, resolve_all, wait_for_leader
 from sglang_pd.deploy.sglang.render import NodeCommand, render_node
 from sglang_pd.deploy.spec.topology import (
     MODEL_SOURCES,
@@ -61,6 +68,7 @@ __all__ = [
     "PodCheck",
     "add_arguments",
     "checked_worker_key",
+    "group_plan",
     "has_capability",
     "kv_firewall",
     "pod_checks",
@@ -68,6 +76,8 @@ __all__ = [
     "resolve_command",
     "run",
     "supervise",
+    "under_root",
+    "visible_gpus",
     "worker_key_args",
 ]
 
@@ -87,6 +97,22 @@ POD_ENV_PRIVILEGED = "SGLANG_PD_POD_PRIVILEGED"
 POD_ENV_MODEL_SOURCE = "SGLANG_PD_POD_MODEL_SOURCE"
 POD_ENV_STARTUP_BUDGET_S = "SGLANG_PD_POD_STARTUP_BUDGET_S"
 POD_ENV_DOWNLOAD_BYTES_PER_S = "SGLANG_PD_POD_DOWNLOAD_BYTES_PER_S"
+POD_ENV_LOAD_BYTES_PER_S = "SGLANG_PD_POD_LOAD_BYTES_PER_S"
+POD_ENV_WARMUP_S = "SGLANG_PD_POD_WARMUP_S"
+POD_ENV_WEIGHT_BYTES = "SGLANG_PD_POD_WEIGHT_BYTES"
+POD_ENV_MODEL_PATH = "SGLANG_PD_POD_MODEL_PATH"
+# huggingface_hub reads no network with it set (https://huggingface.co/docs/huggingface_hub/package_reference/environment_variables):
+# weights on a volume must never turn into a download into the container's writable layer.
+HF_OFFLINE_ENV = "HF_HUB_OFFLINE"
+
+# NVIDIA's device plugin tells the container toolkit which GPUs a pod was granted in one of several
+# ways, its DEVICE_LIST_STRATEGY (https://github.com/NVIDIA/k8s-device-plugin, "Configuration option
+# details"): `envvar` sets NVIDIA_VISIBLE_DEVICES to the GPUs' UUIDs; `volume-mounts` (Bottlerocket's
+# and EKS's default) sets it to this directory and mounts one empty file per GPU in it; the `cdi-*`
+# strategies set nothing. In each case the toolkit creates /dev/nvidia<N> for every GPU granted.
+NVIDIA_DEVICE_LIST_DIR = "/var/run/nvidia-container-devices"
+DEV = Path("/dev")
+SHM = Path("/dev/shm")
 
 # sglang takes its API key only as a flag (ServerArgs.api_key; no environment variable reads it),
 # so the launcher appends it when it starts sglang: the key stays out of the pod spec and the
@@ -118,7 +144,7 @@ class PodCheck:
     required: bool = True
 
 
-def pod_settings_from_env(env: Mapping[str, str]) -> PodSettings | None:
+def pod_settings_from_env(env: Mapping[str, str], role: Role | None = None) -> PodSettings | None:
     """The chart's pod settings from SGLANG_PD_POD_* variables; None outside the chart's pods."""
     if POD_ENV_MODEL_SOURCE not in env:
         return None
@@ -133,22 +159,34 @@ def pod_settings_from_env(env: Mapping[str, str]) -> PodSettings | None:
         )
     try:
         budget = env.get(POD_ENV_STARTUP_BUDGET_S)
+        weights = env.get(POD_ENV_WEIGHT_BYTES)
         return PodSettings(
             rdma_mode=rdma_mode,
             privileged=env.get(POD_ENV_PRIVILEGED, "true").lower() == "true",
             model_source=source,
             startup_budget_s=int(budget) if budget else None,
             download_bytes_per_s=float(env.get(POD_ENV_DOWNLOAD_BYTES_PER_S, defaults.download_bytes_per_s)),
+            load_bytes_per_s=float(env.get(POD_ENV_LOAD_BYTES_PER_S, defaults.load_bytes_per_s)),
+            warmup_s=int(env.get(POD_ENV_WARMUP_S, defaults.warmup_s)),
+            weight_bytes=int(weights) if weights else None,
+            model_path=env.get(POD_ENV_MODEL_PATH) or None,
+            role=role,
         )
     except ValueError as exc:
         raise LaunchError(f"the chart's SGLANG_PD_POD_* variables are malformed: {exc}") from exc
 
 
-def _memlock_check() -> PodCheck:
+def under_root(root: Path, path: str | Path) -> Path:
+    """Where the pod's absolute `path` lies when its filesystem is laid out under `root` (`--root`)."""
+    p = Path(path)
+    return root / p.relative_to("/") if p.is_absolute() else p
+
+
+def _memlock_check(root: Path) -> PodCheck:
     enough, shown = memlock_limit()
     if enough:
         return PodCheck("memlock", True, f"locked-memory limit {shown}")
-    if has_capability(CAP_IPC_LOCK):
+    if has_capability(CAP_IPC_LOCK, under_root(root, PROC_STATUS)):
         return PodCheck(
             "memlock", True, f"locked-memory limit {shown}, but CAP_IPC_LOCK lets Mooncake pin KV memory past it"
         )
@@ -160,10 +198,11 @@ def _memlock_check() -> PodCheck:
     )
 
 
-def _rdma_access_check() -> PodCheck:
+def _rdma_access_check(root: Path) -> PodCheck:
     # A hostPath /dev/infiniband is listed but its verbs devices open only with device-cgroup access
     # (a privileged pod, or an RDMA device plugin that grants them).
-    devices = sorted(INFINIBAND_DEV.glob("uverbs*")) if INFINIBAND_DEV.is_dir() else []
+    dev_dir = under_root(root, INFINIBAND_DEV)
+    devices = sorted(dev_dir.glob("uverbs*")) if dev_dir.is_dir() else []
     if not devices:
         return PodCheck(
             "rdma-access",
@@ -274,30 +313,131 @@ def worker_key_args(argv: list[str], env: Mapping[str, str], role: str) -> list[
     return [f"{API_KEY_FLAG}={key}"]
 
 
-def _gpu_count() -> int:
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES") or os.environ.get("NVIDIA_VISIBLE_DEVICES")
-    if visible and visible not in ("all", "void", "none"):
-        return len([d for d in visible.split(",") if d.strip()])
-    return len(list(Path("/dev").glob("nvidia[0-9]*")))
+def _listed(value: str) -> list[str]:
+    return [d for d in value.split(",") if d.strip()]
 
 
-def pod_checks(t: Topology, role: str) -> list[PodCheck]:
-    """What a GPU pod of this role needs, checked before sglang spends minutes loading weights."""
+def visible_gpus(env: Mapping[str, str], root: Path = Path("/")) -> tuple[int, str]:
+    """(GPUs this container can use, where the count came from): CUDA_VISIBLE_DEVICES when the pod
+    narrows it, else the /dev/nvidia<N> devices the NVIDIA container toolkit created, else the device
+    plugin's list (UUIDs in NVIDIA_VISIBLE_DEVICES, or one file per GPU in the directory it names)."""
+    cuda = env.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if cuda:
+        return len(_listed(cuda)), "CUDA_VISIBLE_DEVICES"
+    dev = under_root(root, DEV)
+    nodes = [p for p in dev.glob("nvidia*") if p.name.removeprefix("nvidia").isdigit()] if dev.is_dir() else []
+    if nodes:
+        return len(nodes), f"{DEV}/nvidia<N>"
+    nvidia = env.get("NVIDIA_VISIBLE_DEVICES", "").strip()
+    if nvidia.startswith("/"):
+        listing = under_root(root, nvidia)
+        files = list(listing.iterdir()) if listing.is_dir() else []
+        return len(files), f"the device plugin's list in {nvidia}"
+    if nvidia and nvidia not in ("all", "void", "none"):
+        return len(_listed(nvidia)), "NVIDIA_VISIBLE_DEVICES"
+    return 0, f"{DEV}/nvidia<N>"
+
+
+# The image's CUDA 13 user space needs an R580 or newer kernel driver (CUDA 13.0 release notes, "CUDA
+# Toolkit and Corresponding Driver Versions": >= 580.65.06 on Linux); the kernel module states its version here.
+NVIDIA_DRIVER_VERSION = Path("/proc/driver/nvidia/version")
+MIN_DRIVER_MAJOR = 580
+
+
+def _driver_check(root: Path) -> PodCheck | None:
+    """The NVIDIA kernel driver against the image's CUDA; None where the pod cannot see it."""
+    try:
+        text = under_root(root, NVIDIA_DRIVER_VERSION).read_text()
+    except OSError:
+        return None
+    version = next((w for w in text.split() if w.count(".") >= 1 and w.split(".")[0].isdigit()), None)
+    if version is None:
+        return PodCheck("driver", False, f"cannot read a driver version in {NVIDIA_DRIVER_VERSION}", required=False)
+    major = int(version.split(".")[0])
+    if major >= MIN_DRIVER_MAJOR:
+        return PodCheck("driver", True, f"NVIDIA driver {version}")
+    return PodCheck(
+        "driver",
+        False,
+        f"NVIDIA driver {version} is older than R{MIN_DRIVER_MAJOR}, which the image's CUDA 13 needs; upgrade the "
+        "nodes' driver (with the GPU operator: its driver.version)",
+    )
+
+
+SOCKET_IFNAME_ENV = "NCCL_SOCKET_IFNAME"
+NET_SYSFS = Path("/sys/class/net")
+
+
+def _interface_check(ifname: str, root: Path) -> PodCheck:
+    # NCCL_SOCKET_IFNAME is a list of name prefixes; "^" excludes and "=" asks for exact names
+    # (https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html#nccl-socket-ifname).
+    if ifname.startswith("^"):
+        return PodCheck("socket-interface", True, f"{SOCKET_IFNAME_ENV}={ifname} excludes interfaces only")
+    exact = ifname.startswith("=")
+    wanted = [n.strip() for n in ifname.removeprefix("=").split(",") if n.strip()]
+    sysfs = under_root(root, NET_SYSFS)
+    present = sorted(p.name for p in sysfs.iterdir()) if sysfs.is_dir() else []
+    found = [w for w in wanted if any(p == w if exact else p.startswith(w) for p in present)]
+    if found:
+        return PodCheck("socket-interface", True, f"{SOCKET_IFNAME_ENV}={ifname}: {', '.join(found)} present")
+    return PodCheck(
+        "socket-interface",
+        False,
+        f"{SOCKET_IFNAME_ENV}={ifname} matches none of this pod's interfaces ({', '.join(present) or 'none'}); "
+        "NCCL, Gloo and NVSHMEM could not bootstrap. Name one in topology.hardware.socket_interface or the "
+        "chart's fabric.socketInterface",
+    )
+
+
+def _model_check(model_path: str, source: str, root: Path) -> PodCheck:
+    # sglang would read a hub id as a repository to download: on a volume source the directory must be
+    # the mounted checkpoint, with its config.json (what sglang and transformers read first).
+    if not Path(model_path).is_absolute():
+        return PodCheck(
+            "model",
+            False,
+            f"model.source is {source}, but --model-path is {model_path!r}, a hub id and no directory in the pod; "
+            "set the chart's model.path to the weights' directory under model.mountPath",
+        )
+    config = Path(model_path) / "config.json"
+    if under_root(root, config).is_file():
+        return PodCheck("model", True, f"{config} is there ({source} volume)")
+    return PodCheck(
+        "model",
+        False,
+        f"no {config} on the {source} volume: copy the checkpoint there, or set the chart's model.path to the "
+        "directory under model.mountPath that holds config.json",
+    )
+
+
+def pod_checks(
+    t: Topology,
+    role: str,
+    env: Mapping[str, str] | None = None,
+    root: Path = Path("/"),
+    model_source: str | None = None,
+) -> list[PodCheck]:
+    """What a GPU pod of this role needs, checked before sglang spends minutes loading weights.
+    `model_source` (the chart's model.source) pvc or hostPath checks the model directory too."""
     checks: list[PodCheck] = []
     if role == "router":
         return checks
+    env = os.environ if env is None else env
     want = t.hardware.gpus_per_node
-    have = _gpu_count()
+    have, seen_in = visible_gpus(env, root)
     checks.append(
         PodCheck(
             "gpus",
             have >= want,
-            f"{have} GPU(s) visible, topology needs {want} per node"
+            f"{have} GPU(s) visible ({seen_in}), topology needs {want} per node"
             + ("" if have >= want else f"; the pod must request {want} GPUs (hardware.gpus_per_node)"),
         )
     )
+    driver = _driver_check(root)
+    if driver is not None:
+        checks.append(driver)
     try:
-        shm = shutil.disk_usage("/dev/shm").total
+        shm = shutil.disk_usage(under_root(root, SHM)).total
     except OSError:
         shm = 0
     checks.append(
@@ -308,21 +448,34 @@ def pod_checks(t: Topology, role: str) -> list[PodCheck]:
             + ("" if shm >= MIN_SHM_BYTES else f"; mount a memory emptyDir of >= {MIN_SHM_BYTES >> 30} GiB"),
         )
     )
+    if model_source is not None and model_source != "hub":
+        checks.append(_model_check(t.model_path(), model_source, root))
     if t.transfer.backend.startswith("mooncake"):
-        checks.append(_memlock_check())
+        checks.append(_memlock_check(root))
+    ifname = env.get(SOCKET_IFNAME_ENV, "")
+    if ifname:
+        checks.append(_interface_check(ifname, root))
     if t.transfer.protocol == "rdma":
-        present = sorted(p.name for p in INFINIBAND_SYSFS.iterdir()) if INFINIBAND_SYSFS.is_dir() else []
-        wanted = sorted(set(t.transfer.ib_devices.values()))
-        missing = [d for d in wanted if d not in present]
+        sysfs = under_root(root, INFINIBAND_SYSFS)
+        present = sorted(p.name for p in sysfs.iterdir()) if sysfs.is_dir() else []
+        # Mooncake opens transfer.ib_devices; NCCL and NVSHMEM get hardware.rdma_devices (NCCL_IB_HCA and
+        # NVSHMEM_HCA_LIST from the chart), and a name they cannot find drops NCCL to sockets silently.
+        named = {d: "transfer.ib_devices" for d in t.transfer.ib_devices.values()}
+        named.update({d: "hardware.rdma_devices" for d in t.hardware.rdma_devices if d not in named})
+        missing = sorted(d for d in named if d not in present)
         ok = bool(present) and not missing
         detail = f"IB devices present: {', '.join(present) or 'none'}"
         if not present:
             detail += "; expose RDMA (values: rdma.mode hostNetwork or devicePlugin) or set transfer.protocol: tcp"
         elif missing:
-            detail += f"; missing {', '.join(missing)} named in transfer.ib_devices"
+            keys = sorted({named[d] for d in missing})
+            detail += (
+                f"; missing {', '.join(missing)} named in {' and '.join(keys)}: name this node's devices "
+                f"(ls {INFINIBAND_SYSFS}) there"
+            )
         checks.append(PodCheck("rdma", ok, detail))
         if present:
-            checks.append(_rdma_access_check())
+            checks.append(_rdma_access_check(root))
     return checks
 
 
@@ -332,6 +485,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="print the argv and env as JSON; start nothing")
     parser.add_argument(
         "--skip-checks", action="store_true", help="start even when a pod check fails (not recommended)"
+    )
+    parser.add_argument(
+        "--root",
+        default="/",
+        metavar="DIR",
+        help="read the pod's files (the topology, devices, /sys, /dev/shm, the model volume) under DIR instead of "
+        "/: checks a pod's filesystem laid out elsewhere (with --dry-run)",
     )
     parser.add_argument(
         "--kv-peers",
@@ -395,60 +555,135 @@ def _firewall_doc(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str,
     }
 
 
+# sglang's DP-attention sockets on the leader (dist-init port + 1..6 and worker ports) unpickle what they
+# receive, from any peer while this is empty (sglang 0.5.23 srt/utils/network.py, restrict_zmq_peers; a
+# comma-separated list of IP addresses).
+ZMQ_PEERS_ENV = "SGLANG_ZMQ_ALLOWED_PEERS"
+GROUP_WAIT_ENV = "SGLANG_PD_GROUP_WAIT_S"
+HOST_IP_ENV = "SGLANG_HOST_IP"
+
+
+def group_plan(argv: list[str], env: Mapping[str, str], nodes: int, node_rank: int) -> dict[str, object]:
+    """What this engine waits for and whom its ZMQ sockets admit: the group's pods (LWS names them from
+    the leader's address), loopback and this pod's own address; ranks > 0 wait for the leader's
+    rendezvous port (--dist-init-addr) first."""
+    leader = env.get(LWS_LEADER_ADDRESS, "127.0.0.1")
+    hosts = group_hosts(leader, nodes) if nodes > 1 else []
+    doc: dict[str, object] = {"peer_hosts": hosts, "also_allowed": ["127.0.0.1", *filter(None, [env.get(HOST_IP_ENV)])]}
+    if node_rank > 0:
+        doc["wait_for"] = _flag_value(argv, "--dist-init-addr")
+    return doc
+
+
+def _join_group(doc: Mapping[str, object], env: Mapping[str, str]) -> str:
+    """Wait for the group as `group_plan` says; the value of SGLANG_ZMQ_ALLOWED_PEERS."""
+    try:
+        timeout = float(env.get(GROUP_WAIT_ENV, DEFAULT_LEADER_WAIT_S))
+    except ValueError as exc:
+        raise LaunchError(f"{GROUP_WAIT_ENV} must be a number of seconds: {exc}") from exc
+    wait_for = doc.get("wait_for")
+    try:
+        if isinstance(wait_for, str) and wait_for:
+            host, _, port = wait_for.rpartition(":")
+            wait_for_leader(host, int(port), timeout)
+        hosts = doc["peer_hosts"]
+        found = resolve_all(list(hosts), timeout) if isinstance(hosts, list) else []
+    except GroupWaitError as exc:
+        raise LaunchError(str(exc)) from exc
+    also = doc["also_allowed"]
+    return ",".join(dict.fromkeys([*found, *(also if isinstance(also, list) else [])]))
+
+
 def _router_argv(args: argparse.Namespace) -> list[str]:
     extra = [a for a in args.router_args if a != "--"]
     return ["-m", "sglang_pd.deploy.cli", "router", "--topology", args.topology, *extra]
 
 
-def run(args: argparse.Namespace) -> int:
-    t, _ = load_checked_topology(args.topology)
-    key_args: list[str] = []
+def _with_model_path(t: Topology, path: str) -> Topology:
+    """`t` serving the weights at `path` under the name clients already use."""
+    model = t.model.model_copy(update={"path": path, "served_name": t.model.name})
+    moved = t.model_copy(update={"model": model})
+    moved._source_dir = t.source_dir
+    return moved
+
+
+def _spec_nodes(t: Topology, role: Role) -> int:
+    return t.prefill.nodes if role == "prefill" else t.decode.nodes
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return EXIT_INVALID
+
+
+def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
+    os_env = os.environ if environ is None else environ
+    root = Path(args.root)
+    t, _ = load_checked_topology(under_root(root, args.topology))
+    pd_role = as_role(args.role)
     try:
-        if args.role == "router":
-            # The router reads its worker key from the environment itself; check it as sglang's is.
-            for name in (ENV_ROUTER_WORKER_API_KEY, ENV_WORKER_API_KEY):
-                checked_worker_key(os.environ, name)
-            node_rank, argv, role_env = 0, _router_argv(args), {}
-        else:
-            cmd = resolve_command(t, args.role, os.environ)
-            node_rank, argv, role_env = cmd.node_rank, cmd.argv, cmd.env
-            key_args = worker_key_args(argv, os.environ, args.role)
+        pod = pod_settings_from_env(os_env, pd_role)
     except LaunchError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    try:
-        pod = pod_settings_from_env(os.environ)
-    except LaunchError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    if pod is not None and args.role != "router":
+        return _fail(str(exc))
+    role_env: dict[str, str] = {}
+    if pod is not None and pd_role is not None:
         broken = check_rules(t, pod).errors
         if broken:
             listed = "\n".join(f"  - {e}" for e in broken)
-            print(f"error: the pod's settings do not fit the topology:\n{listed}", file=sys.stderr)
-            return 1
-    checks = pod_checks(t, args.role)
+            return _fail(f"the pod's settings do not fit the topology:\n{listed}")
+        if pod.model_source != "hub":
+            if pod.model_path:
+                t = _with_model_path(t, pod.model_path)
+            role_env[HF_OFFLINE_ENV] = "1"
+    key_args: list[str] = []
+    try:
+        if pd_role is None:
+            # The router reads its worker key from the environment itself; check it as sglang's is.
+            for name in (ENV_ROUTER_WORKER_API_KEY, ENV_WORKER_API_KEY):
+                checked_worker_key(os_env, name)
+            node_rank, argv = 0, _router_argv(args)
+        else:
+            cmd = resolve_command(t, args.role, os_env)
+            node_rank, argv, role_env = cmd.node_rank, cmd.argv, {**cmd.env, **role_env}
+            key_args = worker_key_args(argv, os_env, args.role)
+    except LaunchError as exc:
+        return _fail(str(exc))
+    checks = pod_checks(t, args.role, {**os_env, **role_env}, root, pod.model_source if pod else None)
     failed = [c for c in checks if not c.ok and c.required]
+    for c in checks:
+        verdict = "ok" if c.ok else ("FAILED" if c.required else "WARNING")
+        print(f"pod check {c.name}: {verdict}: {c.detail}", file=sys.stderr)
     if args.dry_run:
-        doc = {
+        firewall_doc = _firewall_doc(args, {**os_env, **role_env})
+        doc: dict[str, object] = {
             "role": args.role,
             "node_rank": node_rank,
             "python": sys.executable,  # runs argv, which starts with the module
             "argv": argv + ([f"{API_KEY_FLAG}={API_KEY_SHOWN}"] if key_args else []),
             "env": role_env,
             "checks": [{"name": c.name, "ok": c.ok, "required": c.required, "detail": c.detail} for c in checks],
-            "kv_firewall": _firewall_doc(args, {**os.environ, **role_env}),
+            "kv_firewall": firewall_doc,
         }
+        if pd_role is not None:
+            doc["group"] = group_plan(argv, os_env, _spec_nodes(t, pd_role), node_rank)
         print(json.dumps(doc, indent=2))
-        return 0
-    for c in checks:
-        verdict = "ok" if c.ok else ("FAILED" if c.required else "WARNING")
-        print(f"pod check {c.name}: {verdict}: {c.detail}", file=sys.stderr)
+        # The same verdict as a real start: the pod would not start, so neither does the dry run pass.
+        if failed and not args.skip_checks:
+            return _fail(f"{len(failed)} pod check(s) failed; fix them or pass --skip-checks.")
+        if firewall_doc is not None and "problem" in firewall_doc:
+            return _fail(str(firewall_doc["problem"]))
+        return EXIT_OK
     if failed and not args.skip_checks:
-        print(f"error: {len(failed)} pod check(s) failed; fix them or pass --skip-checks.", file=sys.stderr)
-        return 1
+        return _fail(f"{len(failed)} pod check(s) failed; fix them or pass --skip-checks.")
+    if pd_role is not None:
+        # Ranks > 0 wait for the leader (LWS starts them with it), and every rank admits only its group.
+        try:
+            plan = group_plan(argv, os_env, _spec_nodes(t, pd_role), node_rank)
+            role_env[ZMQ_PEERS_ENV] = _join_group(plan, os_env)
+        except LaunchError as exc:
+            return _fail(str(exc))
     sys.stdout.flush()
-    env = {**os.environ, **role_env}
+    env = {**os_env, **role_env}
     if args.no_kv_firewall and args.role != "router":
         low, high = mooncake_port_range(env)
         print(
@@ -489,7 +724,7 @@ def run(args: argparse.Namespace) -> int:
         os.execvpe(sys.executable, command, env)
         return 0  # unreachable: execvpe replaces this process
     # This process stays: to mask the key, and to keep the peers' addresses in the rules current.
-    secrets = (os.environ[ENV_WORKER_API_KEY],) if key_args else ()
+    secrets = (os_env[ENV_WORKER_API_KEY],) if key_args else ()
     if firewall is None:
         return supervise(command, env, secrets=secrets)
     firewall.start()

@@ -34,6 +34,7 @@ __all__ = [
     "GPU_CAPABILITY",
     "MODEL_SOURCES",
     "RDMA_MODES",
+    "UNPRIVILEGED_HOST_RDMA",
     "DecodeSpec",
     "HardwareSpec",
     "InstanceEndpoint",
@@ -55,6 +56,7 @@ __all__ = [
     "load_topology",
     "parse_topology",
     "required_startup_s",
+    "startup_budget_problem",
 ]
 
 # sglang's default for SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK (sglang/srt/environ.py).
@@ -123,6 +125,12 @@ class HardwareSpec(_Strict):
     rdma_devices: list[str] = Field(
         default_factory=list,
         description="RDMA devices of a node: one shared list, or one per GPU (length = gpus_per_node).",
+    )
+    socket_interface: str | None = Field(
+        None,
+        description="Host interface for NCCL, Gloo and NVSHMEM bootstrap traffic (the chart sets NCCL_SOCKET_IFNAME, "
+        "GLOO_SOCKET_IFNAME and NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME to it), e.g. bond0; None: each picks one, which on "
+        "host-network nodes with CNI and bridge interfaces may be one the other nodes cannot reach.",
     )
     compute_capability: str | None = Field(
         None,
@@ -458,9 +466,15 @@ def required_startup_s(
     load_bytes_per_s: float = DEFAULT_LOAD_BYTES_PER_S,
     warmup_s: int = DEFAULT_WARMUP_S,
 ) -> int:
-    """Seconds from container start to a healthy sglang server on a cold node."""
-    download = weight_bytes / download_bytes_per_s if model_source == "hub" else 0.0
-    return math.ceil(download + weight_bytes / load_bytes_per_s + warmup_s)
+    """Seconds from container start to a healthy sglang server on a cold node. Each step is rounded up to
+    whole seconds in integers, as the chart's template does (templates/_helpers.tpl, startupSeconds), so
+    that both arrive at the same number."""
+
+    def seconds(rate: float) -> int:
+        return -(-weight_bytes // int(rate))
+
+    download = seconds(download_bytes_per_s) if model_source == "hub" else 0
+    return download + seconds(load_bytes_per_s) + warmup_s
 
 
 # The chart's `rdma.mode` and `model.source` values.
@@ -475,7 +489,9 @@ class PodSettings:
     """How the pods of a cluster deployment are set up (the chart's values, or what a pod sees).
 
     The cross-role rules check these against the topology when they are known: `sglang-pd launch`
-    reads them from the environment the chart sets; offline checks pass them explicitly.
+    reads them from the environment the chart sets; offline checks pass them explicitly. The
+    startup figures are the ones the chart derived its startup probe from, so that the pod checks
+    the budget with the chart's numbers, never with defaults of its own.
     """
 
     rdma_mode: RdmaMode = "hostNetwork"
@@ -483,6 +499,15 @@ class PodSettings:
     model_source: ModelSource = "pvc"
     startup_budget_s: int | None = None
     download_bytes_per_s: float = DEFAULT_DOWNLOAD_BYTES_PER_S
+    load_bytes_per_s: float = DEFAULT_LOAD_BYTES_PER_S
+    warmup_s: int = DEFAULT_WARMUP_S
+    # The checkpoint size the chart's budget assumes (model.sizeBytes or its estimate); None: estimated
+    # here from model.config_json.
+    weight_bytes: int | None = None
+    # The weights' directory inside the pod (model.source pvc or hostPath): sglang's --model-path.
+    model_path: str | None = None
+    # The role whose pod this is, for messages naming its chart values; None: offline checks.
+    role: Role | None = None
 
 
 # --- cross-role rules -------------------------------------------------------------------------
@@ -759,33 +784,46 @@ def _graph_cover_rule(d: DecodeSpec, per_rank: int, errors: list[str], warnings:
 def _pod_rules(t: Topology, pod: PodSettings, cfg: dict[str, Any] | None, errors: list[str]) -> None:
     if t.transfer.protocol == "rdma" and pod.rdma_mode == "hostNetwork" and not pod.privileged:
         # A hostPath /dev/infiniband is visible but cannot be opened without device-cgroup access.
-        errors.append(
-            "rdma.mode: hostNetwork mounts the host's /dev/infiniband, whose verbs devices a container opens only "
-            "when privileged, yet securityContext.privileged is false; Mooncake and DeepEP would fail to open "
-            "the NICs. Set securityContext.privileged=true, or rdma.mode=devicePlugin with an RDMA device plugin."
-        )
+        errors.append(UNPRIVILEGED_HOST_RDMA)
     if pod.startup_budget_s is not None:
-        if cfg is None:
+        if pod.weight_bytes is not None:
+            size = pod.weight_bytes
+        elif cfg is not None:
+            size = estimate_weight_bytes(cfg)
+        else:
             errors.append(
                 "model.config_json: the pod's startup budget can be checked only against the model's size; "
-                "set model.config_json."
+                "set model.config_json, or the chart's model.sizeBytes."
             )
             return
-        size = estimate_weight_bytes(cfg)
-        need = required_startup_s(size, pod.model_source, pod.download_bytes_per_s)
+        need = required_startup_s(size, pod.model_source, pod.download_bytes_per_s, pod.load_bytes_per_s, pod.warmup_s)
         if pod.startup_budget_s < need:
-            steps = (
-                f"download ~{size / 1e9:.0f} GB of weights at {pod.download_bytes_per_s / 1e6:.0f} MB/s, load them"
-                if pod.model_source == "hub"
-                else f"load ~{size / 1e9:.0f} GB of weights"
-            )
-            errors.append(
-                f"startupProbe: a {pod.startup_budget_s} s startup budget cannot {steps} and warm up (~{need} s); "
-                f"the probe would restart the pod forever. Raise the startup budget to >= {need} s (leave the "
-                "chart's startupProbe.failureThreshold unset to derive it)"
-                + (
-                    ", or serve the weights from a volume (model.source=pvc or hostPath)."
-                    if pod.model_source == "hub"
-                    else "."
-                )
-            )
+            errors.append(startup_budget_problem(pod.role, pod.startup_budget_s, need, pod.model_source, pod.warmup_s))
+
+
+# The chart's validateValues renders these same sentences (templates/_helpers.tpl), so that a value set
+# the chart refuses reads as `sglang-pd launch` would refuse it; tests/helm/test_pod_conformance.py holds
+# them equal.
+UNPRIVILEGED_HOST_RDMA = (
+    "securityContext.privileged: rdma.mode hostNetwork mounts the host's /dev/infiniband, whose verbs devices a "
+    "container opens only when privileged, but securityContext.privileged is false; Mooncake and DeepEP would fail "
+    "to open the NICs. Leave securityContext.privileged unset (automatic) or true, or set rdma.mode=devicePlugin "
+    "with an RDMA device plugin."
+)
+
+
+def startup_budget_problem(role: str | None, budget_s: int, need_s: int, model_source: str, warmup_s: int) -> str:
+    """Why a startup probe of `budget_s` seconds restarts a pod that needs `need_s` forever, and the fix."""
+    where = f"{role}.startupProbe" if role else "startupProbe"
+    steps = "download and load" if model_source == "hub" else "load"
+    advice = (
+        " Serving the weights from a volume (model.source=pvc or hostPath) removes the download."
+        if model_source == "hub"
+        else ""
+    )
+    return (
+        f"{where}: a startup budget of {budget_s}s (failureThreshold x periodSeconds) cannot cover a cold start of "
+        f"this model (~{need_s}s: {steps} the weights, warm-up of {warmup_s}s); the probe would restart the pod "
+        f"forever. Raise {where}.failureThreshold so that the budget is >= {need_s}s, or unset it to derive it."
+        + advice
+    )

@@ -113,7 +113,9 @@ def test_optional_objects_render_only_when_asked(render) -> None:
         "Role",
         "RoleBinding",
         "Pod",
+        "Job",  # the plan check, a pre-install/pre-upgrade hook
     }
+    assert {d["metadata"]["name"] for d in render() if d["kind"] == "Job"} == {"demo-sglang-pd-plan"}
     on = {d["kind"] for d in render(EVERYTHING_ON)}
     assert {"Job", "AnalysisTemplate", "ServiceMonitor", "PodMonitor", "NetworkPolicy", "Ingress"} <= on
 
@@ -297,8 +299,8 @@ def test_too_small_startup_budget_is_refused(chart) -> None:
     with pytest.raises(helm_python.HelmError, match="VALUES VALIDATION") as info:
         chart.render(values, name="demo", namespace="llm")
     message = str(info.value)
-    assert "decode.startupProbe.failureThreshold: 180 x 10s = 1800s cannot cover a cold start" in message
-    assert "Raise it to >= 292, or unset it to derive it." in message
+    assert "decode.startupProbe: a startup budget of 1800s (failureThreshold x periodSeconds) cannot cover" in message
+    assert "At periodSeconds 10 that is failureThreshold >= 292." in message
 
 
 def test_unknown_model_needs_its_size_for_the_budget(chart, render) -> None:
@@ -307,14 +309,21 @@ def test_unknown_model_needs_its_size_for_the_budget(chart, render) -> None:
     with pytest.raises(helm_python.HelmError, match=r"model\.sizeBytes: the startup budget is derived"):
         chart.render({"topology": topology}, name="demo", namespace="llm")
     spec = _decode_leader(render({"topology": topology, "model": {"sizeBytes": 100_000_000_000}}))
-    # 100 GB: 200 s download + 50 s load + 1200 s warm-up (+2 s rounding) in 10 s periods.
-    assert spec["containers"][0]["startupProbe"]["failureThreshold"] == 146
+    # 100 GB: 200 s download + 50 s load + 1200 s warm-up in 10 s periods.
+    assert spec["containers"][0]["startupProbe"]["failureThreshold"] == 145
 
 
 @pytest.mark.parametrize(
     ("fabric", "want", "absent"),
     [
-        ({}, {"NCCL_IB_HCA": "=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7"}, ["NCCL_IB_GID_INDEX"]),
+        (
+            {},
+            {
+                "NCCL_IB_HCA": "=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7",
+                "NVSHMEM_HCA_LIST": "mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7",
+            },
+            ["NCCL_IB_GID_INDEX", "NCCL_SOCKET_IFNAME"],
+        ),
         (
             {"preset": "roce", "socketInterface": "bond0", "trafficClass": 106},
             {
@@ -337,6 +346,16 @@ def test_fabric_presets(render, fabric, want, absent) -> None:
     env = _env(_decode_leader(render({"fabric": fabric}))["containers"][0])
     assert {k: env.get(k) for k in want} == want
     assert not set(absent) & set(env)
+
+
+def test_the_socket_interface_comes_from_the_topology(render) -> None:
+    topology = preset_topology("deepseek-r1-h200-1p1d")
+    topology["hardware"]["socket_interface"] = "bond0"
+    env = _env(_decode_leader(render({"topology": topology}))["containers"][0])
+    names = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME")
+    assert {k: env[k] for k in names} == dict.fromkeys(names, "bond0")
+    env = _env(_decode_leader(render({"topology": topology, "fabric": {"socketInterface": "eth1"}}))["containers"][0])
+    assert env["NCCL_SOCKET_IFNAME"] == "eth1"  # the chart's value wins
 
 
 def test_own_env_wins_over_the_fabric_preset(render) -> None:
@@ -448,7 +467,17 @@ def test_launch_dry_run_matches_the_plan(render, tmp_path, capsys, rank) -> None
     command = _decode_leader(render({}))["containers"][0]["command"]
     assert command[:6] == ["sglang-pd", "launch", "--role", "decode", "--topology", "/etc/sglang-pd/topology.yaml"]
     proc = subprocess.run(
-        [sys.executable, "-m", "sglang_pd.deploy.cli", *command[1:5], str(path), *command[6:], "--dry-run"],
+        # No GPUs here: the pod checks are test_pod_conformance.py's.
+        [
+            sys.executable,
+            "-m",
+            "sglang_pd.deploy.cli",
+            *command[1:5],
+            str(path),
+            *command[6:],
+            "--dry-run",
+            "--skip-checks",
+        ],
         capture_output=True,
         text=True,
         env=env,
@@ -513,3 +542,26 @@ def test_validate_values_names_the_fix(chart, values, message) -> None:
     with pytest.raises(helm_python.HelmError, match="VALUES VALIDATION") as info:
         chart.render(values, name="demo", namespace="llm")
     assert message in str(info.value)
+
+
+def test_the_only_group_is_not_drained_away(render) -> None:
+    # One decode group of 2 nodes (the default preset): evicting any pod would stop decode, as LWS recreates
+    # the whole group; the budget keeps all its pods until another group runs.
+    pdb = one(render(), "PodDisruptionBudget", "-decode")["spec"]
+    assert pdb["minAvailable"] == 2 and "maxUnavailable" not in pdb
+    opted = one(render({"decode": {"pdb": {"allowLastGroupDisruption": True}}}), "PodDisruptionBudget", "-decode")
+    assert opted["spec"]["maxUnavailable"] == 1
+    # Three prefill instances (the H20 preset): one at a time.
+    prefill = one(render({"preset": "deepseek-v3-h20-3p2d"}), "PodDisruptionBudget", "-prefill")["spec"]
+    assert prefill["maxUnavailable"] == 1 and "minAvailable" not in prefill
+
+
+@pytest.mark.parametrize(
+    ("source", "says"),
+    [("hub", "downloads the weights from the hub"), ("pvc", "loads the weights from the pvc volume (/models, no")],
+)
+def test_notes_say_what_a_cold_start_does_for_the_source(chart, source, says) -> None:
+    values = {"model": {"source": source, "pvc": {"claimName": "w"}}}
+    notes = next(v for k, v in chart.render(values, name="demo", namespace="llm").items() if k.endswith("NOTES.txt"))
+    assert says in notes
+    assert ("downloads" in notes) == (source == "hub")

@@ -143,6 +143,33 @@ Templates read it through "sglang-pd.topologyView"; the ConfigMap holds it verba
 {{- end -}}
 
 {{/*
+Return the data of a topology ConfigMap: the topology and, with model.configFile, the model's config.json.
+*/}}
+{{- define "sglang-pd.topologyData" -}}
+# The one source of truth: every pod renders its own command from this file.
+topology.yaml: |
+  {{- include "sglang-pd.topology" . | nindent 2 }}
+{{- with .Values.model.configFile }}
+# The model's config.json (model.configFile), mounted where topology.model.config_json names it.
+model-config.json: |
+  {{- . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/*
+Return the `items` of a topology ConfigMap volume: with model.configFile, its config.json goes where the
+topology's model.config_json names it, beside the topology; without, nothing (every key, as named).
+*/}}
+{{- define "sglang-pd.topologyItems" -}}
+{{- if .Values.model.configFile -}}
+{{- $t := include "sglang-pd.topologyView" . | fromYaml -}}
+items:
+  - {key: topology.yaml, path: topology.yaml}
+  - {key: model-config.json, path: {{ $t.model.config_json | quote }}}
+{{- end -}}
+{{- end -}}
+
+{{/*
 Return the topology as templates read it: the models' defaults (files/topology-defaults.yaml) under what the user set.
 */}}
 {{- define "sglang-pd.topologyView" -}}
@@ -151,11 +178,36 @@ Return the topology as templates read it: the models' defaults (files/topology-d
 {{- end -}}
 
 {{/*
+Return one line per key of .data that .fields (files/topology-fields.yaml, the topology's models) does not
+know, each named by its path under .path: in the words `sglang-pd launch` would use for it. Helm's schema
+check covers a topology given as values; this covers one given as a string (--set-file topology=FILE).
+*/}}
+{{- define "sglang-pd.unknownKeys" -}}
+{{- $fields := .fields -}}
+{{- range $k, $v := .data -}}
+{{- $where := printf "%s.%s" $.path $k -}}
+{{- if not (hasKey $fields $k) }}
+{{ $where }}: unknown key; remove it or check its spelling against the documented fields
+{{- else if and (kindIs "map" $v) (kindIs "map" (get $fields $k)) }}
+{{- include "sglang-pd.unknownKeys" (dict "data" $v "fields" (get $fields $k) "path" $where) }}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
 Collect every values problem the schema cannot express, then fail once with each fix spelled out.
 */}}
 {{- define "sglang-pd.validateValues" -}}
 {{- $messages := list -}}
 {{- $t := include "sglang-pd.topologyView" . | fromYaml -}}
+{{- if kindIs "string" .Values.topology -}}
+{{- $fields := .Files.Get "files/topology-fields.yaml" | fromYaml -}}
+{{- range include "sglang-pd.unknownKeys" (dict "data" (fromYaml .Values.topology) "fields" $fields "path" "topology") | splitList "\n" -}}
+{{- if . -}}
+{{- $messages = append $messages . -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- if and (eq .Values.model.source "pvc") (not .Values.model.pvc.claimName) -}}
 {{- $messages = append $messages "model.pvc.claimName: model.source is pvc but no claim is named. Set --set model.pvc.claimName=<pvc> or choose model.source=hub|hostPath." -}}
 {{- end -}}
@@ -166,7 +218,8 @@ Collect every values problem the schema cannot express, then fail once with each
 {{- $messages = append $messages "rdma.mode: none gives pods no RDMA NIC, but topology.transfer.protocol is rdma. Set rdma.mode=hostNetwork|devicePlugin or topology.transfer.protocol=tcp." -}}
 {{- end -}}
 {{- if and (eq $t.transfer.protocol "rdma") (eq .Values.rdma.mode "hostNetwork") (not (include "sglang-pd.privileged" . | eq "true")) -}}
-{{- $messages = append $messages "securityContext.privileged: rdma.mode hostNetwork mounts the host's /dev/infiniband, whose verbs devices a container opens only when privileged. Leave securityContext.privileged unset (automatic) or true, or set rdma.mode=devicePlugin with an RDMA device plugin." -}}
+{{- /* The same sentence as sglang-pd launch's (UNPRIVILEGED_HOST_RDMA in deploy/spec/topology.py). */ -}}
+{{- $messages = append $messages "securityContext.privileged: rdma.mode hostNetwork mounts the host's /dev/infiniband, whose verbs devices a container opens only when privileged, but securityContext.privileged is false; Mooncake and DeepEP would fail to open the NICs. Leave securityContext.privileged unset (automatic) or true, or set rdma.mode=devicePlugin with an RDMA device plugin." -}}
 {{- end -}}
 {{- if and (eq .Values.cache.type "pvc") (not .Values.cache.pvc.claimName) -}}
 {{- $messages = append $messages "cache.pvc.claimName: cache.type is pvc but no claim is named. Set --set cache.pvc.claimName=<pvc> or choose cache.type=hostPath|emptyDir." -}}
@@ -183,9 +236,40 @@ Collect every values problem the schema cannot express, then fail once with each
 {{- if ge $need 0 -}}
 {{- $budget := include "sglang-pd.startupBudget" (dict "role" $role "context" $) | int -}}
 {{- if and $probe.failureThreshold (lt $budget $need) -}}
-{{- $messages = append $messages (printf "%s.startupProbe.failureThreshold: %d x %ds = %ds cannot cover a cold start of this model (~%ds: %s the weights, warm-up of %vs); the probe would restart the pod forever. Raise it to >= %d, or unset it to derive it." $role (int $probe.failureThreshold) (int $probe.periodSeconds) $budget $need (ternary "download and load" "load" (eq $.Values.model.source "hub")) $.Values.startupBudget.warmupSeconds (div (add $need (int $probe.periodSeconds) -1) (int $probe.periodSeconds))) -}}
+{{- /* The same sentences as sglang-pd launch's (startup_budget_problem in deploy/spec/topology.py), then the threshold that fits. */ -}}
+{{- $hub := eq $.Values.model.source "hub" -}}
+{{- $advice := ternary " Serving the weights from a volume (model.source=pvc or hostPath) removes the download." "" $hub -}}
+{{- $messages = append $messages (printf "%s.startupProbe: a startup budget of %ds (failureThreshold x periodSeconds) cannot cover a cold start of this model (~%ds: %s the weights, warm-up of %ds); the probe would restart the pod forever. Raise %s.startupProbe.failureThreshold so that the budget is >= %ds, or unset it to derive it.%s At periodSeconds %d that is failureThreshold >= %d." $role $budget $need (ternary "download and load" "load" $hub) (int $.Values.startupBudget.warmupSeconds) $role $need $advice (int $probe.periodSeconds) (div (add $need (int $probe.periodSeconds) -1) (int $probe.periodSeconds))) -}}
 {{- end -}}
 {{- end -}}
+{{- end -}}
+{{- end -}}
+{{- /* The topology rule that most often breaks on a cluster, in plan's own words (_role_rules in deploy/spec/topology.py); the hook Job runs the rest. */ -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- $spec := index $t $role -}}
+{{- $gpn := int $t.hardware.gpus_per_node -}}
+{{- $fill := mul (int $spec.nodes) $gpn -}}
+{{- if ne (int $spec.tp) (int $fill) -}}
+{{- $messages = append $messages (printf "%s.tp: %d GPUs per %s do not fill %s.nodes=%d x hardware.gpus_per_node=%d = %d GPUs. Set %s.tp to %d or %s.nodes to match." $role (int $spec.tp) (ternary "instance" "group" (eq $role "prefill")) $role (int $spec.nodes) $gpn $fill $role $fill $role) -}}
+{{- end -}}
+{{- end -}}
+{{- $config := toString (default "" $t.model.config_json) -}}
+{{- $shipped := .Files.Get "files/model-sizes.yaml" | fromYaml -}}
+{{- if .Values.model.configFile -}}
+{{- if not $config -}}
+{{- $messages = append $messages "model.configFile: a model config is given, but the topology names none; set topology.model.config_json to its file name, e.g. config.json." -}}
+{{- else if or (isAbs $config) (has ".." (splitList "/" $config)) -}}
+{{- $messages = append $messages (printf "topology.model.config_json: %q must be a path relative to the topology (the chart writes model.configFile beside it); set it to a file name, e.g. config.json." $config) -}}
+{{- end -}}
+{{- else if and $config (not (isAbs $config)) (not (hasKey $shipped $config)) -}}
+{{- /* Starts with the sentence sglang-pd launch would fail with (Topology.load_model_config). */ -}}
+{{- $messages = append $messages (printf "model.config_json: file %s does not exist; give a path to the model's config.json (relative to the topology file) or remove the key. The chart ships only %s: pass your file with --set-file model.configFile=%s." (printf "%s/%s" (dir (include "sglang-pd.topologyPath" .)) $config) (join ", " (keys $shipped | sortAlpha)) $config) -}}
+{{- end -}}
+{{- if ne .Values.model.source "hub" -}}
+{{- $mount := trimSuffix "/" .Values.model.mountPath -}}
+{{- $path := include "sglang-pd.modelPath" . -}}
+{{- if not (or (eq $path $mount) (hasPrefix (printf "%s/" $mount) $path)) -}}
+{{- $messages = append $messages (printf "model.path: %q is not under model.mountPath=%s, where the %s volume holds the weights; set model.path to the weights' directory under it (the one holding config.json)." $path $mount .Values.model.source) -}}
 {{- end -}}
 {{- end -}}
 {{- if and .Values.workerKeySecret.name (not .Values.workerKeySecret.key) -}}
@@ -225,6 +309,22 @@ access (sglang's LWS PD example runs privileged too), unprivileged otherwise.
 {{- end -}}
 
 {{/*
+Return the weights' directory inside GPU pods for model.source pvc or hostPath (sglang's --model-path):
+model.path, else topology.model.path when it lies under model.mountPath, else the mount itself.
+*/}}
+{{- define "sglang-pd.modelPath" -}}
+{{- $t := include "sglang-pd.topologyView" . | fromYaml -}}
+{{- $mount := trimSuffix "/" .Values.model.mountPath -}}
+{{- if .Values.model.path -}}
+{{- trimSuffix "/" .Values.model.path -}}
+{{- else if hasPrefix (printf "%s/" $mount) (toString $t.model.path) -}}
+{{- $t.model.path -}}
+{{- else -}}
+{{- $mount -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
 Return the checkpoint size in bytes: model.sizeBytes, else the size sglang-pd estimated from the
 shipped config.json the topology names (files/model-sizes.yaml), else -1.
 */}}
@@ -251,9 +351,12 @@ download (model.source hub) + load + warm-up (DeepGEMM JIT). The same formula as
 {{- if lt $bytes 0 -}}
 -1
 {{- else -}}
-{{- $load := div $bytes (.Values.startupBudget.loadBytesPerSecond | int64) -}}
-{{- $download := ternary (div $bytes (.Values.model.hub.downloadBytesPerSecond | int64)) 0 (eq .Values.model.source "hub") -}}
-{{- add $download $load (.Values.startupBudget.warmupSeconds | int64) 2 -}}
+{{- /* Each step rounded up to whole seconds, in integers, as required_startup_s does. */ -}}
+{{- $loadRate := .Values.startupBudget.loadBytesPerSecond | int64 -}}
+{{- $downloadRate := .Values.model.hub.downloadBytesPerSecond | int64 -}}
+{{- $load := div (add $bytes $loadRate -1) $loadRate -}}
+{{- $download := ternary (div (add $bytes $downloadRate -1) $downloadRate) 0 (eq .Values.model.source "hub") -}}
+{{- add $download $load (.Values.startupBudget.warmupSeconds | int64) -}}
 {{- end -}}
 {{- end -}}
 
@@ -281,14 +384,16 @@ Return a role's startup budget in seconds (failureThreshold x periodSeconds).
 
 {{/*
 Return the fabric environment of GPU pods as a dict (YAML): fabric.preset infiniband or roce,
-the bootstrap interface, and the HCAs from topology.hardware.rdma_devices. NCCL, Gloo, NVSHMEM
+the bootstrap interface (fabric.socketInterface, else topology.hardware.socket_interface), and the
+HCAs from topology.hardware.rdma_devices (NCCL_IB_HCA, NVSHMEM_HCA_LIST), as sglang's LWS example
+and llm-d's wide-EP guide set them. NCCL, Gloo, NVSHMEM
 (DeepEP) and Mooncake read these; RoCE needs the GID index as well.
 */}}
 {{- define "sglang-pd.fabricEnv" -}}
 {{- $t := include "sglang-pd.topologyView" . | fromYaml -}}
 {{- $f := .Values.fabric -}}
 {{- $env := dict -}}
-{{- with $f.socketInterface -}}
+{{- with default $t.hardware.socket_interface $f.socketInterface -}}
 {{- $_ := set $env "NCCL_SOCKET_IFNAME" . -}}
 {{- $_ := set $env "GLOO_SOCKET_IFNAME" . -}}
 {{- $_ := set $env "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME" . -}}
@@ -296,6 +401,8 @@ the bootstrap interface, and the HCAs from topology.hardware.rdma_devices. NCCL,
 {{- if has $f.preset (list "infiniband" "roce") -}}
 {{- with $t.hardware.rdma_devices -}}
 {{- $_ := set $env "NCCL_IB_HCA" (printf "=%s" (join "," .)) -}}
+{{- /* NVSHMEM (DeepEP's transport) picks HCAs by itself otherwise, bonded or management ones included. */ -}}
+{{- $_ := set $env "NVSHMEM_HCA_LIST" (join "," .) -}}
 {{- end -}}
 {{- end -}}
 {{- if eq $f.preset "roce" -}}
@@ -410,6 +517,21 @@ spec:
           value: {{ include "sglang-pd.startupBudget" (dict "role" .role "context" $) | quote }}
         - name: SGLANG_PD_POD_DOWNLOAD_BYTES_PER_S
           value: {{ $.Values.model.hub.downloadBytesPerSecond | int64 | quote }}
+        # The rest of what the startup budget was derived from: the pod checks it with these numbers.
+        - name: SGLANG_PD_POD_LOAD_BYTES_PER_S
+          value: {{ $.Values.startupBudget.loadBytesPerSecond | int64 | quote }}
+        - name: SGLANG_PD_POD_WARMUP_S
+          value: {{ $.Values.startupBudget.warmupSeconds | int64 | quote }}
+        {{- $weights := include "sglang-pd.weightBytes" $ | int64 }}
+        {{- if ge $weights 0 }}
+        - name: SGLANG_PD_POD_WEIGHT_BYTES
+          value: {{ $weights | quote }}
+        {{- end }}
+        {{- if not $hub }}
+        # The weights on the model volume: sglang's --model-path (and no hub download).
+        - name: SGLANG_PD_POD_MODEL_PATH
+          value: {{ include "sglang-pd.modelPath" $ | quote }}
+        {{- end }}
         {{- range $k, $v := merge (dict) $cfg.env $.Values.env (include "sglang-pd.fabricEnv" $ | fromYaml) }}
         - name: {{ $k }}
           value: {{ $v | quote }}
@@ -502,6 +624,7 @@ spec:
     - name: topology
       configMap:
         name: {{ include "sglang-pd.fullname" $ }}-topology
+        {{- include "sglang-pd.topologyItems" $ | nindent 8 }}
     - name: shm
       emptyDir:
         medium: Memory
@@ -590,9 +713,18 @@ metadata:
     {{- include "sglang-pd.labels" $ | nindent 4 }}
     app.kubernetes.io/component: {{ .component }}
 spec:
+  {{- $t := include "sglang-pd.topologyView" $ | fromYaml }}
+  {{- $spec := get $t .component }}
+  {{- $groups := ternary (get (default dict $spec) "instances") (get (default dict $spec) "groups") (eq .component "prefill") }}
   {{- if hasKey .cfg.pdb "minAvailable" }}
   minAvailable: {{ .cfg.pdb.minAvailable }}
+  {{- else if and (eq (int $groups) 1) (not .cfg.pdb.allowLastGroupDisruption) }}
+  # The only {{ .component }} group: LeaderWorkerSet recreates every pod of a group when one goes, so evicting
+  # any one pod stops serving. A drain waits here until another group runs (or allowLastGroupDisruption).
+  minAvailable: {{ $spec.nodes }}
   {{- else }}
+  # Counted in pods, but one eviction takes its whole group down (LWS recreates it), and the group's
+  # new pods count as unavailable until ready: so a voluntary disruption takes one group at a time.
   maxUnavailable: {{ .cfg.pdb.maxUnavailable }}
   {{- end }}
   selector:

@@ -67,7 +67,8 @@ def test_pod_checks_name_the_fix(r1, monkeypatch) -> None:
     assert {"gpus", "shm", "memlock", "rdma"} <= set(checks)
     assert not checks["gpus"].ok
     assert checks["gpus"].detail == (
-        "2 GPU(s) visible, topology needs 8 per node; the pod must request 8 GPUs (hardware.gpus_per_node)"
+        "2 GPU(s) visible (CUDA_VISIBLE_DEVICES), topology needs 8 per node; the pod must request 8 GPUs "
+        "(hardware.gpus_per_node)"
     )
     # This machine has no InfiniBand: the RDMA check fails and says how to expose it.
     if not Path("/sys/class/infiniband").is_dir():
@@ -78,8 +79,11 @@ def test_pod_checks_name_the_fix(r1, monkeypatch) -> None:
 def test_dry_run_prints_argv_env_and_checks(capsys, monkeypatch) -> None:
     for k, v in {**LWS, "LWS_WORKER_INDEX": "1"}.items():
         monkeypatch.setenv(k, v)
-    assert main(["launch", "--role", "decode", "--topology", str(R1), "--dry-run"]) == 0
-    doc = json.loads(capsys.readouterr().out)
+    # No GPUs or IB devices here: the dry run prints what it would run, and fails as the start would.
+    assert main(["launch", "--role", "decode", "--topology", str(R1), "--dry-run"]) == 1
+    out, err = capsys.readouterr()
+    assert "error: 2 pod check(s) failed; fix them or pass --skip-checks." in err
+    doc = json.loads(out)
     assert doc["node_rank"] == 1 and doc["env"] == {
         "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK": "128",
         "SGLANG_PD_SBO_MODE": "full",
@@ -92,7 +96,7 @@ def test_failed_checks_stop_the_launch(capsys, monkeypatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     assert main(["launch", "--role", "prefill", "--topology", str(R1)]) == 1
     err = capsys.readouterr().err
-    assert "pod check gpus: FAILED: 1 GPU(s) visible, topology needs 8 per node" in err
+    assert "pod check gpus: FAILED: 1 GPU(s) visible (CUDA_VISIBLE_DEVICES), topology needs 8 per node" in err
     assert "pod check(s) failed; fix them or pass --skip-checks" in err
 
 
@@ -120,7 +124,7 @@ NO_FIREWALL = "--no-kv-firewall"
 
 
 def test_dry_run_shows_the_kv_rules_it_would_install(capsys) -> None:
-    argv = ["launch", "--role", "prefill", "--topology", str(R1), "--dry-run"]
+    argv = ["launch", "--role", "prefill", "--topology", str(R1), "--dry-run", "--skip-checks"]  # no GPUs here
     assert main([*argv, "--kv-peers", "p.llm, d.llm", "--kv-allow-from", "10.20.0.0/16"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["kv_firewall"] == {
@@ -131,8 +135,10 @@ def test_dry_run_shows_the_kv_rules_it_would_install(capsys) -> None:
     }
     assert main([*argv, NO_FIREWALL]) == 0
     assert json.loads(capsys.readouterr().out)["kv_firewall"] == {"off": True}
-    assert main([*argv]) == 0  # a dry run reports the problem, as it reports failed checks
-    assert "would accept no peer" in json.loads(capsys.readouterr().out)["kv_firewall"]["problem"]
+    assert main([*argv]) == 1  # a dry run reports the problem, and fails as the start would
+    out, err = capsys.readouterr()
+    assert "would accept no peer" in json.loads(out)["kv_firewall"]["problem"]
+    assert "error: the Mooncake ports of this engine would accept no peer" in err
     assert main(["launch", "--role", "router", "--topology", str(R1), "--dry-run"]) == 0
     assert json.loads(capsys.readouterr().out)["kv_firewall"] is None  # the router opens no KV port
 
@@ -146,7 +152,7 @@ def test_dry_run_shows_the_kv_rules_it_would_install(capsys) -> None:
     ids=["no-peer", "bad-range"],
 )
 def test_an_engine_without_valid_peers_does_not_start(monkeypatch, capsys, flags, message) -> None:
-    monkeypatch.setattr(launch, "pod_checks", lambda t, role: [])
+    monkeypatch.setattr(launch, "pod_checks", lambda *a, **k: [])
     started: list[tuple] = []
     monkeypatch.setattr(launch.os, "execvpe", lambda *a: started.append(a))
     monkeypatch.setattr(launch, "supervise", lambda *a, **k: started.append(a) or 0)
@@ -159,7 +165,7 @@ def test_an_http_port_inside_the_kv_range_is_refused(monkeypatch, capsys, tmp_pa
     t["prefill"]["port"] = 15500
     path = tmp_path / "r1.yaml"
     path.write_text(yaml.safe_dump(t))
-    monkeypatch.setattr(launch, "pod_checks", lambda t, role: [])
+    monkeypatch.setattr(launch, "pod_checks", lambda *a, **k: [])
     monkeypatch.setattr(launch.os, "execvpe", lambda *a: pytest.fail("sglang started"))
     argv = ["launch", "--role", "prefill", "--topology", str(path), "--kv-allow-from", "10.0.0.0/8"]
     assert main(argv) == 1
@@ -194,7 +200,7 @@ def test_capability_is_read_from_capeff(tmp_path) -> None:
 
 def _memlock_check(monkeypatch, tmp_path, limit: int, cap: str):
     monkeypatch.setattr(node.resource, "getrlimit", lambda _: (limit, limit))
-    monkeypatch.setattr(node.has_capability, "__defaults__", (_status(tmp_path, cap),))
+    monkeypatch.setattr(launch, "PROC_STATUS", _status(tmp_path, cap))
     return {c.name: c for c in pod_checks(load_topology(R1), "decode")}["memlock"]
 
 
@@ -209,7 +215,7 @@ def test_memlock_without_the_capability_warns_but_does_not_stop_the_pod(monkeypa
     assert not check.ok and not check.required
     assert "no CAP_IPC_LOCK" in check.detail and "add the IPC_LOCK capability" in check.detail
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
-    monkeypatch.setattr(launch, "pod_checks", lambda t, role: [check])
+    monkeypatch.setattr(launch, "pod_checks", lambda *a, **k: [check])
     started: list[tuple] = []
     for name in ("execve", "execvpe"):  # the launcher replaces itself with sglang: record it instead
         monkeypatch.setattr(launch.os, name, lambda *a: started.append(a))
@@ -275,8 +281,11 @@ def test_pod_settings_that_break_a_rule_stop_the_launch(monkeypatch, capsys) -> 
     assert main(["launch", "--role", "prefill", "--topology", str(R1), "--dry-run"]) == 1
     err = capsys.readouterr().err
     assert "the pod's settings do not fit the topology" in err
-    assert "rdma.mode: hostNetwork mounts the host's /dev/infiniband" in err
-    assert "startupProbe: a 1800 s startup budget cannot download ~684 GB" in err
+    assert "securityContext.privileged: rdma.mode hostNetwork mounts the host's /dev/infiniband" in err
+    assert (
+        "prefill.startupProbe: a startup budget of 1800s (failureThreshold x periodSeconds) cannot cover a cold " in err
+    )
+    assert "(~2912s: download and load the weights, warm-up of 1200s)" in err
 
 
 # --- the worker key: sglang gets `--api-key=KEY` from the environment at start ---------------------
@@ -291,7 +300,7 @@ def _exec_prefill(monkeypatch, topology: Path = R1) -> tuple[int, list[list[str]
 
 def _start_prefill(monkeypatch, topology: Path = R1) -> tuple[int, list[list[str]], list[tuple[str, ...]]]:
     """As `_exec_prefill`, also recording how it started: ("exec",) or ("supervise", *secrets)."""
-    monkeypatch.setattr(launch, "pod_checks", lambda t, role: [])
+    monkeypatch.setattr(launch, "pod_checks", lambda *a, **k: [])
     started: list[list[str]] = []
     how: list[tuple[str, ...]] = []
 
@@ -323,7 +332,8 @@ def test_the_worker_key_is_added_from_the_env_and_sglang_then_runs_supervised(mo
 
 def test_dry_run_masks_the_worker_key(monkeypatch, capsys) -> None:
     monkeypatch.setenv(ENV_WORKER_API_KEY, WORKER_KEY)
-    assert main(["launch", "--role", "prefill", "--topology", str(R1), "--dry-run"]) == 0
+    argv = ["launch", "--role", "prefill", "--topology", str(R1), "--dry-run", "--skip-checks", NO_FIREWALL]
+    assert main(argv) == 0
     out = capsys.readouterr().out
     assert json.loads(out)["argv"][-1] == "--api-key=${SGLANG_PD_WORKER_API_KEY}"
     assert WORKER_KEY not in out
@@ -389,3 +399,88 @@ def test_kv_probe_and_launch_give_one_memlock_advice(monkeypatch, tmp_path) -> N
     advice = diagnose(RegistrationRefused("ibv_reg_mr failed"))
     assert advice == f"the locked-memory limit is 65536 bytes: {node.MEMLOCK_FIX}."
     assert check.detail.endswith(node.MEMLOCK_FIX)
+
+
+# --- GPUs as NVIDIA's device plugin exposes them; NICs as the topology names them -----------------
+
+
+def test_gpus_are_counted_from_the_devices_under_each_device_plugin_strategy(tmp_path) -> None:
+    listing = tmp_path / "var/run/nvidia-container-devices"
+    listing.mkdir(parents=True)
+    for i in range(8):
+        (listing / f"GPU-{i:08x}").write_text("")
+    # volume-mounts (Bottlerocket's and EKS's default): the variable names a directory, one file per GPU.
+    mounted = {"NVIDIA_VISIBLE_DEVICES": "/var/run/nvidia-container-devices"}
+    assert launch.visible_gpus(mounted, tmp_path) == (
+        8,
+        "the device plugin's list in /var/run/nvidia-container-devices",
+    )
+    # envvar: the GPUs' UUIDs.
+    assert launch.visible_gpus({"NVIDIA_VISIBLE_DEVICES": "GPU-a,GPU-b"}, tmp_path) == (2, "NVIDIA_VISIBLE_DEVICES")
+    # The toolkit's device nodes count, whatever the variable says (CUDA images set it to `all`).
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for name in ("nvidia0", "nvidia1", "nvidia2", "nvidia3", "nvidiactl", "nvidia-uvm", "nvidia-uvm-tools"):
+        (dev / name).write_text("")
+    assert launch.visible_gpus({"NVIDIA_VISIBLE_DEVICES": "all"}, tmp_path) == (4, "/dev/nvidia<N>")
+    assert launch.visible_gpus({**mounted, "CUDA_VISIBLE_DEVICES": "0,1"}, tmp_path) == (2, "CUDA_VISIBLE_DEVICES")
+
+
+def test_the_rdma_devices_nccl_gets_must_exist_on_the_node(r1, tmp_path) -> None:
+    for name in ("mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3", "mlx5_4", "mlx5_5", "mlx5_6", "mlx5_7"):
+        (tmp_path / "sys/class/infiniband" / name).mkdir(parents=True)
+    assert {c.name: c for c in pod_checks(r1, "decode", {}, tmp_path)}["rdma"].ok
+    # Mooncake's devices are right, but NCCL_IB_HCA (hardware.rdma_devices) names one the node lacks.
+    t = r1.model_copy(update={"hardware": r1.hardware.model_copy(update={"rdma_devices": ["mlx5_0", "mlx5_bond_0"]})})
+    rdma = {c.name: c for c in pod_checks(t, "decode", {}, tmp_path)}["rdma"]
+    assert not rdma.ok and rdma.required
+    assert rdma.detail.endswith(
+        "; missing mlx5_bond_0 named in hardware.rdma_devices: name this node's devices "
+        "(ls /sys/class/infiniband) there"
+    )
+
+
+def test_weights_on_a_volume_need_their_config_json_and_no_hub(r1, tmp_path) -> None:
+    checks = {c.name: c for c in pod_checks(r1, "prefill", {}, tmp_path, model_source="pvc")}
+    assert not checks["model"].ok
+    assert checks["model"].detail.startswith(
+        "model.source is pvc, but --model-path is 'deepseek-ai/DeepSeek-R1', a hub"
+    )
+    assert "model" not in {c.name for c in pod_checks(r1, "prefill", {}, tmp_path, model_source="hub")}
+
+
+# --- the group: ranks wait for their leader; sglang's ZMQ sockets admit only the group's pods ---------
+
+
+def test_a_decode_rank_waits_for_its_leader_and_admits_only_its_group(monkeypatch, capsys) -> None:
+    for k, v in {**LWS, "LWS_WORKER_INDEX": "1", "SGLANG_HOST_IP": "10.0.0.12"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(launch, "pod_checks", lambda *a, **k: [])
+    waited: list[tuple] = []
+    monkeypatch.setattr(launch, "wait_for_leader", lambda host, port, timeout: waited.append((host, port, timeout)))
+    addresses = {"decode-0.decode.llm": "10.0.0.11", "decode-0-1.decode.llm": "10.0.0.12"}
+    monkeypatch.setattr(launch, "resolve_all", lambda hosts, timeout: [addresses[h] for h in hosts])
+    started: list[dict] = []
+    monkeypatch.setattr(launch.os, "execvpe", lambda file, argv, env: started.append(env))
+    argv = ["launch", "--role", "decode", "--topology", str(R1), NO_FIREWALL]
+    assert main(argv) == 0
+    assert waited == [("decode-0.decode.llm", 5000, 1800.0)]
+    assert started[0]["SGLANG_ZMQ_ALLOWED_PEERS"] == "10.0.0.11,10.0.0.12,127.0.0.1"
+    # The dry run shows the plan, names not addresses: nothing is waited for or resolved.
+    assert main([*argv, "--dry-run", "--skip-checks"]) == 0
+    group = json.loads(capsys.readouterr().out)["group"]
+    assert group == {
+        "peer_hosts": ["decode-0.decode.llm", "decode-0-1.decode.llm"],
+        "also_allowed": ["127.0.0.1", "10.0.0.12"],
+        "wait_for": "decode-0.decode.llm:5000",
+    }
+
+
+def test_a_leader_that_never_comes_stops_the_rank(monkeypatch, capsys) -> None:
+    for k, v in {**LWS, "LWS_WORKER_INDEX": "1", "SGLANG_PD_GROUP_WAIT_S": "0"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(launch, "pod_checks", lambda *a, **k: [])
+    monkeypatch.setattr(launch.os, "execvpe", lambda *a: pytest.fail("sglang started"))
+    assert main(["launch", "--role", "decode", "--topology", str(R1), NO_FIREWALL]) == 1
+    err = capsys.readouterr().err
+    assert "error: the group's leader decode-0.decode.llm:5000 does not accept connections" in err
