@@ -38,7 +38,8 @@ else
   say "DeepEP build FAILED:"; tail -n 30 "$out/build.log" | tee -a "$log"; exit 1
 fi
 NVSHMEM_LIB=$("$PY" -c 'import nvidia.nvshmem as m; print(list(m.__path__)[0] + "/lib")')
-export PYTHONPATH=/tmp/deepep${PYTHONPATH:+:$PYTHONPATH}
+# The checkout as the package it is (`sglang_pd.<part>`, .mypy-root links the parts), beside DeepEP.
+export PYTHONPATH=/tmp/deepep:$PWD/.mypy-root${PYTHONPATH:+:$PYTHONPATH}
 export LD_LIBRARY_PATH=$NVSHMEM_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
 say "DeepEP's test_low_latency.py, one rank, 16 experts"
