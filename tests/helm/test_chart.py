@@ -565,3 +565,20 @@ def test_notes_say_what_a_cold_start_does_for_the_source(chart, source, says) ->
     notes = next(v for k, v in chart.render(values, name="demo", namespace="llm").items() if k.endswith("NOTES.txt"))
     assert says in notes
     assert ("downloads" in notes) == (source == "hub")
+
+
+def test_pods_without_cuda_run_the_slim_image(render) -> None:
+    docs = render()
+    router = one(docs, "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]
+    assert router["image"] == "ghcr.io/sglang-pd/sglang-pd-cpu:0.1.0"
+    engines = [
+        c["image"]
+        for d in by_kind(docs, "LeaderWorkerSet")
+        for pod in lws_pod_templates(d).values()
+        for c in pod["spec"]["containers"]
+    ]
+    assert engines and set(engines) == {"ghcr.io/sglang-pd/sglang-pd:0.1.0-sglang0.5.23"}
+    # Without a slim image every pod runs the one image, as before.
+    docs = render({"cpuImage": {"repository": ""}, "image": {"pullPolicy": "Always"}})
+    router = one(docs, "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]
+    assert (router["image"], router["imagePullPolicy"]) == ("ghcr.io/sglang-pd/sglang-pd:0.1.0-sglang0.5.23", "Always")

@@ -68,6 +68,19 @@ Return the label selector string the router watches for one role's leader pods (
 {{/*
 Return the image reference.
 */}}
+{{/* The slim image of the pods that need neither CUDA nor sglang (router, gate, plan hook); `image` when unset. */}}
+{{- define "sglang-pd.cpuImage" -}}
+{{- if .Values.cpuImage.repository -}}
+{{- printf "%s:%s" .Values.cpuImage.repository .Values.cpuImage.tag -}}
+{{- else -}}
+{{- include "sglang-pd.image" . -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "sglang-pd.cpuImagePullPolicy" -}}
+{{- if .Values.cpuImage.repository -}}{{ .Values.cpuImage.pullPolicy }}{{- else -}}{{ .Values.image.pullPolicy }}{{- end -}}
+{{- end -}}
+
 {{- define "sglang-pd.image" -}}
 {{- printf "%s:%s" .Values.image.repository .Values.image.tag -}}
 {{- end -}}

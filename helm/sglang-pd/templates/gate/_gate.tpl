@@ -33,8 +33,8 @@ questions, never stores, and writes its verdict for node-exporter's textfile col
 {{- $c := $.Values.gate.canary -}}
 {{- $timeout := ternary $c.timeoutSeconds $g.timeoutSeconds $canary -}}
 - name: {{ .name }}
-  image: {{ include "sglang-pd.image" $ }}
-  imagePullPolicy: {{ $.Values.image.pullPolicy }}
+  image: {{ include "sglang-pd.cpuImage" $ }}
+  imagePullPolicy: {{ include "sglang-pd.cpuImagePullPolicy" $ }}
   command:
     - sglang-pd
     - eval
