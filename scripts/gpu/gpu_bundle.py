@@ -264,7 +264,8 @@ def main() -> None:
     print(f"{args.out}: {manifest['archive_bytes'] / 2**20:.1f} MiB in {len(names)} parts ({', '.join(names)})")
     for i, name in enumerate(names):
         print(
-            f"  call {i + 1}: carry .gpu_bundle/manifest.json .gpu_bundle/{name}; run bash scripts/gpu/gpu_pd_run.sh $OUT"
+            f"  call {i + 1}: carry .gpu_bundle/manifest.json .gpu_bundle/{name}; "
+            "run bash scripts/gpu/gpu_pd_run.sh $OUT"
         )
 
 
