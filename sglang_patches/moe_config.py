@@ -14,7 +14,7 @@ runtime flag that the refusal guarded. The two releases read it from different p
   copy with it off, so the caller's arguments still say what the operator asked.
 
 When the asked-for half cannot run, sglang's refusal stands and our message says what is missing.
-After seeding, the log line says what sglang will actually run, from sglang's own `SboFlags`.
+Once the MoE flags are set, the log line says what sglang will actually run, from its own `SboFlags`.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def ep_nodes(server_args: Any) -> int:
 
 
 def effective_sbo() -> str:
-    """What sglang's `SboFlags` will run: "full", "shared-only" or "off" (read after the flags are seeded)."""
+    """What sglang's `SboFlags` will run: "full", "shared-only" or "off" (read once sglang has set its MoE flags)."""
     from sglang.srt.batch_overlap.single_batch_overlap import SboFlags
 
     if SboFlags.enable_combine_down_gemm_two_stream_overlap():

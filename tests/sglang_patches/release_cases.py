@@ -2,7 +2,8 @@
 
 `python tests/sglang_patches/release_cases.py ANTGROUP_ROOT` (with PYTHONPATH pointing at a side
 install of another sglang release): sglang's real `initialize_moe_config` at compute capability (9, 0),
-first without the plugin, then under its hooks for each case, then the hooks' effect probes. The
+first without the plugin, then under its hooks as sglang's own `load_plugins()` applies them (mode
+full), then with every hook applied (the effect probes, and the shared-only case). The
 DeepEP is the installed sgl-deep-ep, or DeepEP antgroup-opt's sources under ANTGROUP_ROOT for the
 cases that name it.
 """
@@ -21,6 +22,8 @@ def main(antgroup_root: str) -> dict[str, Any]:
 
     import sglang.srt.layers.moe.utils as moe_utils
     import torch
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.plugins.hook_registry import HookRegistry
     from sglang.srt.runtime_context import get_flags, publish
 
     from sglang_pd.sglang_patches import down_gemm, plugin, probes, status
@@ -87,13 +90,22 @@ def main(antgroup_root: str) -> dict[str, Any]:
 
     out: dict[str, Any] = {"sglang": importlib.metadata.version("sglang"), "takes_server_args": takes_args}
     out["unhooked"] = run("full", "antgroup-opt")
-    out["probes"] = probes.probe_all(plugin.HOOKS)  # applies every hook, as the plugin's modes together do
+    # sglang's own plugin loader, as every sglang process runs it: our entry point, mode full.
+    os.environ[status.SBO_MODE_ENV] = "full"
+    os.environ.pop("SGLANG_PLUGINS", None)
+    load_plugins()
+    out["patched_by_load_plugins"] = sorted(
+        name for name, spec in plugin.HOOKS.items() if spec.target in HookRegistry._patched
+    )
     out["full"] = run("full", "antgroup-opt")
     out["full-two-nodes"] = run("full", "antgroup-opt", *two_nodes)
-    out["shared-only"] = run("shared-only", "sgl-deep-ep", *two_nodes)
     out["full-triton-runner"] = run("full", "antgroup-opt", "--moe-runner-backend", "triton")
     out["full-sgl-deep-ep-two-nodes"] = run("full", "sgl-deep-ep", *two_nodes)
     out["full-sgl-deep-ep-3-send-sms"] = run("full", "sgl-deep-ep")
+    # Every hook at once (the shared-only one too); re-wrapping the full mode's hooks is harmless, since
+    # each passes through what is not its own (a masked SBO flag, an adapted buffer, a signal it set).
+    out["probes"] = probes.probe_all(plugin.HOOKS)
+    out["shared-only"] = run("shared-only", "sgl-deep-ep", *two_nodes)
     os.environ[status.COMBINE_SEND_SMS_ENV] = str(status.DEEPEP_LAYOUT_SEND_SMS)
     out["full-sgl-deep-ep-32-send-sms"] = run("full", "sgl-deep-ep")
     return out

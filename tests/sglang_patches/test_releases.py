@@ -57,6 +57,10 @@ def test_the_release_reads_sbo_where_the_hook_expects(release: dict[str, Any]) -
     assert release["takes_server_args"] is (release["sglang"] == SGLANG_GPU_VERSION)
 
 
+def test_sglangs_plugin_loader_applies_the_full_modes_hooks(release: dict[str, Any]) -> None:
+    assert release["patched_by_load_plugins"] == ["combine-call", "combine-signal", "down-gemm", "moe-config"]
+
+
 def test_unhooked_sglang_refuses_sbo_on_sm90(release: dict[str, Any]) -> None:
     case = release["unhooked"]
     assert not case["accepted"] and case["error"].startswith(REFUSAL)
