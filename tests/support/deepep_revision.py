@@ -8,6 +8,7 @@ has the same parameters as its `low_latency_dispatch` (line 560), annotations le
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -63,5 +64,6 @@ def install(root: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.delitem(sys.modules, "deep_ep", raising=False)
     monkeypatch.syspath_prepend(str(root))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p))
-    status.deepep_layout.cache_clear()
+    # A fresh decision cache for as long as the patch lasts: the process's own one comes back with undo.
+    monkeypatch.setattr(status, "deepep_layout", functools.cache(status.deepep_layout.__wrapped__))
     return buffer

@@ -13,7 +13,6 @@ from sglang_pd.deploy.cli import main
 from sglang_pd.deploy.ops import doctor
 from sglang_pd.deploy.spec.topology import parse_topology
 from sglang_pd.sglang_patches import status
-from tests.support import deepep_revision
 
 pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves it out
 
@@ -48,13 +47,6 @@ def test_table_report(capsys: pytest.CaptureFixture[str]) -> None:
     rows = ("sglang", "sgl-deep-ep", "sgl-deep-gemm", "GPU", "our sm_90 kernel", "DeepEP driver options", "SBO full")
     for row in rows:
         assert any(line.startswith(row) for line in out.splitlines()), row
-
-
-@pytest.fixture
-def antgroup_deepep(tmp_path, monkeypatch: pytest.MonkeyPatch):
-    """DeepEP antgroup-opt's sources as the installed DeepEP (here and in child processes)."""
-    yield deepep_revision.install(tmp_path / "antgroup-opt", monkeypatch)
-    status.deepep_layout.cache_clear()
 
 
 def test_sm90_with_our_kernel_and_antgroup_opt_serves_both_halves(sm90, antgroup_deepep) -> None:
