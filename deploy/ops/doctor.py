@@ -256,7 +256,10 @@ def _preset_flags() -> FlagReport | None:
 def format_table(doc: dict[str, Any]) -> str:
     rows: list[tuple[str, str]] = [(name, v or "-") for name, v in doc["versions"].items()]
     g = doc["gpu"]
-    rows.append(("GPU", f"{g['name']} x{g['count']} ({g['capability']})" if g["capability"] else "none visible"))
+    if g["count"] == 0 and g["capability"]:  # `--capability`: no GPU is looked at
+        rows.append(("GPU", f"none looked at; judged as {g['capability']} (--capability)"))
+    else:
+        rows.append(("GPU", f"{g['name']} x{g['count']} ({g['capability']})" if g["capability"] else "none visible"))
     k = doc["kernel"]
     if k["usable"]:
         gluon = "yes" if k["warp_specialized"] else "no (Triton only: needs triton.experimental.gluon on sm_90)"
@@ -340,7 +343,7 @@ def sbo_topology_warnings(t: Topology) -> list[str]:
             "set decode.sbo: off."
         ]
     from sglang_pd.sglang_patches import status
-    from sglang_pd.sglang_patches.targets import SGLANG_TARGET_VERSION
+    from sglang_pd.sglang_patches.targets import SGLANG_TARGET_VERSION, SUPPORTED_SGLANG_VERSIONS
 
     warnings = []
     eps = importlib.metadata.entry_points(group="sglang.srt.plugins")
@@ -355,7 +358,7 @@ def sbo_topology_warnings(t: Topology) -> list[str]:
             "set decode.sbo: shared-only."
         )
     installed = status.distribution_version("sglang")
-    if installed is not None and installed != SGLANG_TARGET_VERSION:
+    if installed is not None and installed not in SUPPORTED_SGLANG_VERSIONS:
         warnings.append(
             f"decode.sbo: {mode.value} on {t.hardware.gpu} (sm_90) relies on hooks written for sglang "
             f"{SGLANG_TARGET_VERSION}; sglang {installed} is installed here (run `sglang-pd doctor`)."

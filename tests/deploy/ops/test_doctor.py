@@ -89,7 +89,7 @@ def test_capability_is_assumed_where_no_gpu_is_visible(antgroup_deepep, capsys: 
         status.assume_capability(None)
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "assumed (--capability)" in out and "(sm_90)" in out
+    assert "none looked at; judged as sm_90 (--capability)" in out
     assert status.device_capability() != (9, 0) or status.assumed_capability() is None
 
 
@@ -257,3 +257,13 @@ def test_kv_probe_reports_the_driver_options(monkeypatch) -> None:
     assert row == {"check": "deepep-driver", "ok": False, "advisory": True, "detail": missing["detail"]}
     monkeypatch.setattr(doctor, "deepep_driver", lambda: {"ok": None, "driver": False, "detail": "no NVIDIA driver"})
     assert kv_cli._deepep_driver_check()["ok"] is True  # nothing to check on a machine without the driver
+
+
+@pytest.mark.parametrize(("installed", "warned"), [("0.5.23", False), ("0.5.17", False), ("0.5.99", True)])
+def test_plan_warns_only_for_an_sglang_the_hooks_were_not_tested_in(
+    preset_dict, monkeypatch: pytest.MonkeyPatch, installed: str, warned: bool
+) -> None:
+    real = status.distribution_version
+    monkeypatch.setattr(status, "distribution_version", lambda name: installed if name == "sglang" else real(name))
+    warnings = doctor.sbo_topology_warnings(parse_topology(preset_dict()))
+    assert any("relies on hooks written for sglang 0.5.23" in w for w in warnings) is warned
