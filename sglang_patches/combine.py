@@ -14,7 +14,10 @@ Blackwell). When `status.deepep_layout()` says "deepep", two hooks bridge the ga
   `block_m` and `num_sms` have no counterpart and are dropped.
 
 With a DeepEP that takes sglang's keywords ("sglang" layout) both hooks pass everything through;
-DeepEP's `antgroup-opt` branch (DeepEP PR #483, the one `scripts/gpu/build_deepep.sh` builds) is one.
+DeepEP's `antgroup-opt` branch (DeepEP PR #483, the one `scripts/gpu/build_deepep.sh` and the image
+build) is one. The "deepep" layout is served only where `status.layout_contract` allows it: one node,
+and sglang giving the combine the 32 send SMs sgl-deep-ep launches; elsewhere SBO full is refused at
+start (`moe_config.why_not`) rather than trapping or hanging in the first overlapped combine.
 """
 
 from __future__ import annotations

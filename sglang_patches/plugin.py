@@ -12,7 +12,13 @@ from __future__ import annotations
 import logging
 
 from sglang_pd.sglang_patches import combine, down_gemm, moe_config, shared_only, status
-from sglang_pd.sglang_patches.targets import SGLANG_TARGET_VERSION, HookSpec, HookTargetMissing, check_target
+from sglang_pd.sglang_patches.targets import (
+    SGLANG_TARGET_VERSION,
+    SUPPORTED_SGLANG_VERSIONS,
+    HookSpec,
+    HookTargetMissing,
+    check_target,
+)
 
 __all__ = ["HOOKS", "hooks_for", "register"]
 
@@ -79,10 +85,12 @@ def register() -> None:
 
     mode = status.sbo_mode()
     installed = status.distribution_version("sglang")
-    if installed != SGLANG_TARGET_VERSION:
+    if installed not in SUPPORTED_SGLANG_VERSIONS:
         logger.warning(
-            "sglang-pd plugin: hooks were written for sglang %s, this is sglang %s; their targets are checked.",
+            "sglang-pd plugin: hooks were written for sglang %s (and tested in %s), this is sglang %s; "
+            "their targets are checked (`sglang-pd doctor` also probes their effect).",
             SGLANG_TARGET_VERSION,
+            ", ".join(SUPPORTED_SGLANG_VERSIONS),
             installed,
         )
     missing: list[str] = []

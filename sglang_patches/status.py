@@ -18,7 +18,7 @@ import importlib.util
 import inspect
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -28,19 +28,26 @@ from sglang_pd.deploy.common.contract import ENV_SBO_MODE
 __all__ = [
     "COMBINE_KWARGS_DEEPEP",
     "COMBINE_KWARGS_SGLANG",
+    "COMBINE_SEND_SMS_ENV",
+    "DEEPEP_LAYOUT_SEND_SMS",
     "KERNEL_MODULE",
+    "LAYOUT_FIX",
     "SBO_MODES",
     "SBO_MODE_ENV",
     "Availability",
     "LayoutDecision",
     "SignalLayout",
+    "assume_capability",
+    "assumed_capability",
     "combine_half",
     "deepep_layout",
     "device_capability",
     "distribution_version",
     "kernel_status",
+    "layout_contract",
     "layout_for_params",
     "sbo_mode",
+    "sglang_combine_send_sms",
     "shared_half",
 ]
 
@@ -89,8 +96,22 @@ def distribution_version(name: str) -> str | None:
         return None
 
 
+_assumed: list[tuple[int, int]] = []
+
+
+def assume_capability(cap: tuple[int, int] | None) -> None:
+    """Answer `cap` for the device from now on (`doctor --capability`, where no GPU is visible); None: undo."""
+    _assumed[:] = [] if cap is None else [cap]
+
+
+def assumed_capability() -> tuple[int, int] | None:
+    return _assumed[0] if _assumed else None
+
+
 def device_capability() -> tuple[int, int] | None:
     """Compute capability of the current CUDA device, or None without one (tests patch this)."""
+    if _assumed:
+        return _assumed[0]
     try:
         import torch
 
@@ -210,12 +231,77 @@ def shared_half() -> Availability:
     return Availability(True, detail={"source": source})
 
 
-def combine_half() -> Availability:
-    """The down GEMM signalling combine-send: needs our kernel and a DeepEP signal layout."""
+# %%
+# The DeepEP contract of full SBO on sm_90.
+
+#: sglang's environment variable for the SMs its low-latency combine sends on while the down GEMM runs
+#: (`srt/batch_overlap/single_batch_overlap.py`, `compute_overlap_args`); the GEMM gets the rest.
+COMBINE_SEND_SMS_ENV = "SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS"
+#: sglang's value without it on sm_90 (32 on Blackwell): 3 send SMs, 129 GEMM programs on an H200's 132.
+SM90_DEFAULT_SEND_SMS = 3
+#: The send SMs sgl-deep-ep 0.1.2.post1's `combine_overlappable` (the "deepep" layout) launches whatever
+#: sglang asks: sglang's `num_sms` has no counterpart in that contract (combine.py drops it).
+DEEPEP_LAYOUT_SEND_SMS = 32
+#: What makes full SBO safe on sm_90: a DeepEP whose combine takes sglang's own sm_90 signals.
+LAYOUT_FIX = (
+    "build DeepEP's antgroup-opt branch (DeepEP PR #483; scripts/gpu/build_deepep.sh, the image's DEEPEP_REF), "
+    "whose low_latency_combine takes sglang's sm_90 comp_signal/block_m/threshold/num_sms, "
+    "or set decode.sbo: shared-only"
+)
+
+
+def sglang_combine_send_sms(env: Mapping[str, str] | None = None) -> int:
+    """The SMs sglang's sm_90 combine sends on during the down GEMM (its `compute_overlap_args`)."""
+    value = (os.environ if env is None else env).get(COMBINE_SEND_SMS_ENV, "").strip()
+    return int(value) if value else SM90_DEFAULT_SEND_SMS
+
+
+def layout_contract(layout: SignalLayout, *, ep_nodes: int = 1, send_sms: int | None = None) -> Availability:
+    """Whether full SBO may run on sm_90 with this signal layout, for a decode EP spanning `ep_nodes` nodes.
+
+    The "sglang" layout (DeepEP antgroup-opt) takes sglang's row-block signals, block_m, threshold and
+    send SMs as they are. The "deepep" layout (sgl-deep-ep 0.1.2.post1) is refused where it would trap or
+    hang: its `combine_overlappable` sends the finish flag over NVLink only (`if (dst_p2p_ptr == 0)
+    EP_DEVICE_ASSERT(0)`), so a peer on another node traps; and it spins on 32 send SMs with no timeout
+    while our persistent GEMM keeps all but sglang's send SMs, so unless sglang also gives the combine 32
+    (`SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS=32`) the two do not fit on the GPU at once: a deadlock, or no
+    overlap. (It also asserts `mask_buffer_ptr == nullptr`, so sglang's elastic-EP masks cannot be on.)
+    """
+    if layout == "sglang":
+        return Availability(True, detail={"layout": layout})
+    send = sglang_combine_send_sms() if send_sms is None else send_sms
+    problems: list[str] = []
+    if ep_nodes > 1:
+        problems.append(
+            f"its combine_overlappable sends the finish flag over NVLink only and traps on a peer across nodes, "
+            f"and decode EP here spans {ep_nodes} nodes"
+        )
+    if send != DEEPEP_LAYOUT_SEND_SMS:
+        problems.append(
+            f"it sends on {DEEPEP_LAYOUT_SEND_SMS} SMs while sglang leaves {send} to combine-send "
+            f"({COMBINE_SEND_SMS_ENV}={send}) and gives our persistent down GEMM all the others, so the two "
+            "cannot run at once (its waits have no timeout: a deadlock, or no overlap)"
+        )
+    if not problems:
+        return Availability(True, detail={"layout": layout, "send_sms": send})
+    return Availability(
+        False,
+        'full SBO on sm_90 with sgl-deep-ep\'s per-expert signal layout ("deepep") is unsafe here: '
+        + "; ".join(problems)
+        + f". Fix: {LAYOUT_FIX}",
+        detail={"layout": layout, "send_sms": send, "ep_nodes": ep_nodes},
+    )
+
+
+def combine_half(ep_nodes: int = 1) -> Availability:
+    """The down GEMM signalling combine-send: our kernel and a DeepEP signal layout safe for this decode EP."""
     kernel = kernel_status()
     if not kernel.ok:
         return kernel
     decision = deepep_layout()
     if decision.layout is None:
         return Availability(False, decision.reason)
+    contract = layout_contract(decision.layout, ep_nodes=ep_nodes)
+    if not contract.ok:
+        return contract
     return Availability(True, detail={"layout": decision.layout, "source": decision.source})

@@ -12,13 +12,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_pd.deploy.common.contract import SGLANG_VERSION
+from sglang_pd.deploy.common.contract import SGLANG_GPU_VERSION, SGLANG_VERSION
 from sglang_pd.sglang_patches.status import distribution_version
 
-__all__ = ["SGLANG_TARGET_VERSION", "HookSpec", "HookTargetMissing", "TargetUnimportable", "check_target"]
+__all__ = [
+    "SGLANG_TARGET_VERSION",
+    "SUPPORTED_SGLANG_VERSIONS",
+    "HookSpec",
+    "HookTargetMissing",
+    "TargetUnimportable",
+    "check_target",
+]
 
 #: The sglang release every hook below was written against and tested with.
 SGLANG_TARGET_VERSION = SGLANG_VERSION
+#: The releases the hooks are tested in (tests/sglang_patches/test_releases.py): the deployed one and
+#: the GPU machine's (the last sglang pinned to torch 2.11).
+SUPPORTED_SGLANG_VERSIONS = (SGLANG_VERSION, SGLANG_GPU_VERSION)
 
 
 class HookTargetMissing(RuntimeError):

@@ -72,6 +72,15 @@ def as_role(value: object) -> Role | None:
 # written against it, the image installs it (deploy/docker/Dockerfile's SGLANG_VERSION, checked
 # equal by tests/test_packaging.py) and the Makefile reads it from here.
 SGLANG_VERSION = "0.5.23"
+# The sglang release the GPU machine runs: the last one pinned to its torch 2.11 (0.5.13-0.5.17 pin it,
+# 0.5.18+ pin 2.13). The plugin supports it too (its initialize_moe_config reads server_args); the
+# Makefile installs it with --no-deps beside the venv, in .venv/sglang-<version>, for the plugin's tests.
+SGLANG_GPU_VERSION = "0.5.17"
+# The DeepEP that takes our sm_90 down GEMM's signals: deepseek-ai/DeepEP branch antgroup-opt (DeepEP
+# PR #483) at this commit. The image builds it (deploy/docker/Dockerfile's DEEPEP_REF, checked equal by
+# tests/test_packaging.py), scripts/gpu/build_deepep.sh builds it on the GPU machine, and the plugin's
+# tests quote its signatures (tests/support/deepep_revision.py).
+DEEPEP_REVISION = "76f027117d76c69ee1862a1dc2a608dfc17dd652"
 
 # -- ports ----------------------------------------------------------------------------------------
 # sglang's defaults for the prefill bootstrap server (--disaggregation-bootstrap-port), and the

@@ -2,10 +2,13 @@
 
 Versions of sglang, DeepEP, DeepGEMM, torch, Triton and sglang-pd; the GPU and its compute
 capability; whether our sm_90 kernel is usable; which signal layout the installed DeepEP takes;
-whether the sglang plugin is installed and its hook targets exist; whether the NVIDIA driver is
-set up for DeepEP across nodes; and, for each SBO mode, whether it can run here.
-`--expect MODE` makes it a pre-flight check (exit 1 when MODE cannot run).
-`sbo_topology_warnings()` is the topology-side half, used by `sglang-pd plan --check`.
+whether the sglang plugin is installed, its hook targets exist and each hook takes effect (probed
+in a child process: `sglang_patches/probes.py`); whether the NVIDIA driver is set up for DeepEP across
+nodes; and, for each SBO mode, whether it can run here, for a decode EP over `--ep-nodes` nodes (full
+SBO on sm_90 refuses sgl-deep-ep's signal layout across nodes or where its send SMs do not match).
+`--expect MODE` makes it a pre-flight check (exit 1 when MODE cannot run); `--capability 9.0` judges
+for a GPU that is not visible (an image build).
+`sbo_topology_warnings()` and `sbo_topology_errors()` are the topology-side half, used by `sglang-pd plan --check`.
 """
 
 from __future__ import annotations
@@ -18,12 +21,20 @@ import os
 import sys
 from typing import Any
 
-from sglang_pd.deploy.common.contract import EXIT_INVALID, EXIT_OK
+from sglang_pd.deploy.common.argtypes import positive_int
+from sglang_pd.deploy.common.contract import ENV_LWS_GROUP_SIZE, EXIT_INVALID, EXIT_OK
 from sglang_pd.deploy.common.node import deepep_driver
 from sglang_pd.deploy.sglang.compat import FlagReport, flag_report, flag_summary
 from sglang_pd.deploy.spec.topology import GPU_CAPABILITY, SBOMode, Topology
 
-__all__ = ["add_arguments", "collect", "format_table", "run", "sbo_topology_warnings"]
+__all__ = [
+    "add_arguments",
+    "collect",
+    "format_table",
+    "run",
+    "sbo_topology_errors",
+    "sbo_topology_warnings",
+]
 
 
 #: GPU types by architecture, from the topology's one GPU table. sm_90 needs this plugin for SBO;
@@ -44,8 +55,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--skip-targets",
         action="store_true",
-        help="do not import sglang to check the plugin's hook targets (faster)",
+        help="do not import sglang to check the plugin's hook targets and probe their effect (faster)",
     )
+    parser.add_argument(
+        "--ep-nodes",
+        type=positive_int,
+        default=None,
+        help=f"nodes the decode EP group spans (default: ${ENV_LWS_GROUP_SIZE} in a pod, else 1)",
+    )
+    parser.add_argument(
+        "--capability",
+        type=_capability,
+        default=None,
+        metavar="MAJOR.MINOR",
+        help="judge SBO for a GPU of this compute capability instead of the visible one (an image build has none)",
+    )
+
+
+def _capability(value: str) -> tuple[int, int]:
+    major, dot, minor = value.partition(".")
+    if not (major.isdigit() and minor.isdigit() and dot):
+        raise argparse.ArgumentTypeError(f"--capability has value {value!r}. Not MAJOR.MINOR, e.g. 9.0.")
+    return int(major), int(minor)
+
+
+def default_ep_nodes() -> int:
+    """The nodes of this pod's LeaderWorkerSet group (a decode group's EP spans them), else 1."""
+    value = os.environ.get(ENV_LWS_GROUP_SIZE, "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else 1
 
 
 def _gpu() -> dict[str, Any]:
@@ -53,7 +90,9 @@ def _gpu() -> dict[str, Any]:
 
     cap = status.device_capability()
     info: dict[str, Any] = {"capability": f"sm_{cap[0]}{cap[1]}" if cap else None, "name": None, "count": 0}
-    if cap is not None:
+    if status.assumed_capability() is not None:
+        info["name"] = "assumed (--capability)"
+    elif cap is not None:
         import torch
 
         info["name"] = torch.cuda.get_device_name()
@@ -76,14 +115,24 @@ def _plugin() -> dict[str, Any]:
     }
 
 
-def _targets() -> dict[str, str | None]:
+def _targets(hooks: str | None = None) -> dict[str, str | None]:
+    """Each hook's problem (None: its target exists and the hook takes effect when sglang calls it)."""
+    from sglang_pd.sglang_patches import probes
     from sglang_pd.sglang_patches.plugin import HOOKS
     from sglang_pd.sglang_patches.targets import check_target
 
-    return {name: check_target(spec) for name, spec in HOOKS.items()}
+    problems = {name: check_target(spec) for name, spec in HOOKS.items()}
+    effects = probes.hook_effects(hooks or probes.DEFAULT_HOOKS)
+    for name in HOOKS:
+        effect = effects.get(name, effects.get("*", f"no effect probe ran for hook {name!r}"))
+        if problems[name] is None and effect != probes.OK:
+            problems[name] = f"hook {name!r} does not take effect in the installed sglang: {effect}"
+    return problems
 
 
-def _sbo_modes(cap: str | None, plugin: dict[str, Any], targets: dict[str, str | None] | None) -> dict[str, Any]:
+def _sbo_modes(
+    cap: str | None, plugin: dict[str, Any], targets: dict[str, str | None] | None, ep_nodes: int = 1
+) -> dict[str, Any]:
     from sglang_pd.sglang_patches import status
 
     def verdict(mode: str) -> dict[str, Any]:
@@ -96,7 +145,11 @@ def _sbo_modes(cap: str | None, plugin: dict[str, Any], targets: dict[str, str |
         if not plugin["loaded_by_sglang"]:
             why = "not installed" if not plugin["entry_point"] else "excluded by SGLANG_PLUGINS"
             return {"ok": False, "reason": f"the sglang-pd plugin is {why}"}
-        needed = ("moe-config", "shared-only") if mode == "shared-only" else ("moe-config", "down-gemm", "combine-call")
+        needed = (
+            ("moe-config", "shared-only")
+            if mode == "shared-only"
+            else ("moe-config", "down-gemm", "combine-signal", "combine-call")
+        )
         missing = [m for name in needed if targets and (m := targets.get(name))]
         if missing:
             return {"ok": False, "reason": " ".join(missing)}
@@ -104,7 +157,7 @@ def _sbo_modes(cap: str | None, plugin: dict[str, Any], targets: dict[str, str |
         if not shared.ok:
             return {"ok": False, "reason": shared.reason}
         if mode == "full":
-            half = status.combine_half()
+            half = status.combine_half(ep_nodes=ep_nodes)
             if not half.ok:
                 return {"ok": False, "reason": half.reason}
             return {"ok": True, "reason": "", "by": f"sglang-pd plugin, {half.detail['layout']} signal layout"}
@@ -113,10 +166,11 @@ def _sbo_modes(cap: str | None, plugin: dict[str, Any], targets: dict[str, str |
     return {"full": verdict("full"), "shared-only": verdict("shared-only")}
 
 
-def collect(check_targets: bool = True) -> dict[str, Any]:
-    """Everything `doctor` reports, as one JSON-able document."""
+def collect(check_targets: bool = True, ep_nodes: int | None = None) -> dict[str, Any]:
+    """Everything `doctor` reports, as one JSON-able document (SBO judged for a decode EP over `ep_nodes` nodes)."""
     from sglang_pd.sglang_patches import status
 
+    nodes = default_ep_nodes() if ep_nodes is None else ep_nodes
     versions = {name: status.distribution_version(name) for name in DISTRIBUTIONS}
     gpu = _gpu()
     kernel = status.kernel_status()
@@ -141,7 +195,8 @@ def collect(check_targets: bool = True) -> dict[str, Any]:
         "plugin": plugin,
         "deepep_driver": deepep_driver(),
         "hook_targets": None if targets is None else {k: v or "ok" for k, v in targets.items()},
-        "sbo": _sbo_modes(gpu["capability"], plugin, targets),
+        "ep_nodes": nodes,
+        "sbo": _sbo_modes(gpu["capability"], plugin, targets, nodes),
         "sglang_flags": _preset_flags() if check_targets else None,
     }
 
@@ -161,7 +216,10 @@ def _preset_flags() -> FlagReport | None:
 def format_table(doc: dict[str, Any]) -> str:
     rows: list[tuple[str, str]] = [(name, v or "-") for name, v in doc["versions"].items()]
     g = doc["gpu"]
-    rows.append(("GPU", f"{g['name']} x{g['count']} ({g['capability']})" if g["capability"] else "none visible"))
+    if g["count"] == 0 and g["capability"]:  # `--capability`: no GPU is looked at
+        rows.append(("GPU", f"none looked at; judged as {g['capability']} (--capability)"))
+    else:
+        rows.append(("GPU", f"{g['name']} x{g['count']} ({g['capability']})" if g["capability"] else "none visible"))
     k = doc["kernel"]
     if k["usable"]:
         gluon = "yes" if k["warp_specialized"] else "no (Triton only: needs triton.experimental.gluon on sm_90)"
@@ -169,7 +227,8 @@ def format_table(doc: dict[str, Any]) -> str:
     else:
         rows.append(("our sm_90 kernel", f"unusable: {k['reason']}"))
     d = doc["deepep_combine"]
-    rows.append(("DeepEP combine signals", d["layout"] or f"unknown: {d['reason']}"))
+    layouts = {"sglang": "sglang (sm_90 row-block signals: DeepEP antgroup-opt)", "deepep": "deepep (sgl-deep-ep)"}
+    rows.append(("DeepEP combine signals", layouts.get(d["layout"], d["layout"]) or f"unknown: {d['reason']}"))
     p = doc["plugin"]
     rows.append(("sglang plugin", "loaded by sglang" if p["loaded_by_sglang"] else "not loaded"))
     drv = doc["deepep_driver"]
@@ -179,20 +238,54 @@ def format_table(doc: dict[str, Any]) -> str:
         for name, state in doc["hook_targets"].items():
             rows.append((f"  hook {name}", state))
     for mode, v in doc["sbo"].items():
-        rows.append((f"SBO {mode}", f"yes ({v['by']})" if v["ok"] else f"no: {v['reason']}"))
+        where = f", decode EP over {_count_nodes(doc['ep_nodes'])}" if mode == "full" else ""
+        rows.append((f"SBO {mode}", f"yes ({v['by']}{where})" if v["ok"] else f"no: {v['reason']}"))
     if doc.get("sglang_flags"):
         rows.append(("sglang flags (presets)", flag_summary(doc["sglang_flags"])))
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"{a.ljust(width)}  {b}" for a, b in rows)
 
 
+def _count_nodes(n: int) -> str:
+    return "1 node" if n == 1 else f"{n} nodes"
+
+
 def run(args: argparse.Namespace) -> int:
-    doc = collect(check_targets=not args.skip_targets)
+    from sglang_pd.sglang_patches import status
+
+    if args.capability is not None:
+        status.assume_capability(args.capability)
+    doc = collect(check_targets=not args.skip_targets, ep_nodes=args.ep_nodes)
     print(json.dumps(doc, indent=2) if args.format == "json" else format_table(doc))
     if args.expect and not doc["sbo"][args.expect]["ok"]:
         print(f"error: SBO {args.expect} cannot run here: {doc['sbo'][args.expect]['reason']}", file=sys.stderr)
         return EXIT_INVALID
     return EXIT_OK
+
+
+def sbo_topology_errors(t: Topology) -> list[str]:
+    """Errors for a topology whose full SBO on Hopper would trap or hang with the DeepEP installed where this runs.
+
+    The verdict is about this machine's DeepEP (read from its sources): run `plan --check` where the
+    image's DeepEP is, or `sglang-pd doctor --expect full --ep-nodes N` in the image.
+    """
+    if t.decode.sbo is not SBOMode.FULL or t.hardware.gpu.upper() not in HOPPER:
+        return []
+    from sglang_pd.sglang_patches import status
+
+    decision = status.deepep_layout()
+    if decision.layout is None:
+        return []  # sbo_topology_warnings says so
+    send_sms = status.sglang_combine_send_sms(t.decode.env)
+    contract = status.layout_contract(decision.layout, ep_nodes=t.decode.nodes, send_sms=send_sms)
+    if contract.ok:
+        return []
+    version = status.distribution_version("sgl-deep-ep") or status.distribution_version("deep-ep") or "unknown"
+    return [
+        f"decode.sbo: full on {t.hardware.gpu} with decode.nodes={t.decode.nodes}: {contract.reason} "
+        f"(judged from the DeepEP installed where this check runs: {version}, {decision.source}; the image's "
+        "DeepEP decides in the pods: `sglang-pd doctor --expect full` there)."
+    ]
 
 
 def sbo_topology_warnings(t: Topology) -> list[str]:
@@ -211,7 +304,7 @@ def sbo_topology_warnings(t: Topology) -> list[str]:
             "set decode.sbo: off."
         ]
     from sglang_pd.sglang_patches import status
-    from sglang_pd.sglang_patches.targets import SGLANG_TARGET_VERSION
+    from sglang_pd.sglang_patches.targets import SGLANG_TARGET_VERSION, SUPPORTED_SGLANG_VERSIONS
 
     warnings = []
     eps = importlib.metadata.entry_points(group="sglang.srt.plugins")
@@ -226,7 +319,7 @@ def sbo_topology_warnings(t: Topology) -> list[str]:
             "set decode.sbo: shared-only."
         )
     installed = status.distribution_version("sglang")
-    if installed is not None and installed != SGLANG_TARGET_VERSION:
+    if installed is not None and installed not in SUPPORTED_SGLANG_VERSIONS:
         warnings.append(
             f"decode.sbo: {mode.value} on {t.hardware.gpu} (sm_90) relies on hooks written for sglang "
             f"{SGLANG_TARGET_VERSION}; sglang {installed} is installed here (run `sglang-pd doctor`)."

@@ -72,7 +72,7 @@ def check_plan(p: Plan) -> tuple[Plan, int, str | None]:
     Returns the plan with the verdicts, an exit status (EXIT_INVALID when sglang rejects a command
     or would not run a feature the topology asks for), and a note when the check cannot run here.
     """
-    from sglang_pd.deploy.ops.doctor import sbo_topology_warnings
+    from sglang_pd.deploy.ops.doctor import sbo_topology_errors, sbo_topology_warnings
     from sglang_pd.deploy.sglang.check import SglangUnavailable, check_with_sglang
     from sglang_pd.deploy.sglang.compat import flag_report
 
@@ -81,13 +81,18 @@ def check_plan(p: Plan) -> tuple[Plan, int, str | None]:
     sbo_warnings = sbo_topology_warnings(t)
     if sbo_warnings:
         p = replace(p, rules=replace(p.rules, warnings=[*p.rules.warnings, *sbo_warnings]))
+    # Full SBO with a DeepEP that would trap or hang on this decode EP (errors: the deployment must not start).
+    sbo_errors = sbo_topology_errors(t)
+    if sbo_errors:
+        p = replace(p, rules=replace(p.rules, errors=[*p.rules.errors, *sbo_errors]))
     try:
         checks = check_with_sglang(t)
     except SglangUnavailable as exc:
-        return p, EXIT_CHECK_UNAVAILABLE, str(exc)
+        return p, (EXIT_INVALID if sbo_errors else EXIT_CHECK_UNAVAILABLE), str(exc)
     flags = flag_report(c.argv for cmds in p.commands.values() for c in cmds)
     p = replace(p, sglang_checks=[c.as_dict() for c in checks], sglang_flags=flags)
-    return p, (EXIT_OK if all(c.passed for c in checks) else EXIT_INVALID), None
+    passed = all(c.passed for c in checks) and not sbo_errors
+    return p, (EXIT_OK if passed else EXIT_INVALID), None
 
 
 def estimate_report(t: Topology, fmt: str, input_len: int, output_len: int, decode_batch: int | None) -> str:
@@ -115,6 +120,8 @@ def plan_document(p: Plan) -> dict[str, Any]:
         "router": t.router.model_dump(),
         "warnings": p.rules.warnings,
     }
+    if p.rules.errors:
+        doc["errors"] = p.rules.errors
     if p.sglang_checks is not None:
         doc["sglang_check"] = p.sglang_checks
     if p.sglang_flags is not None:
@@ -168,6 +175,8 @@ def _table(p: Plan) -> str:
             ]
             lines += [f"  {k}={v}" for k, v in sorted(c.env.items())]
             lines.append("  " + " ".join(c.argv))
+    if p.rules.errors:
+        lines += ["", "errors:"] + [f"  - {e}" for e in p.rules.errors]
     if p.rules.warnings:
         lines += ["", "warnings:"] + [f"  - {w}" for w in p.rules.warnings]
     if p.sglang_checks is not None:

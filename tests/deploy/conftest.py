@@ -1,9 +1,9 @@
-"""Factories for topology tests: a valid preset as a dict, to mutate one field at a time."""
+"""Factories for topology tests: a valid preset as a dict, to mutate one field at a time; the image's DeepEP."""
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +11,8 @@ import pytest
 import yaml
 
 from sglang_pd.deploy.spec.topology import PRESETS_DIR
+from sglang_pd.sglang_patches import status
+from tests.support import deepep_revision
 
 PRESETS = PRESETS_DIR
 
@@ -34,3 +36,11 @@ def write_topology(tmp_path: Path) -> Callable[[Any], Path]:
         return path
 
     return write
+
+
+@pytest.fixture
+def antgroup_deepep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """DeepEP antgroup-opt (the image's) as the installed DeepEP, here and in child processes: with this
+    machine's sgl-deep-ep, `plan --check` refuses full SBO on a multi-node decode (test_doctor.py shows it)."""
+    yield deepep_revision.install(tmp_path / "antgroup-opt", monkeypatch)
+    status.deepep_layout.cache_clear()

@@ -119,14 +119,14 @@ def test_plan_is_fast_and_does_not_import_sglang() -> None:
 
 @pytest.mark.sglang
 @pytest.mark.skipif(not sglang_available(), reason="sglang is not installed (the `validate` extra)")
-def test_plan_check_runs_sglang(capsys) -> None:
+def test_plan_check_runs_sglang(capsys, antgroup_deepep) -> None:
     code, out, _ = run(capsys, "plan", R1, "--check", "--format", "json")
     doc = json.loads(out)
     assert code == 0
     assert [c["ok"] for c in doc["sglang_check"]] == [True, True, True]
 
 
-def test_plan_check_without_sglang_says_so(capsys, monkeypatch) -> None:
+def test_plan_check_without_sglang_says_so(capsys, monkeypatch, antgroup_deepep) -> None:
     import sglang_pd.deploy.sglang.check as chk
 
     monkeypatch.setattr(chk, "sglang_available", lambda: False)

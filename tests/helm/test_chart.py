@@ -19,6 +19,7 @@ from sglang_pd.deploy.sglang.check import sglang_available
 from sglang_pd.deploy.sglang.render import LEADER_HOST_FROM_ENV
 from sglang_pd.deploy.spec import topology
 from sglang_pd.deploy.spec.topology import check_rules, estimate_weight_bytes, load_topology, required_startup_s
+from tests.support import deepep_revision
 
 from .conftest import CHART, PRESETS, REPO, by_kind, helm_python, one, preset_topology, preset_values
 
@@ -445,7 +446,9 @@ def _normalized(t: dict) -> dict:
 
 @pytest.mark.sglang
 @pytest.mark.skipif(not sglang_available(), reason="sglang is not installed (the `validate` extra)")
-def test_configmap_topology_passes_plan_check(render, tmp_path, capsys) -> None:
+def test_configmap_topology_passes_plan_check(render, tmp_path, capsys, monkeypatch) -> None:
+    # The image's DeepEP (antgroup-opt): with this machine's sgl-deep-ep full SBO over 2 nodes is refused.
+    deepep_revision.install(tmp_path / "antgroup-opt", monkeypatch)
     path = _configmap_topology(render, {}, tmp_path)
     assert cli_main(["plan", str(path), "--check", "--format", "json"]) == 0
     doc = json.loads(capsys.readouterr().out)

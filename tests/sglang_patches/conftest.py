@@ -10,12 +10,14 @@ import os
 import pkgutil
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from sglang_pd.deploy.spec.topology import PRESETS_DIR
 from sglang_pd.sglang_patches import down_gemm, moe_config, plugin, status
+from tests.support import deepep_revision
 
 PRESETS = PRESETS_DIR
 
@@ -86,6 +88,19 @@ def sm90(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
     monkeypatch.setattr(moe_utils, "is_cuda", lambda: True)
     monkeypatch.setattr(status, "device_capability", lambda: (9, 0))
+
+
+@pytest.fixture
+def deepep_32_send_sms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sglang gives the combine sgl-deep-ep's 32 send SMs: the one setting (on one node) where its layout is safe."""
+    monkeypatch.setenv(status.COMBINE_SEND_SMS_ENV, str(status.DEEPEP_LAYOUT_SEND_SMS))
+
+
+@pytest.fixture
+def antgroup_deepep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """DeepEP antgroup-opt (the "sglang" signal layout) as the installed DeepEP, here and in child processes."""
+    yield deepep_revision.install(tmp_path / "antgroup-opt", monkeypatch)
+    status.deepep_layout.cache_clear()
 
 
 @pytest.fixture(scope="session")

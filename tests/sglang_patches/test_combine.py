@@ -96,7 +96,7 @@ def test_sglang_sm90_keywords_do_not_fit_the_installed_deepep() -> None:
 
 
 @needs_deepep
-def test_translated_keywords_bind_to_the_installed_deepep(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_translated_keywords_bind_to_the_installed_deepep(monkeypatch: pytest.MonkeyPatch, deepep_32_send_sms) -> None:
     monkeypatch.setattr(status, "device_capability", lambda: (9, 0))
     monkeypatch.setenv(status.SBO_MODE_ENV, "full")
     buffer = RecordingBuffer()
@@ -122,7 +122,7 @@ def test_sglang_layout_buffers_are_left_alone(monkeypatch: pytest.MonkeyPatch) -
     assert combine.get_buffer(lambda self: buffer, object()) is buffer
 
 
-def test_per_expert_signal_replaces_row_block_signal(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_per_expert_signal_replaces_row_block_signal(monkeypatch: pytest.MonkeyPatch, deepep_32_send_sms) -> None:
     from types import SimpleNamespace
 
     from sglang.srt.batch_overlap.single_batch_overlap import CombineOverlapArgs, DownGemmOverlapArgs

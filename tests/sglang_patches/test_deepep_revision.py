@@ -3,9 +3,9 @@
 That revision is deepseek-ai/DeepEP branch `antgroup-opt` at 76f0271 (DeepEP PR #483, "Single
 Batch Overlap (SBO)"). Its `Buffer.low_latency_combine` takes sglang's sm_90 row-block contract
 (`overlap, packed_recv_count, comp_signal, block_m, threshold, num_sms`), so the plugin must pick
-the "sglang" signal layout and leave sglang's combine call alone. The signature is quoted below
-verbatim from that commit's `deep_ep/buffer.py` (the build's source copy is not in the repository);
-where the copy is present, a test checks the quote against it.
+the "sglang" signal layout and leave sglang's combine call alone. The signature is quoted
+verbatim from that commit's `deep_ep/buffer.py` in `tests/support/deepep_revision.py` (the build's
+source copy is not in the repository); where the copy is present, a test checks the quote against it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import ast
 import importlib.util
 import inspect
-import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,22 +21,8 @@ from typing import Any
 import pytest
 
 from sglang_pd.sglang_patches import combine, down_gemm, status
-
-REVISION = "76f027117d76c69ee1862a1dc2a608dfc17dd652"
-SOURCE_COPY = Path(__file__).resolve().parents[2] / ".gpu_bundle" / "deepep-src" / "deep_ep" / "buffer.py"
-
-#: `Buffer.low_latency_combine` of that revision: its signature as written there, body elided.
-REVISION_SOURCE = """
-class Buffer:
-    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: tuple,
-                            overlap: bool = False, packed_recv_count: torch.Tensor = None, comp_signal: torch.Tensor = None,
-                            block_m: int = 64, threshold: int = 0, num_sms: int = 3,
-                            use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
-                            return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
-                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None) -> \\
-            Tuple[torch.Tensor, EventOverlap, Callable]:
-        ...
-"""  # noqa: E501 (quoted verbatim)
+from tests.support import deepep_revision
+from tests.support.deepep_revision import REVISION, REVISION_SOURCE, SOURCE_COPY
 
 
 def _combine_def(source: str) -> ast.FunctionDef:
@@ -71,14 +56,7 @@ def _revision_params() -> list[str]:
 @pytest.fixture
 def revision_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A `deep_ep` package on the path whose buffer.py holds the revision's method (parsed, never imported)."""
-    pkg = tmp_path / "deep_ep"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "buffer.py").write_text(REVISION_SOURCE)
-    monkeypatch.delitem(sys.modules, "deep_ep", raising=False)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    status.deepep_layout.cache_clear()
-    yield pkg / "buffer.py"
+    yield deepep_revision.install(tmp_path, monkeypatch)
     status.deepep_layout.cache_clear()
 
 

@@ -69,7 +69,7 @@ def _runner_call(signal: torch.Tensor, num_sms: int = 129) -> tuple[Any, ...]:
     return result, (a, a_scale), (b, b_scale), out, masked_m
 
 
-def test_deepep_layout_for_the_installed_deepep(load_plugin, sm90, entry: RecordingEntry) -> None:
+def test_deepep_layout_for_the_installed_deepep(load_plugin, sm90, deepep_32_send_sms, entry: RecordingEntry) -> None:
     load_plugin("full")
     assert status.deepep_layout().layout == "deepep", status.deepep_layout()
     signal = torch.zeros(E, dtype=torch.uint32)
@@ -124,7 +124,9 @@ def test_overlap_calls_stay_with_sglang_unless_full_sbo_was_enabled(
     assert got is sentinel and entry.calls == []
 
 
-def test_other_scale_recipes_are_refused(monkeypatch: pytest.MonkeyPatch, sm90, entry: RecordingEntry) -> None:
+def test_other_scale_recipes_are_refused(
+    monkeypatch: pytest.MonkeyPatch, sm90, deepep_32_send_sms, entry: RecordingEntry
+) -> None:
     monkeypatch.setenv(status.SBO_MODE_ENV, "full")
     with pytest.raises(ValueError, match=r"DeepSeek FP8 scales .* got recipe_a=\(1, 32\)"):
         down_gemm.grouped_gemm_nt_f8f8bf16_masked(

@@ -1,12 +1,15 @@
 """Hook (a): on sm_90 `initialize_moe_config` accepts SBO when the asked-for half can run, else refuses saying why.
 
-The config is the one sglang publishes from the decode command we render for the H200 preset
-(`--enable-single-batch-overlap`, DeepEP low-latency); only the device capability is patched.
+The config is the one sglang 0.5.23 publishes from the decode command we render for the H200 preset
+(`--enable-single-batch-overlap`, DeepEP low-latency, decode EP16 over 2 nodes); only the device
+capability is patched. The DeepEP is the installed sgl-deep-ep, or antgroup-opt's sources where a
+test asks for it. tests/sglang_patches/test_releases.py runs the same function of 0.5.17 too.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import sys
 
 import pytest
@@ -48,15 +51,73 @@ def test_unhooked_sglang_refuses_sbo_on_sm90(published_decode, sm90) -> None:
         initialize_moe_config()
 
 
-def test_full_sbo_is_accepted_when_our_kernel_is_usable(gate) -> None:
+def test_full_sbo_is_accepted_when_our_kernel_is_usable(
+    gate, antgroup_deepep, caplog: pytest.LogCaptureFixture
+) -> None:
     from sglang.srt.runtime_context import get_exec
 
     initialize = gate("full")
     assert status.kernel_status().ok  # the real module imports here; only the capability is patched
-    initialize()
+    assert status.deepep_layout().layout == "sglang"
+    with caplog.at_level(logging.INFO, logger="sglang_pd.sglang_patches"):
+        initialize()
     assert _sbo_flag() is True
     # The scoped override is undone: the published config still says what the operator asked.
     assert get_exec().overlap.enable_single_batch_overlap is True
+    # What sglang will run, from its own SboFlags.
+    assert "sglang-pd: sglang runs SBO full on sm_90 (shared experts + down-GEMM/combine, sglang signals)" in (
+        caplog.messages
+    )
+
+
+def test_another_moe_runner_is_logged_as_the_shared_half_only(
+    gate, antgroup_deepep, caplog: pytest.LogCaptureFixture
+) -> None:
+    from sglang.srt.runtime_context import get_exec
+
+    initialize = gate("full")
+    with get_exec().moe.override(moe_runner_backend="triton"), caplog.at_level(logging.INFO):
+        initialize()
+    assert _sbo_flag() is True
+    [line] = [m for m in caplog.messages if m.startswith("sglang-pd: ")]
+    assert line.startswith("sglang-pd: SBO full was asked for, but sglang runs SBO shared-only on sm_90")
+    assert "with MoE runner triton (it needs --moe-runner-backend deep_gemm)" in line
+
+
+@pytest.mark.skipif(status.distribution_version("sgl-deep-ep") is None, reason="sgl-deep-ep is not installed")
+def test_full_sbo_with_sgl_deep_ep_across_nodes_is_refused_at_start(gate) -> None:
+    """The preset's decode EP spans 2 nodes: sgl-deep-ep's overlapped combine would trap there, so start-up stops."""
+    initialize = gate("full")
+    assert status.deepep_layout().layout == "deepep"
+    with pytest.raises(ValueError) as info:
+        initialize()
+    message = str(info.value)
+    assert SGLANG_REFUSAL in message
+    assert "traps on a peer across nodes, and decode EP here spans 2 nodes" in message
+    assert "it sends on 32 SMs while sglang leaves 3 to combine-send" in message
+    assert "Fix: build DeepEP's antgroup-opt branch (DeepEP PR #483" in message
+
+
+@pytest.mark.parametrize(
+    ("ep_nodes", "send_sms", "problems"),
+    [
+        (1, 32, ()),
+        (1, 3, ("it sends on 32 SMs while sglang leaves 3",)),
+        (2, 32, ("decode EP here spans 2 nodes",)),
+        (2, 3, ("decode EP here spans 2 nodes", "it sends on 32 SMs while sglang leaves 3")),
+    ],
+)
+def test_the_sgl_deep_ep_layout_contract(ep_nodes: int, send_sms: int, problems: tuple[str, ...]) -> None:
+    verdict = status.layout_contract("deepep", ep_nodes=ep_nodes, send_sms=send_sms)
+    assert verdict.ok is (not problems)
+    for problem in problems:
+        assert problem in verdict.reason
+    assert status.layout_contract("sglang", ep_nodes=ep_nodes, send_sms=send_sms).ok
+
+
+def test_sglangs_send_sms_come_from_its_environment_variable() -> None:
+    assert status.sglang_combine_send_sms({}) == 3  # sglang's sm_90 default (compute_overlap_args)
+    assert status.sglang_combine_send_sms({status.COMBINE_SEND_SMS_ENV: "32"}) == 32
 
 
 def test_full_sbo_is_refused_with_our_message_when_the_kernel_does_not_import(

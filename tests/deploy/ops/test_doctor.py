@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 
 import pytest
@@ -29,7 +30,7 @@ def sm90(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_json_report_on_this_machine(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", "--format", "json", "--skip-targets"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    keys = {"versions", "gpu", "kernel", "deepep_combine", "plugin", "deepep_driver", "hook_targets", "sbo"}
+    keys = {"versions", "gpu", "kernel", "deepep_combine", "plugin", "deepep_driver", "hook_targets", "ep_nodes", "sbo"}
     assert set(doc) == keys | {"sglang_flags"}
     assert doc["sglang_flags"] is None  # --skip-targets imports no sglang
     assert set(doc["versions"]) == set(doctor.DISTRIBUTIONS)
@@ -49,13 +50,48 @@ def test_table_report(capsys: pytest.CaptureFixture[str]) -> None:
         assert any(line.startswith(row) for line in out.splitlines()), row
 
 
-@pytest.mark.skipif(not has_deepep, reason="sgl-deep-ep is not installed (dev extra, --no-deps)")
-def test_sm90_with_our_kernel_serves_both_halves(sm90) -> None:
-    doc = doctor.collect(check_targets=False)
+def test_sm90_with_our_kernel_and_antgroup_opt_serves_both_halves(sm90, antgroup_deepep) -> None:
+    doc = doctor.collect(check_targets=False, ep_nodes=2)
     assert doc["kernel"]["usable"], doc["kernel"]
-    assert doc["deepep_combine"]["layout"] == "deepep"
-    assert doc["sbo"]["full"] == {"ok": True, "reason": "", "by": "sglang-pd plugin, deepep signal layout"}
+    assert doc["deepep_combine"]["layout"] == "sglang"
+    assert doc["ep_nodes"] == 2
+    assert doc["sbo"]["full"] == {"ok": True, "reason": "", "by": "sglang-pd plugin, sglang signal layout"}
     assert doc["sbo"]["shared-only"]["ok"]
+
+
+@pytest.mark.skipif(not has_deepep, reason="sgl-deep-ep is not installed (dev extra, --no-deps)")
+def test_sgl_deep_ep_serves_full_sbo_only_on_one_node_with_its_send_sms(
+    sm90, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert doctor.collect(check_targets=False)["deepep_combine"]["layout"] == "deepep"
+    monkeypatch.setenv(status.COMBINE_SEND_SMS_ENV, "32")
+    assert doctor.collect(check_targets=False, ep_nodes=1)["sbo"]["full"]["ok"]
+    across = doctor.collect(check_targets=False, ep_nodes=2)["sbo"]["full"]
+    assert not across["ok"] and "traps on a peer across nodes, and decode EP here spans 2 nodes" in across["reason"]
+    assert "Fix: build DeepEP's antgroup-opt branch" in across["reason"]
+    monkeypatch.delenv(status.COMBINE_SEND_SMS_ENV)
+    mismatch = doctor.collect(check_targets=False, ep_nodes=1)["sbo"]["full"]
+    assert not mismatch["ok"] and "it sends on 32 SMs while sglang leaves 3 to combine-send" in mismatch["reason"]
+    assert doctor.collect(check_targets=False, ep_nodes=2)["sbo"]["shared-only"]["ok"]
+    # In a pod the group size says how many nodes the decode EP spans.
+    monkeypatch.setenv("LWS_GROUP_SIZE", "2")
+    monkeypatch.setenv(status.COMBINE_SEND_SMS_ENV, "32")
+    assert main(["doctor", "--skip-targets", "--expect", "full"]) == doctor.EXIT_INVALID
+    assert "error: SBO full cannot run here: full SBO on sm_90 with sgl-deep-ep's" in capsys.readouterr().err
+    assert main(["doctor", "--skip-targets", "--expect", "full", "--ep-nodes", "1"]) == 0
+
+
+def test_capability_is_assumed_where_no_gpu_is_visible(antgroup_deepep, capsys: pytest.CaptureFixture[str]) -> None:
+    """An image build has no GPU: `--capability 9.0` judges the image's stack for an sm_90 device."""
+    pytest.importorskip(status.KERNEL_MODULE, reason="our kernel needs torch and triton")
+    try:
+        code = main(["doctor", "--skip-targets", "--capability", "9.0", "--ep-nodes", "2", "--expect", "full"])
+    finally:
+        status.assume_capability(None)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "none looked at; judged as sm_90 (--capability)" in out
+    assert status.device_capability() != (9, 0) or status.assumed_capability() is None
 
 
 def test_kernel_row_says_which_kernel_runs(sm90, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -99,10 +135,42 @@ def test_other_architectures(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang is not installed")
-def test_hook_targets_are_checked_against_the_installed_sglang() -> None:
+def test_hook_targets_are_checked_and_probed_against_the_installed_sglang() -> None:
     doc = doctor.collect(check_targets=True)
     assert doc["hook_targets"] == {name: "ok" for name in doc["hook_targets"]}
     assert set(doc["hook_targets"]) == {"moe-config", "down-gemm", "combine-signal", "combine-call", "shared-only"}
+
+
+NO_EFFECT_HOOKS = """
+from dataclasses import replace
+
+from sglang_pd.sglang_patches.plugin import HOOKS as _REAL
+
+
+def passthrough(original, *args, **kwargs):
+    return original(*args, **kwargs)
+
+
+# The moe-config hook as a version that does not reach what sglang reads: it runs sglang unchanged.
+HOOKS = {**_REAL, "moe-config": replace(_REAL["moe-config"], hook=passthrough)}
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang is not installed")
+def test_doctor_catches_a_hook_without_effect(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The target exists with its parameters, so the name check passes; the probe shows sglang still refuses."""
+    (tmp_path / "no_effect_hooks.py").write_text(NO_EFFECT_HOOKS)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
+    targets = doctor._targets(hooks="no_effect_hooks:HOOKS")
+    problem = targets["moe-config"]
+    assert problem is not None
+    assert problem.startswith("hook 'moe-config' does not take effect in the installed sglang: no effect: ")
+    assert "still refuses SBO on sm_90 under the hook" in problem
+    assert "SBO (single batch overlap) is not supported on SM90 GPUs" in problem
+    assert [name for name, p in targets.items() if p is not None] == ["moe-config"]
+    modes = doctor._sbo_modes("sm_90", {"loaded_by_sglang": True, "entry_point": True}, targets)
+    assert not modes["full"]["ok"] and not modes["shared-only"]["ok"]
+    assert "does not take effect" in modes["shared-only"]["reason"]
 
 
 @pytest.mark.parametrize(
@@ -144,6 +212,26 @@ def test_plan_check_shows_the_sbo_warning(preset_dict, write_topology, capsys: p
     assert any(w.startswith("decode.sbo: full on hardware.gpu A100") for w in doc["warnings"])
 
 
+@pytest.mark.skipif(not has_deepep, reason="sgl-deep-ep is not installed (dev extra, --no-deps)")
+def test_plan_check_refuses_sgl_deep_ep_across_nodes(preset_dict, write_topology, capsys) -> None:
+    """The H200 preset's decode EP16 spans 2 nodes; with this machine's sgl-deep-ep full SBO would trap there."""
+    data = preset_dict()
+    assert data["decode"]["nodes"] == 2 and data["decode"]["sbo"] == "full"
+    path = write_topology(data)
+    errors = doctor.sbo_topology_errors(parse_topology(data))
+    [error] = errors
+    assert error.startswith("decode.sbo: full on H200 with decode.nodes=2: full SBO on sm_90 with sgl-deep-ep's")
+    assert "traps on a peer across nodes" in error and "Fix: build DeepEP's antgroup-opt branch" in error
+    assert "judged from the DeepEP installed where this check runs: 0.1.2.post1" in error
+    assert main(["plan", str(path), "--check", "--format", "json"]) == doctor.EXIT_INVALID
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["errors"] == errors
+
+
+def test_plan_check_accepts_antgroup_opt_across_nodes(preset_dict, antgroup_deepep) -> None:
+    assert doctor.sbo_topology_errors(parse_topology(preset_dict())) == []
+
+
 # --- DeepEP's NVIDIA driver options (/proc/driver/nvidia/params) or GDRCopy ---------------------
 
 PARAMS_SET = 'EnableStreamMemOPs: 1\nRegistryDwords: "PeerMappingOverride=1;"\nEnableMSI: 1\n'
@@ -181,3 +269,13 @@ def test_kv_probe_reports_the_driver_options(monkeypatch) -> None:
     assert row == {"check": "deepep-driver", "ok": False, "advisory": True, "detail": missing["detail"]}
     monkeypatch.setattr(kv_cli, "deepep_driver", lambda: {"ok": None, "driver": False, "detail": "no NVIDIA driver"})
     assert kv_cli._deepep_driver_check()["ok"] is True  # nothing to check on a machine without the driver
+
+
+@pytest.mark.parametrize(("installed", "warned"), [("0.5.23", False), ("0.5.17", False), ("0.5.99", True)])
+def test_plan_warns_only_for_an_sglang_the_hooks_were_not_tested_in(
+    preset_dict, monkeypatch: pytest.MonkeyPatch, installed: str, warned: bool
+) -> None:
+    real = status.distribution_version
+    monkeypatch.setattr(status, "distribution_version", lambda name: installed if name == "sglang" else real(name))
+    warnings = doctor.sbo_topology_warnings(parse_topology(preset_dict()))
+    assert any("relies on hooks written for sglang 0.5.23" in w for w in warnings) is warned

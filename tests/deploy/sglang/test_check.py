@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from sglang_pd.deploy.ops.plan import build_plan, format_plan
 from sglang_pd.deploy.sglang.check import SglangUnavailable, check_with_sglang, sglang_available
 from sglang_pd.deploy.sglang.render import render_plan
 from sglang_pd.deploy.spec.topology import PRESETS_DIR, check_rules, load_topology, parse_topology
+from sglang_pd.sglang_patches import status
+from tests.support import deepep_revision
 
 PRESET_DIR = PRESETS_DIR
 
@@ -25,6 +28,16 @@ needs_sglang = pytest.mark.skipif(
     not sglang_available(), reason="sglang is not installed (the `validate` extra + sglang --no-deps)"
 )
 pytestmark = [pytest.mark.sglang, needs_sglang, pytest.mark.slow]  # a fresh interpreter per resolve
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _antgroup_deepep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The DeepEP these checks see is antgroup-opt (the image's): with sgl-deep-ep the plugin refuses full SBO on
+    the presets' multi-node decode (tests/deploy/ops/test_doctor.py shows that refusal)."""
+    with pytest.MonkeyPatch.context() as mp:
+        deepep_revision.install(tmp_path_factory.mktemp("antgroup-opt"), mp)
+        yield
+    status.deepep_layout.cache_clear()
 
 
 @pytest.fixture(scope="module")
