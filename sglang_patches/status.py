@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from sglang_pd.deploy.common.contract import ENV_SBO_MODE
+from sglang_pd.deploy.common.contract import ENV_SBO_MODE, SBOMode
 
 __all__ = [
     "COMBINE_KWARGS_DEEPEP",
@@ -54,7 +54,7 @@ __all__ = [
 #: The environment variable the renderer sets from the topology's `decode.sbo` (deploy/common/contract.py).
 SBO_MODE_ENV = ENV_SBO_MODE
 #: Its values; the same words as `sglang_pd.deploy.spec.topology.SBOMode`.
-SBO_MODES = ("off", "full", "shared-only")
+SBO_MODES = tuple(mode.value for mode in SBOMode)
 
 #: Our sm_90 signal down-GEMM (kernels/README.md) and its DeepGEMM-compatible entry point.
 KERNEL_MODULE = "sglang_pd.kernels.signal_gemm"

@@ -8,6 +8,7 @@ Nothing here imports the rest of the package; every part may import it.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Literal, get_args
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "WORKER_AUTH_HEADER",
     "Role",
     "RoutingPolicy",
+    "SBOMode",
     "as_role",
     "policy_problem",
     "worker_selector",
@@ -142,6 +144,17 @@ ENV_ROUTER_WORKER_API_KEY = "SGLANG_PD_ROUTER_WORKER_API_KEY"
 # takes it as `--api-key`. It travels as WORKER_AUTH_HEADER: Bearer <key>, sglang's form.
 ENV_WORKER_API_KEY = "SGLANG_PD_WORKER_API_KEY"
 WORKER_AUTH_HEADER = "authorization"
+
+
+class SBOMode(StrEnum):
+    """Single-batch overlap on decode: both halves, the shared-expert half alone, or none. The
+    topology's `decode.sbo`, rendered as ENV_SBO_MODE, read by the sglang plugin."""
+
+    OFF = "off"
+    FULL = "full"
+    SHARED_ONLY = "shared-only"
+
+
 # The decode's single-batch-overlap mode, rendered by the launcher and read by the sglang plugin.
 ENV_SBO_MODE = "SGLANG_PD_SBO_MODE"
 # What LeaderWorkerSet sets in every pod of a group (same reference as the labels above).

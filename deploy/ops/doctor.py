@@ -22,34 +22,27 @@ import sys
 from typing import Any
 
 from sglang_pd.deploy.common.argtypes import positive_int
-from sglang_pd.deploy.common.contract import ENV_LWS_GROUP_SIZE, EXIT_INVALID, EXIT_OK
+from sglang_pd.deploy.common.contract import ENV_LWS_GROUP_SIZE, EXIT_INVALID, EXIT_OK, SBOMode
 from sglang_pd.deploy.common.node import deepep_driver
 from sglang_pd.deploy.sglang.compat import FlagReport, flag_report, flag_summary
-from sglang_pd.deploy.spec.topology import GPU_CAPABILITY, SBOMode, Topology
+from sglang_pd.deploy.sglang.sbo import PLUGIN_ENTRY_POINT
 
 __all__ = [
     "add_arguments",
     "collect",
     "format_table",
     "run",
-    "sbo_topology_errors",
-    "sbo_topology_warnings",
 ]
 
 
-#: GPU types by architecture, from the topology's one GPU table. sm_90 needs this plugin for SBO;
-#: sglang serves SBO on Blackwell itself.
-HOPPER = frozenset(gpu for gpu, (major, _) in GPU_CAPABILITY.items() if major == 9)
-
 DISTRIBUTIONS = ("sglang", "sgl-deep-ep", "sgl-deep-gemm", "sglang-kernel", "sglang-pd", "torch", "triton")
-PLUGIN_ENTRY_POINT = "sglang_pd"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=("table", "json"), default="table")
     parser.add_argument(
         "--expect",
-        choices=("full", "shared-only"),
+        choices=[m.value for m in SBOMode if m is not SBOMode.OFF],
         help="exit 1 unless this SBO mode can run here (a pod's pre-flight check)",
     )
     parser.add_argument(
@@ -261,71 +254,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: SBO {args.expect} cannot run here: {doc['sbo'][args.expect]['reason']}", file=sys.stderr)
         return EXIT_INVALID
     return EXIT_OK
-
-
-def sbo_topology_errors(t: Topology) -> list[str]:
-    """Errors for a topology whose full SBO on Hopper would trap or hang with the DeepEP installed where this runs.
-
-    The verdict is about this machine's DeepEP (read from its sources): run `plan --check` where the
-    image's DeepEP is, or `sglang-pd doctor --expect full --ep-nodes N` in the image.
-    """
-    if t.decode.sbo is not SBOMode.FULL or t.hardware.gpu.upper() not in HOPPER:
-        return []
-    from sglang_pd.sglang_patches import status
-
-    decision = status.deepep_layout()
-    if decision.layout is None:
-        return []  # sbo_topology_warnings says so
-    send_sms = status.sglang_combine_send_sms(t.decode.env)
-    contract = status.layout_contract(decision.layout, ep_nodes=t.decode.nodes, send_sms=send_sms)
-    if contract.ok:
-        return []
-    version = status.distribution_version("sgl-deep-ep") or status.distribution_version("deep-ep") or "unknown"
-    return [
-        f"decode.sbo: full on {t.hardware.gpu} with decode.nodes={t.decode.nodes}: {contract.reason} "
-        f"(judged from the DeepEP installed where this check runs: {version}, {decision.source}; the image's "
-        "DeepEP decides in the pods: `sglang-pd doctor --expect full` there)."
-    ]
-
-
-def sbo_topology_warnings(t: Topology) -> list[str]:
-    """Warnings for a topology asking for SBO on a GPU type this build cannot serve it on."""
-    mode = t.decode.sbo
-    if mode is SBOMode.OFF:
-        return []
-    # The capability, not the name: `hardware.compute_capability` places a GPU type the table lacks.
-    cap = t.hardware.capability()
-    if cap is not None and cap[0] == 10:
-        return []
-    if cap != (9, 0):
-        return [
-            f"decode.sbo: {mode.value} on hardware.gpu {t.hardware.gpu}: this build serves SBO on Hopper "
-            f"({', '.join(sorted(HOPPER))}, through its sglang plugin) and on Blackwell (sglang itself); "
-            "set decode.sbo: off."
-        ]
-    from sglang_pd.sglang_patches import status
-    from sglang_pd.sglang_patches.targets import SGLANG_TARGET_VERSION, SUPPORTED_SGLANG_VERSIONS
-
-    warnings = []
-    eps = importlib.metadata.entry_points(group="sglang.srt.plugins")
-    if PLUGIN_ENTRY_POINT not in {ep.name for ep in eps}:
-        warnings.append(
-            f"decode.sbo: {mode.value} on {t.hardware.gpu} (sm_90) needs the sglang-pd sglang plugin, and its entry "
-            "point is not installed here: pip install sglang-pd (the image must have it too)."
-        )
-    if mode is SBOMode.FULL and importlib.util.find_spec(status.KERNEL_MODULE) is None:
-        warnings.append(
-            f"decode.sbo: full on {t.hardware.gpu} (sm_90) needs {status.KERNEL_MODULE}, which this build lacks; "
-            "set decode.sbo: shared-only."
-        )
-    installed = status.distribution_version("sglang")
-    if installed is not None and installed not in SUPPORTED_SGLANG_VERSIONS:
-        warnings.append(
-            f"decode.sbo: {mode.value} on {t.hardware.gpu} (sm_90) relies on hooks written for sglang "
-            f"{SGLANG_TARGET_VERSION}; sglang {installed} is installed here (run `sglang-pd doctor`)."
-        )
-    if mode is SBOMode.FULL and status.distribution_version("sgl-deep-ep") is not None:
-        decision = status.deepep_layout()
-        if decision.layout is None:
-            warnings.append(f"decode.sbo: full on {t.hardware.gpu}: {decision.reason}; set decode.sbo: shared-only.")
-    return warnings

@@ -72,9 +72,9 @@ def check_plan(p: Plan) -> tuple[Plan, int, str | None]:
     Returns the plan with the verdicts, an exit status (EXIT_INVALID when sglang rejects a command
     or would not run a feature the topology asks for), and a note when the check cannot run here.
     """
-    from sglang_pd.deploy.ops.doctor import sbo_topology_errors, sbo_topology_warnings
     from sglang_pd.deploy.sglang.check import SglangUnavailable, check_with_sglang
     from sglang_pd.deploy.sglang.compat import flag_report
+    from sglang_pd.deploy.sglang.sbo import sbo_topology_errors, sbo_topology_warnings
 
     t = p.topology
     # SBO asked for on a GPU type this build cannot serve it on (warnings, not errors).

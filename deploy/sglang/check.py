@@ -277,15 +277,18 @@ class _Resolver:
 
 
 _RESULT = "sglang-pd-result "
-_RESOLVERS: dict[tuple[str, tuple[int, int] | None], _Resolver] = {}
+_RESOLVERS: dict[tuple[str, tuple[int, int] | None, int], _Resolver] = {}
 _RESOLVERS_LOCK = threading.Lock()
 
 
 def _resolver(python: str, cap: tuple[int, int] | None) -> _Resolver:
+    """The live child for `python` and `cap` started with this environment (a changed environment,
+    such as another PYTHONPATH or SGLANG_PLUGINS, makes sglang see other plugins: a new child)."""
+    key = (python, cap, hash(frozenset(os.environ.items())))
     with _RESOLVERS_LOCK:
-        resolver = _RESOLVERS.get((python, cap))
+        resolver = _RESOLVERS.get(key)
         if resolver is None or not resolver.alive:
-            resolver = _RESOLVERS[python, cap] = _Resolver(python)
+            resolver = _RESOLVERS[key] = _Resolver(python)
         return resolver
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
@@ -25,6 +24,7 @@ from sglang_pd.deploy.common.contract import (
     DEFAULT_ROUTER_PORT,
     Role,
     RoutingPolicy,
+    SBOMode,
     policy_problem,
 )
 from sglang_pd.deploy.spec.model_shape import ShapeError, checkpoint_bytes
@@ -154,14 +154,6 @@ class HardwareSpec(_Strict):
 class TBOSpec(_Strict):
     enabled: bool = False
     token_distribution_threshold: Annotated[float, Field(ge=0.0, le=1.0)] = 0.48
-
-
-class SBOMode(StrEnum):
-    """Single-batch overlap on decode: both halves, the shared-expert half alone, or none."""
-
-    OFF = "off"
-    FULL = "full"
-    SHARED_ONLY = "shared-only"
 
 
 MoEA2ABackend = Literal["none", "deepep"]

@@ -12,6 +12,7 @@ import pytest
 from sglang_pd.deploy.cli import main
 from sglang_pd.deploy.common import node
 from sglang_pd.deploy.ops import doctor
+from sglang_pd.deploy.sglang import sbo as sbo_checks
 from sglang_pd.deploy.spec.topology import parse_topology
 from sglang_pd.sglang_patches import status
 
@@ -192,15 +193,15 @@ def test_plan_warnings_for_sbo_on_gpus_this_build_cannot_serve(
     if capability is not None:
         data["hardware"]["compute_capability"] = capability
     data["decode"]["sbo"] = sbo
-    warnings = doctor.sbo_topology_warnings(parse_topology(data))
+    warnings = sbo_checks.sbo_topology_warnings(parse_topology(data))
     assert bool(warnings) == warned, warnings
     if warned:
         assert warnings[0].startswith(f"decode.sbo: {sbo} on hardware.gpu {gpu}: this build serves SBO on Hopper")
 
 
 def test_plan_warns_when_the_plugin_is_not_installed(preset_dict, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(doctor.importlib.metadata, "entry_points", lambda group: [])
-    [warning] = doctor.sbo_topology_warnings(parse_topology(preset_dict()))
+    monkeypatch.setattr(sbo_checks.importlib.metadata, "entry_points", lambda group: [])
+    [warning] = sbo_checks.sbo_topology_warnings(parse_topology(preset_dict()))
     assert "needs the sglang-pd sglang plugin, and its entry point is not installed here" in warning
 
 
@@ -218,7 +219,7 @@ def test_plan_check_refuses_sgl_deep_ep_across_nodes(preset_dict, write_topology
     data = preset_dict()
     assert data["decode"]["nodes"] == 2 and data["decode"]["sbo"] == "full"
     path = write_topology(data)
-    errors = doctor.sbo_topology_errors(parse_topology(data))
+    errors = sbo_checks.sbo_topology_errors(parse_topology(data))
     [error] = errors
     assert error.startswith("decode.sbo: full on H200 with decode.nodes=2: full SBO on sm_90 with sgl-deep-ep's")
     assert "traps on a peer across nodes" in error and "Fix: build DeepEP's antgroup-opt branch" in error
@@ -229,7 +230,7 @@ def test_plan_check_refuses_sgl_deep_ep_across_nodes(preset_dict, write_topology
 
 
 def test_plan_check_accepts_antgroup_opt_across_nodes(preset_dict, antgroup_deepep) -> None:
-    assert doctor.sbo_topology_errors(parse_topology(preset_dict())) == []
+    assert sbo_checks.sbo_topology_errors(parse_topology(preset_dict())) == []
 
 
 # --- DeepEP's NVIDIA driver options (/proc/driver/nvidia/params) or GDRCopy ---------------------
@@ -277,5 +278,5 @@ def test_plan_warns_only_for_an_sglang_the_hooks_were_not_tested_in(
 ) -> None:
     real = status.distribution_version
     monkeypatch.setattr(status, "distribution_version", lambda name: installed if name == "sglang" else real(name))
-    warnings = doctor.sbo_topology_warnings(parse_topology(preset_dict()))
+    warnings = sbo_checks.sbo_topology_warnings(parse_topology(preset_dict()))
     assert any("relies on hooks written for sglang 0.5.23" in w for w in warnings) is warned
