@@ -146,9 +146,10 @@ ENV_WORKER_API_KEY = "SGLANG_PD_WORKER_API_KEY"
 WORKER_AUTH_HEADER = "authorization"
 
 
+# The topology's `decode.sbo`, rendered as ENV_SBO_MODE and read by the sglang plugin (its docstring
+# is the values schema's description of the field).
 class SBOMode(StrEnum):
-    """Single-batch overlap on decode: both halves, the shared-expert half alone, or none. The
-    topology's `decode.sbo`, rendered as ENV_SBO_MODE, read by the sglang plugin."""
+    """Single-batch overlap on decode: both halves, the shared-expert half alone, or none."""
 
     OFF = "off"
     FULL = "full"
