@@ -33,7 +33,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .signal_gemm import SCALE_BLOCK, WsConfig
+from .configs import SCALE_BLOCK, WsConfig
 
 __all__ = ["launch"]
 
