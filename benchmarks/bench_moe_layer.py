@@ -98,7 +98,6 @@ import statistics
 import sys
 import time
 import traceback
-import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -113,7 +112,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _import_from_tree() -> str:
-    """`sglang_pd.kernels` and `sglang_pd.sglang_patches` from the installed package, else from this tree."""
+    """`sglang_pd` from the installed package, else from this tree (`.mypy-root/sglang_pd` links its parts)."""
     try:
         import sglang_pd.kernels.signal_gemm
         import sglang_pd.sglang_patches.status  # noqa: F401
@@ -121,16 +120,9 @@ def _import_from_tree() -> str:
         return "installed package"
     except ImportError:
         pass
-    for name in ("sglang_pd", "sglang_pd.kernels", "sglang_pd.sglang_patches"):
-        sys.modules.pop(name, None)
-    root = types.ModuleType("sglang_pd")
-    root.__path__ = []
-    sys.modules["sglang_pd"] = root
-    for sub, folder in (("kernels", "kernels"), ("sglang_patches", "sglang_patches")):
-        mod = types.ModuleType(f"sglang_pd.{sub}")
-        mod.__path__ = [str(REPO / folder)]
-        sys.modules[f"sglang_pd.{sub}"] = mod
-        setattr(root, sub, mod)
+    for name in [m for m in sys.modules if m == "sglang_pd" or m.startswith("sglang_pd.")]:
+        del sys.modules[name]
+    sys.path.insert(0, str(REPO / ".mypy-root"))
     return f"source tree {REPO}"
 
 

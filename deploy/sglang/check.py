@@ -253,9 +253,7 @@ class _Resolver:
                 results = []
             if len(results) == len(jobs):
                 return results
-            if self._proc.poll() is None:
-                self._proc.kill()
-            self._proc.wait()
+            self._stop()
             self._stderr.seek(0)
             said = self._stderr.read()[-4000:]
             self.close()
@@ -268,10 +266,13 @@ class _Resolver:
     def alive(self) -> bool:
         return self._proc.poll() is None
 
-    def close(self) -> None:
+    def _stop(self) -> None:
         if self._proc.poll() is None:
             self._proc.kill()
         self._proc.wait()
+
+    def close(self) -> None:
+        self._stop()
         self._stderr.close()
         self._cwd.cleanup()
 
@@ -288,6 +289,8 @@ def _resolver(python: str, cap: tuple[int, int] | None) -> _Resolver:
     with _RESOLVERS_LOCK:
         resolver = _RESOLVERS.get(key)
         if resolver is None or not resolver.alive:
+            if resolver is not None:
+                resolver.close()  # died on its own: its files go with it
             resolver = _RESOLVERS[key] = _Resolver(python)
         return resolver
 

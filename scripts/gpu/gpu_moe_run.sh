@@ -36,20 +36,8 @@ say() { echo "== [$(elapsed) s] $*" | tee -a "$log"; }
 } | tee -a "$log"
 
 # %% DeepEP
-say "building DeepEP (log: $out/build.log)"
-# The benchmarks use hidden 7168 only: building DeepEP's low-latency kernels for that size alone cuts
-# their compile from minutes to seconds (unset DEEPEP_HIDDEN to build all eight sizes).
-export DEEPEP_HIDDEN=${DEEPEP_HIDDEN-7168}
-if bash scripts/gpu/build_deepep.sh "" /tmp/deepep >"$out/build.log" 2>&1; then
-  say "DeepEP: $(tail -n 1 "$out/build.log")"
-else
-  say "DeepEP build FAILED; the last lines of build.log:"
-  tail -n 30 "$out/build.log" | tee -a "$log"
-  exit 1
-fi
-NVSHMEM_LIB=$("$PY" -c 'import nvidia.nvshmem as m; print(list(m.__path__)[0] + "/lib")')
-export PYTHONPATH=/tmp/deepep${PYTHONPATH:+:$PYTHONPATH}
-export LD_LIBRARY_PATH=$NVSHMEM_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+source scripts/gpu/use_deepep.sh
+use_deepep "$out" || exit 1
 
 # %% Benchmarks: name, deadline cap (s), seconds kept for the stages after it, arguments
 run_bench() {

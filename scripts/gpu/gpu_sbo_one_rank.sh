@@ -30,17 +30,8 @@ say() { echo "== [$(elapsed) s] $*" | tee -a "$log"; }
   "$PY" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)' 2>&1
 } | tee -a "$log"
 
-say "building DeepEP (log: $out/build.log)"
-export DEEPEP_HIDDEN=${DEEPEP_HIDDEN-7168}
-if bash scripts/gpu/build_deepep.sh "" /tmp/deepep >"$out/build.log" 2>&1; then
-  say "DeepEP: $(tail -n 1 "$out/build.log")"
-else
-  say "DeepEP build FAILED:"; tail -n 30 "$out/build.log" | tee -a "$log"; exit 1
-fi
-NVSHMEM_LIB=$("$PY" -c 'import nvidia.nvshmem as m; print(list(m.__path__)[0] + "/lib")')
-# The checkout as the package it is (`sglang_pd.<part>`, .mypy-root links the parts), beside DeepEP.
-export PYTHONPATH=/tmp/deepep:$PWD/.mypy-root${PYTHONPATH:+:$PYTHONPATH}
-export LD_LIBRARY_PATH=$NVSHMEM_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+source scripts/gpu/use_deepep.sh
+use_deepep "$out" || exit 1
 
 say "DeepEP's test_low_latency.py, one rank, 16 experts"
 ( cd .gpu_bundle/deepep-src/tests && timeout 150 "$PY" test_low_latency.py --num-processes 1 --num-experts 16 ) \

@@ -55,7 +55,7 @@ class Legs:
 
     async def post(self, worker: Worker, path: str, body: bytes, rid: str) -> Reply:
         """A unary leg. Errors are raised, not recorded: the caller decides which leg is to blame."""
-        self._begin(worker)
+        worker.dispatched()
         try:
             reply = await self.client.post(worker, path, body, rid)
             self.succeeded(worker)
@@ -70,7 +70,7 @@ class Legs:
         """A streamed leg up to its first chunk. While the stream is open the worker's in-flight
         count stays raised; a `PairStreamOutcome` ends it (or `end`, for a stream given up before
         its relay)."""
-        self._begin(worker)
+        worker.dispatched()
         try:
             reply = await self.client.open_stream(worker, path, body, rid)
         except BaseException:
@@ -87,9 +87,6 @@ class Legs:
     # worker, and a failed one may be blamed on the other leg and never booked here; either way
     # the breaker would otherwise wait for a verdict that never comes. A failure that is booked
     # still opens the breaker (record_failure does not need the slot).
-
-    def _begin(self, worker: Worker) -> None:
-        worker.dispatched()
 
     def end(self, worker: Worker) -> None:
         worker.ended()
