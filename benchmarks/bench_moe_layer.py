@@ -297,6 +297,10 @@ def act_quant(h: torch.Tensor, masked_m: torch.Tensor) -> tuple[torch.Tensor, to
     return silu_mul_quant(h, masked_m) if ACT_IMPL["name"] == "triton" else silu_mul_quant_torch(h)
 
 
+#: The down GEMM's widest N tile (`--max-block-n`): sglang passes 160 on H20 at expected_m <= 64, else 256.
+DOWN_MAX_BLOCK_N = [256]
+
+
 class Experts:
     """The grouped GEMMs of one rank: ours (default) or torch on dequantized weights (``--up-gemm torch``)."""
 
@@ -325,7 +329,8 @@ class Experts:
         out = torch.empty(e, m, HIDDEN, dtype=torch.bfloat16, device=a.device)
         ret = sg.fp8_m_grouped_gemm_nt_masked(
             (a, a_s), (self.w.down_q, self.w.down_s), out, masked_m, expected_m,
-            enable_overlap=signal is not None, signal=signal, signal_layout="sglang", num_sms=num_sms,
+            max_block_n=DOWN_MAX_BLOCK_N[0], enable_overlap=signal is not None, signal=signal,
+            signal_layout="sglang", num_sms=num_sms,
         )  # fmt: skip
         return out, ret
 
@@ -590,6 +595,7 @@ def decode_one(rank: int, world: int, layer: DecodeLayer, t: int, args: argparse
             if ref is None:
                 ref = reference_layer(x, layer.last["topk_idx"], layer.last["topk_w"], layer.w)
                 row["recv_tokens"] = int(layer.last["recv_count"].sum())
+                row["experts_without_tokens"] = int((layer.last["recv_count"] == 0).sum())
             res["eager_check"] = compare(out, ref)
             outputs[variant] = out.clone()
             if "none" in outputs and variant != "none":
@@ -1020,6 +1026,7 @@ def deepep_info() -> dict[str, Any]:
 
 def worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
     torch.cuda.set_device(rank)
+    DOWN_MAX_BLOCK_N[0] = args.max_block_n
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))  # fmt: skip
     report: dict[str, Any] = {
@@ -1083,6 +1090,13 @@ def main() -> None:
     p.add_argument("--gpus", type=int, default=0, help="processes, one per GPU (default: all visible)")
     p.add_argument("--combine-sms", type=lambda s: [int(v) for v in s.split(",")], default=[3],
                    help="SMs for DeepEP's combine-send in full SBO (sglang's Hopper default: 3)")  # fmt: skip
+    p.add_argument(
+        "--max-block-n",
+        type=int,
+        choices=(160, 256),
+        default=256,
+        help="the down GEMM's widest N tile, as sglang's runner passes it (160: H20 at m <= 64)",
+    )
     p.add_argument("--up-gemm", choices=("ours", "torch"), default="ours",
                    help="up/gate GEMM: our masked FP8 kernel, or torch on dequantized bf16 weights")  # fmt: skip
     p.add_argument("--iters", type=int, default=20, help="decode: graph replays per timing")

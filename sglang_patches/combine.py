@@ -8,12 +8,13 @@ Blackwell). When `status.deepep_layout()` says "deepep", two hooks bridge the ga
 
 * `compute_overlap_args` (after): the signal becomes one zeroed `uint32` counter per local
   expert, shared by the down GEMM and the combine, as on Blackwell;
-* the low-latency dispatcher's `_get_buffer` (around): the buffer is wrapped so that a combine
-  call carrying sm_90 keywords is re-spelled as DeepEP's: `comp_signal` -> `src_signals`,
-  `threshold` (our kernel's `num_programs`) -> `src_signal_expect_value`; `packed_recv_count`,
-  `block_m` and `num_sms` have no counterpart and are dropped.
+* the low-latency dispatcher's `_get_buffer` (around): with full SBO routed, the buffer is wrapped so
+  that signalled combines are counted (`engagement`) and, for this layout, re-spelled as DeepEP's:
+  `comp_signal` -> `src_signals`, `threshold` (our kernel's `num_programs`) -> `src_signal_expect_value`;
+  `packed_recv_count`, `block_m` and `num_sms` have no counterpart and are dropped.
 
-With a DeepEP that takes sglang's keywords ("sglang" layout) both hooks pass everything through;
+With a DeepEP that takes sglang's keywords ("sglang" layout) both hooks pass everything through
+(the buffer wrapper only counts);
 DeepEP's `antgroup-opt` branch (DeepEP PR #483, the one `scripts/gpu/build_deepep.sh` and the image
 build) is one. The "deepep" layout is served only where `status.layout_contract` allows it: one node,
 and sglang giving the combine the 32 send SMs sgl-deep-ep launches; elsewhere SBO full is refused at
@@ -25,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from sglang_pd.sglang_patches import down_gemm
+from sglang_pd.sglang_patches import down_gemm, engagement
 
 __all__ = [
     "BUFFER_TARGET",
@@ -56,13 +57,18 @@ def to_deepep_combine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 class DeepEPCombineAdapter:
-    """A DeepEP buffer whose `low_latency_combine` accepts sglang's sm_90 keywords."""
+    """A DeepEP buffer whose signalled combines are counted (`engagement`) and, for sgl-deep-ep, re-spelled."""
 
-    def __init__(self, buffer: Any) -> None:
+    def __init__(self, buffer: Any, *, respell: bool) -> None:
         self._buffer = buffer
+        self._respell = respell
 
     def low_latency_combine(self, *args: Any, **kwargs: Any) -> Any:
-        return self._buffer.low_latency_combine(*args, **to_deepep_combine_kwargs(kwargs))
+        if kwargs.get("comp_signal") is not None or kwargs.get("src_signals") is not None:
+            engagement.count_signal_combine()
+        if self._respell:
+            kwargs = to_deepep_combine_kwargs(kwargs)
+        return self._buffer.low_latency_combine(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._buffer, name)
@@ -70,9 +76,10 @@ class DeepEPCombineAdapter:
 
 def get_buffer(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     buffer = original(*args, **kwargs)
-    if down_gemm.route_layout() != "deepep" or isinstance(buffer, DeepEPCombineAdapter):
+    layout = down_gemm.route_layout()
+    if layout is None or isinstance(buffer, DeepEPCombineAdapter):
         return buffer
-    return DeepEPCombineAdapter(buffer)
+    return DeepEPCombineAdapter(buffer, respell=layout == "deepep")
 
 
 def compute_overlap_args(result: Any, dispatch_output: Any, alt_stream: Any = None) -> Any:

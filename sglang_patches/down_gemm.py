@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from sglang_pd.sglang_patches import status
+from sglang_pd.sglang_patches import engagement, status
 
 __all__ = ["PARAMS", "TARGET", "grouped_gemm_nt_f8f8bf16_masked", "route_layout"]
 
@@ -72,6 +72,7 @@ def grouped_gemm_nt_f8f8bf16_masked(
             f"sglang-pd's sm_90 signal down-GEMM takes DeepSeek FP8 scales (1x128 activations, 128x128 "
             f"weights) only, got recipe_a={recipe_a}, recipe_b={recipe_b}; set decode.sbo: shared-only."
         )
+    engagement.count_signal_gemm()
     return _kernel_entry()(
         lhs,
         rhs,

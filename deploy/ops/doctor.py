@@ -7,7 +7,8 @@ in a child process: `sglang_patches/probes.py`); whether the NVIDIA driver is se
 nodes; and, for each SBO mode, whether it can run here, for a decode EP over `--ep-nodes` nodes (full
 SBO on sm_90 refuses sgl-deep-ep's signal layout across nodes or where its send SMs do not match).
 `--expect MODE` makes it a pre-flight check (exit 1 when MODE cannot run); `--capability 9.0` judges
-for a GPU that is not visible (an image build).
+for a GPU that is not visible (an image build). `--server-log FILE` reads what full SBO ran inside a
+serving sglang from its log (`sglang_patches/engagement.py`); with `--expect full` it must have run.
 `sbo_topology_warnings()` and `sbo_topology_errors()` are the topology-side half, used by `sglang-pd plan --check`.
 """
 
@@ -19,6 +20,8 @@ import importlib.util
 import json
 import os
 import sys
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from sglang_pd.deploy.common.argtypes import positive_int
@@ -62,6 +65,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="MAJOR.MINOR",
         help="judge SBO for a GPU of this compute capability instead of the visible one (an image build has none)",
+    )
+    parser.add_argument(
+        "--server-log",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="a running sglang server's log: report how often its decode ran our signal GEMM and DeepEP's "
+        "signal combine (with --expect full, exit 1 unless both ran)",
     )
 
 
@@ -235,6 +246,8 @@ def format_table(doc: dict[str, Any]) -> str:
         rows.append((f"SBO {mode}", f"yes ({v['by']}{where})" if v["ok"] else f"no: {v['reason']}"))
     if doc.get("sglang_flags"):
         rows.append(("sglang flags (presets)", flag_summary(doc["sglang_flags"])))
+    if "server_engagement" in doc:
+        rows.append(_engagement_row(doc["server_engagement"]))
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"{a.ljust(width)}  {b}" for a, b in rows)
 
@@ -243,14 +256,55 @@ def _count_nodes(n: int) -> str:
     return "1 node" if n == 1 else f"{n} nodes"
 
 
+def server_engagement(path: Path) -> dict[str, Any]:
+    """What a server log says full SBO ran: summed counts, or why there are none."""
+    from sglang_pd.sglang_patches import engagement
+
+    try:
+        with path.open(encoding="utf-8", errors="replace") as f:
+            counts = engagement.read_log(f)
+    except OSError as exc:
+        return {"log": str(path), "engaged": False, "reason": f"cannot read the server log: {exc.strerror}"}
+    if counts is None:
+        return {
+            "log": str(path),
+            "engaged": False,
+            "reason": "no sglang-pd engagement line: the server has not run a decode step with full SBO "
+            "(plugin not loaded, SBO mode not full, or no request decoded yet)",
+        }
+    doc: dict[str, Any] = {"log": str(path), **asdict(counts), "engaged": counts.engaged}
+    if not counts.engaged:
+        doc["reason"] = (
+            f"signal GEMM calls {counts.signal_gemm}, signalled combines {counts.signal_combine}: "
+            "both must be nonzero for the down-GEMM/combine overlap to have run"
+        )
+    return doc
+
+
+def _engagement_row(e: dict[str, Any]) -> tuple[str, str]:
+    if "signal_gemm" not in e:
+        return ("SBO engaged (server log)", f"no: {e['reason']}")
+    counts = (
+        f"signal GEMM {e['signal_gemm']}, signalled combines {e['signal_combine']} "
+        f"({e['captured']} while capturing CUDA graphs; {e['processes']} process(es))"
+    )
+    return ("SBO engaged (server log)", ("yes: " if e["engaged"] else "no: ") + counts)
+
+
 def run(args: argparse.Namespace) -> int:
     from sglang_pd.sglang_patches import status
 
     if args.capability is not None:
         status.assume_capability(args.capability)
     doc = collect(check_targets=not args.skip_targets, ep_nodes=args.ep_nodes)
+    if args.server_log is not None:
+        doc["server_engagement"] = server_engagement(args.server_log)
     print(json.dumps(doc, indent=2) if args.format == "json" else format_table(doc))
     if args.expect and not doc["sbo"][args.expect]["ok"]:
         print(f"error: SBO {args.expect} cannot run here: {doc['sbo'][args.expect]['reason']}", file=sys.stderr)
+        return EXIT_INVALID
+    engaged = doc.get("server_engagement")
+    if args.expect == SBOMode.FULL.value and engaged is not None and not engaged["engaged"]:
+        print(f"error: full SBO did not run in the server of {args.server_log}: {engaged['reason']}", file=sys.stderr)
         return EXIT_INVALID
     return EXIT_OK

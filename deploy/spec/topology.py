@@ -631,9 +631,9 @@ def check_rules(t: Topology, pod: PodSettings | None = None) -> RuleReport:
                 f"combine, but decode uses moe_a2a_backend={d.moe_a2a_backend}, deepep_mode={d.deepep_mode}. "
                 "Set decode.moe_a2a_backend: deepep and decode.deepep_mode: low_latency, or sbo: off."
             )
-        if d.attn_dp_size == 1:
+        if d.attn_dp_size == 1 and d.tp > 1:
             errors.append(
-                "decode.sbo: single-batch overlap needs DP attention on decode (decode.attn_dp_size > 1); "
+                "decode.sbo: single-batch overlap needs DP attention on a multi-GPU decode (decode.attn_dp_size > 1); "
                 f"set decode.attn_dp_size (e.g. {d.tp}) or sbo: off."
             )
     if d.sbo is SBOMode.FULL:

@@ -15,6 +15,7 @@ trimmed, packed into one archive and cut into parts that each travel in one devi
 - the pure-Python and small binary packages sglang imports at start that the machine lacks;
   `transformers` at sglang 0.5.17's pin (5.17 clashes with its `qwen3_asr` config) and wheels
   that must replace the machine's own (`wheels/` inside the archive);
+- sgl-deep-gemm 0.1.5.post1, sglang 0.5.17's DeepGEMM, for the SBO decode server's MoE runner;
 - the gsm8k test set for the check's `eval gsm8k` step.
 
 Nothing here is committed; the bundle is rebuilt from the official wheels. The parts are carried
@@ -50,6 +51,9 @@ SGLANG = [
     "flashinfer_python==0.6.15.post1",
     "mooncake-transfer-engine==0.3.13.post1",
     "transformers==5.12.1",
+    # sglang 0.5.17's DeepGEMM pin: the MoE runner `--moe-runner-backend deep_gemm` (the SBO decode
+    # server, scripts/gpu/gpu_sbo_server.py) runs its masked grouped GEMMs; JIT, compiled on first use.
+    "sgl-deep-gemm==0.1.5.post1",
 ]
 # What sglang 0.5.17 imports on the way to serving a DeepSeek-V3 model that the GPU machine's image
 # lacks (its image has torch, triton, numpy, aiohttp, requests, psutil, prometheus_client, uvloop,

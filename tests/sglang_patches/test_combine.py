@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from sglang_pd.sglang_patches import combine, status
+from sglang_pd.sglang_patches import combine, engagement, status
 
 needs_deepep = pytest.mark.skipif(
     status.distribution_version("sgl-deep-ep") is None,
@@ -113,11 +113,30 @@ def test_translated_keywords_bind_to_the_installed_deepep(monkeypatch: pytest.Mo
     assert bound["handle"] == "<handle>" and bound["x"] == "<x>"
 
 
-def test_sglang_layout_buffers_are_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sglang_layout_combines_pass_through_counted(monkeypatch: pytest.MonkeyPatch) -> None:
     params = ("x", "packed_recv_count", "comp_signal", "block_m", "threshold", "num_sms")
     monkeypatch.setattr(status, "deepep_layout", lambda: status.LayoutDecision("sglang", "test", params))
     monkeypatch.setattr(status, "device_capability", lambda: (9, 0))
     monkeypatch.setenv(status.SBO_MODE_ENV, "full")
+    seen: list[dict[str, Any]] = []
+
+    class Buffer:
+        def low_latency_combine(self, **kwargs: Any) -> str:
+            seen.append(kwargs)
+            return "combined"
+
+    before = engagement.snapshot().signal_combine
+    adapted = combine.get_buffer(lambda self: Buffer(), object())
+    kwargs = {"x": "<x>", "comp_signal": "<signal>", "block_m": 64, "threshold": 129, "num_sms": 3}
+    assert adapted.low_latency_combine(**kwargs) == "combined"
+    assert seen == [kwargs]  # sglang's keywords reach a DeepEP that takes them unchanged
+    assert adapted.low_latency_combine(x="<x>") == "combined"  # a combine without a signal is not counted
+    assert engagement.snapshot().signal_combine == before + 1
+
+
+def test_buffers_are_left_alone_without_full_sbo(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(status, "device_capability", lambda: (9, 0))
+    monkeypatch.setenv(status.SBO_MODE_ENV, "shared-only")
     buffer = object()
     assert combine.get_buffer(lambda self: buffer, object()) is buffer
 

@@ -85,14 +85,21 @@ def test_layout_is_read_from_the_uninstalled_revision(revision_installed: Path) 
 def test_plugin_leaves_sglang_combine_and_signal_alone(
     revision_installed: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With this DeepEP the down GEMM signals in sglang's layout and the combine needs no adapter."""
+    """With this DeepEP the down GEMM signals in sglang's layout and the combine's keywords pass unchanged."""
     monkeypatch.setenv(status.SBO_MODE_ENV, "full")
     monkeypatch.setattr(status, "kernel_status", lambda: status.Availability(True))
     down_gemm.route_layout.cache_clear()
     try:
         assert down_gemm.route_layout() == "sglang"
-        buffer = object()
-        assert combine.get_buffer(lambda self: buffer, object()) is buffer
+        seen: list[dict[str, object]] = []
+
+        class Buffer:
+            def low_latency_combine(self, **kwargs: object) -> None:
+                seen.append(kwargs)
+
+        kwargs = {"x": "<x>", "comp_signal": "<signal>", "block_m": 64, "threshold": 2, "num_sms": 3}
+        combine.get_buffer(lambda self: Buffer(), object()).low_latency_combine(**kwargs)
+        assert seen == [kwargs]  # only counted (sglang_patches/engagement.py), never re-spelled
         # sglang's int32 row-block signal is kept: the hook returns None, HookRegistry keeps sglang's result
         assert combine.compute_overlap_args((object(), object(), {}), object(), None) is None
     finally:

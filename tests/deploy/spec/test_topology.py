@@ -140,7 +140,7 @@ ONE_BROKEN_RULE = {
     ),
     "SBO without DP attention": (
         "decode", {"attn_dp_size": 1, "max_running_requests": 128},
-        "decode.sbo: single-batch overlap needs DP attention on decode", "",
+        "decode.sbo: single-batch overlap needs DP attention on a multi-GPU decode", "",
     ),
 }  # fmt: skip
 

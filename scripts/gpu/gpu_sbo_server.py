@@ -1,0 +1,340 @@
+"""SBO inside real sglang on one GPU: a decode server with and without full SBO, then the `single-h200-sbo` PD stack.
+
+Runs on the GPU machine after `scripts/gpu/gpu_sbo_server.sh` has unpacked sglang 0.5.17, built
+DeepEP antgroup-opt and written unit-scale FP8 weights into the preset's model folder
+(`fp8_checkpoint.py`). Stages, in order (`--stages`):
+
+1. `sbo`: one sglang server with the `single-h200-sbo` decode flags minus PD: `--tp 1
+   --moe-a2a-backend deepep --deepep-mode low_latency --moe-runner-backend deep_gemm
+   --enable-single-batch-overlap`, our plugin in mode full. Greedy outputs of the prompts with
+   their logprobs; decode step times at batch 1-64 (CUDA graphs on); what SBO ran inside it
+   (our kernel's calls and DeepEP's signalled combines, read from its log by `sglang-pd doctor
+   --server-log ... --expect full`).
+2. `nosbo`: the same server without `--enable-single-batch-overlap` (plugin mode off): the same
+   outputs and step times. The report compares them: identical sequences, the first divergence,
+   the largest logprob difference over the agreeing positions, the step-time ratio per batch.
+3. `pd`: `sglang-pd up` of the preset (prefill plain sglang, decode as in `sbo`, KV over Mooncake
+   TCP, our router): the same prompts through the router must give the SBO server's tokens;
+   the decode server's log must show SBO engaged.
+
+One GPU has no network for the overlap to hide, so the step-time ratio is SBO's overhead here,
+not its gain. Writes `report.json` and each server's log under --out.
+
+    python scripts/gpu/gpu_sbo_server.py --out $OUT --commit SHA
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+from gpu_pd_check import ROUTER, Stack, wait_server, wait_stack
+
+REPO = Path(__file__).resolve().parents[2]
+PRESET = REPO / "deploy/spec/presets/single-h200-sbo.yaml"
+PORT = 31000
+BASE = f"http://127.0.0.1:{PORT}"
+READY_S = 420.0
+MAX_NEW_TOKENS = 32
+STEP_TOKENS = 48  # decode steps timed per request at each batch size
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+TOP_LOGPROBS = 1
+
+
+def prompts() -> list[str]:
+    """16 prompts of 3-123 bytes (the byte tokenizer makes a token of each), under the 128-token prefill chunk."""
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "a",
+        "lazy",
+        "dog",
+        "while",
+        "seven",
+        "wizards",
+        "quietly",
+        "hex",
+        "jolly",
+        "zebras",
+    ]
+    return [" ".join(words[(i * 3) % len(words) :] + words)[: 3 + i * 8] for i in range(16)]
+
+
+def derived_topology(out: Path) -> Path:
+    """The preset with the written weights: `--load-format dummy` dropped, paths absolute."""
+    t = yaml.safe_load(PRESET.read_text())
+    model_dir = (PRESET.parent / t["model"]["path"]).resolve()
+    t["model"]["path"] = str(model_dir)
+    t["model"]["config_json"] = str(model_dir / "config.json")
+    for role in ("prefill", "decode"):
+        args = t[role]["extra_args"]
+        i = args.index("--load-format")
+        del args[i : i + 2]
+    path = out / "single-h200-sbo.yaml"
+    path.write_text(yaml.safe_dump(t, sort_keys=False))
+    return path
+
+
+def server_command(topology: Path, sbo: bool) -> tuple[list[str], dict[str, str]]:
+    """The preset's decode command without its PD flags (and without SBO when `sbo` is false), and its env."""
+    plan = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "sglang_pd.deploy.cli", "plan", str(topology), "--format", "json"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
+    decode = plan["roles"]["decode"][0]
+    drop_with_value = {"--disaggregation-mode", "--disaggregation-transfer-backend", "--port", "--host"}
+    argv, skip = [], False
+    for a in decode["argv"]:
+        if skip:
+            skip = False
+        elif a in drop_with_value:
+            skip = True
+        elif not (a == "--enable-single-batch-overlap" and not sbo):
+            argv.append(a)
+    env = {k: str(v) for k, v in decode.get("env", {}).items()}
+    env["SGLANG_PD_SBO_MODE"] = "full" if sbo else "off"
+    return [sys.executable, *argv, "--host", "127.0.0.1", "--port", str(PORT)], env
+
+
+async def greedy(base: str, texts: list[str]) -> list[dict[str, Any]]:
+    async def one(s: aiohttp.ClientSession, text: str) -> dict[str, Any]:
+        body = {
+            "text": text,
+            "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True},
+            "return_logprob": True,
+            "top_logprobs_num": TOP_LOGPROBS,
+        }
+        async with s.post(f"{base}/generate", json=body) as r:
+            doc = await r.json()
+            if r.status != 200:
+                return {"status": r.status, "error": doc}
+            meta = doc["meta_info"]
+            return {
+                "status": 200,
+                "ids": doc.get("output_ids") or [t[1] for t in meta["output_token_logprobs"]],
+                "logprobs": [t[0] for t in meta["output_token_logprobs"]],
+            }
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+        return list(await asyncio.gather(*(one(s, t) for t in texts)))
+
+
+async def step_times(base: str) -> list[dict[str, Any]]:
+    """Per batch size: the median gap between streamed tokens while all requests decode together."""
+
+    async def one(s: aiohttp.ClientSession, i: int) -> list[float]:
+        body = {
+            "text": f"request {i}: count on",
+            "sampling_params": {"temperature": 0, "max_new_tokens": STEP_TOKENS, "ignore_eos": True},
+            "stream": True,
+        }
+        arrivals = []
+        async with s.post(f"{base}/generate", json=body) as r:
+            async for raw in r.content:
+                if raw.startswith(b"data:") and b"[DONE]" not in raw:
+                    arrivals.append(time.perf_counter())
+        return arrivals
+
+    rows = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+        await one(s, -1)  # the first request after start compiles what is left
+        for batch in BATCHES:
+            runs = await asyncio.gather(*(one(s, i) for i in range(batch)))
+            # Skip the first 8 gaps: requests are still being prefilled and joining the batch.
+            gaps = [b - a for arr in runs for a, b in itertools.pairwise(arr[8:])]
+            rows.append(
+                {
+                    "batch": batch,
+                    "step_ms_p50": round(statistics.median(gaps) * 1e3, 3) if gaps else None,
+                    "step_ms_p90": round(statistics.quantiles(gaps, n=10)[-1] * 1e3, 3) if len(gaps) > 10 else None,
+                    "gaps": len(gaps),
+                }
+            )
+    return rows
+
+
+def doctor(log: Path, expect_full: bool) -> dict[str, Any]:
+    argv = [sys.executable, "-m", "sglang_pd.deploy.cli", "doctor", "--server-log", str(log), "--format", "json"]
+    p = subprocess.run([*argv, *(["--expect", "full"] if expect_full else [])], capture_output=True, text=True)
+    doc: dict[str, Any] = {"exit_code": p.returncode, "stderr": p.stderr[-2000:]}
+    with contextlib.suppress(ValueError):
+        full = json.loads(p.stdout)
+        doc.update({k: full.get(k) for k in ("server_engagement", "deepep_combine", "hook_targets", "sbo")})
+    return doc
+
+
+def stage_server(stack: Stack, topology: Path, sbo: bool, texts: list[str]) -> dict[str, Any]:
+    name = "sbo" if sbo else "nosbo"
+    argv, env = server_command(topology, sbo)
+    with open(stack.out / f"{name}.log", "wb") as log:
+        from sglang_pd.deploy.common.procs import spawn
+
+        stack.children[name] = spawn(name, argv, env=env, stdout=log, stderr=subprocess.STDOUT, text=False)
+    result: dict[str, Any] = {"argv": argv[1:], "env": env}
+    result.update(wait_server(stack, name, BASE, READY_S))
+    result["outputs"] = asyncio.run(greedy(BASE, texts))
+    result["step_times"] = asyncio.run(step_times(BASE))
+    result["doctor"] = doctor(stack.out / f"{name}.log", expect_full=sbo)
+    stack.stop(name, grace_s=30)
+    return result
+
+
+def compare(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, Any]:
+    """Greedy agreement of two runs of the same prompts, and the largest logprob gap where they agree."""
+    same, first_divergence, max_gap = 0, [], 0.0
+    for x, y in zip(a, b, strict=True):
+        if x.get("status") != 200 or y.get("status") != 200:
+            first_divergence.append("error")
+            continue
+        n = next((i for i, (p, q) in enumerate(zip(x["ids"], y["ids"], strict=False)) if p != q), None)
+        same += n is None
+        first_divergence.append(n)
+        agree = len(x["ids"]) if n is None else n
+        for p, q in zip(x["logprobs"][:agree], y["logprobs"][:agree], strict=True):
+            max_gap = max(max_gap, abs(p - q))
+    return {
+        "identical": f"{same}/{len(a)}",
+        "first_divergence_per_prompt": first_divergence,
+        "max_abs_logprob_diff_where_tokens_agree": max_gap,
+    }
+
+
+def stage_pd(stack: Stack, topology: Path, texts: list[str], ref: list[dict[str, Any]] | None) -> dict[str, Any]:
+    logs = stack.out / "engines"
+    up = [
+        sys.executable,
+        "-m",
+        "sglang_pd.deploy.cli",
+        "up",
+        str(topology),
+        "--engine",
+        "sglang",
+        "--log-dir",
+        str(logs),
+    ]
+    pd: dict[str, Any] = {"argv": up[1:]}
+    with open(stack.out / "up.log", "wb") as log:
+        from sglang_pd.deploy.common.procs import spawn
+
+        stack.children["up"] = spawn("up", up, stdout=log, stderr=subprocess.STDOUT, text=False)
+    pd.update(wait_stack(stack, READY_S))
+    got = asyncio.run(greedy(ROUTER, texts))
+    pd["statuses"] = [g.get("status") for g in got]
+    if ref is not None:
+        pd["vs_sbo_server"] = compare(ref, got)
+    decode_logs = sorted(logs.glob("decode*.log"))
+    pd["doctor"] = doctor(decode_logs[0], expect_full=True) if decode_logs else "no decode log"
+    stack.stop("up", signal.SIGINT, grace_s=60)
+    return pd
+
+
+def sbo_result(report: dict[str, Any], ref: Path) -> dict[str, Any] | None:
+    """The SBO server's stage result: from this run, else from the file an earlier call's `sbo` stage wrote."""
+    if "outputs" in report.get("sbo", {}):
+        return dict(report["sbo"])
+    with contextlib.suppress(OSError, ValueError):
+        return dict(json.loads(ref.read_text()))
+    return None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--stages", default="sbo,nosbo,pd")
+    parser.add_argument("--commit", default="unknown")
+    parser.add_argument("--deadline-s", type=float, default=560.0)
+    parser.add_argument(
+        "--ref",
+        type=Path,
+        default=Path("/tmp/sbo-server-outputs.json"),
+        help="the SBO server's outputs: written by stage sbo, read by nosbo and pd when run in a later call",
+    )
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "commit": args.commit,
+        "argv": sys.argv,
+    }
+    with contextlib.suppress(Exception):
+        report["gpu"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    import sglang
+
+    report["sglang"] = sglang.__version__
+
+    def out_of_time(*_: object) -> None:
+        raise TimeoutError(f"the run's deadline of {args.deadline_s:g} s passed")
+
+    signal.signal(signal.SIGALRM, out_of_time)
+    signal.alarm(int(args.deadline_s))
+    topology = derived_topology(args.out)
+    texts = prompts()
+    stack = Stack(args.out)
+    try:
+        for stage in args.stages.split(","):
+            t0 = time.monotonic()
+            try:
+                if stage in ("sbo", "nosbo"):
+                    report[stage] = stage_server(stack, topology, stage == "sbo", texts)
+                    if stage == "sbo":
+                        args.ref.write_text(json.dumps(report["sbo"], default=str))
+                elif stage == "pd":
+                    sbo = sbo_result(report, args.ref)
+                    report["pd"] = stage_pd(stack, topology, texts, sbo["outputs"] if sbo else None)
+                else:
+                    raise ValueError(f"unknown stage {stage!r}: use sbo, nosbo, pd")
+            except Exception:
+                report.setdefault("errors", {})[stage] = traceback.format_exc()[-6000:]
+            finally:
+                stack.stop_all()
+                report.setdefault("stage_seconds", {})[stage] = round(time.monotonic() - t0, 1)
+            sbo = sbo_result(report, args.ref)
+            if sbo is not None and "outputs" in report.get("nosbo", {}):
+                report["sbo_vs_nosbo"] = compare(sbo["outputs"], report["nosbo"]["outputs"])
+            if sbo is not None and "step_times" in report.get("nosbo", {}):
+                report["step_time_ratio_sbo_over_nosbo"] = [
+                    {"batch": s["batch"], "ratio": round(s["step_ms_p50"] / n["step_ms_p50"], 3)}
+                    for s, n in zip(sbo["step_times"], report["nosbo"]["step_times"], strict=True)
+                    if s["step_ms_p50"] and n["step_ms_p50"]
+                ]
+            (args.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    finally:
+        signal.alarm(0)
+        stack.stop_all()
+    summary = {k: v for k, v in report.items() if k not in ("sbo", "nosbo", "pd")}
+    for stage in ("sbo", "nosbo", "pd"):
+        if stage in report:
+            summary[stage] = {k: v for k, v in report[stage].items() if k not in ("outputs", "argv", "env")}
+    print(json.dumps(summary, indent=2, default=str)[-8000:])
+    os.sync()
+    return 1 if report.get("errors") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# SBO inside real sglang 0.5.17 on one H200, from a clean checkout without internet:
+#
+#   bash scripts/gpu/gpu_sbo_server.sh OUT_DIR [STAGES]      (from the repository root)
+#
+# Carry .gpu_bundle/deepep-src (scripts/gpu/deepep_source.sh) and, call by call, the sglang bundle's
+# parts with its manifest (docs/gpu-check.md). The first call builds DeepEP antgroup-opt into /tmp
+# (reused while the machine stays warm) and keeps the part it carries; once all parts are held it
+# unpacks sglang 0.5.17, writes unit-scale FP8 weights into the `single-h200-sbo` preset's model
+# folder (scripts/gpu/fp8_checkpoint.py) and runs scripts/gpu/gpu_sbo_server.py: a decode server with
+# and without full SBO, then the preset's PD stack through our router (STAGES: sbo,nosbo,pd).
+# Optional first: `ONE_RANK=1` also runs the one-rank layer check at max_block_n 160
+# (benchmarks/bench_moe_layer.py). SBO_COMMIT names the commit checked; SBO_DEADLINE_S bounds the run.
+set -euo pipefail
+out=${1:?usage: gpu_sbo_server.sh OUT_DIR [STAGES]}
+stages=${2:-sbo,nosbo,pd}
+mkdir -p "$out"
+t0=$(date +%s)
+log=$out/run.log
+PY=${PYTHON:-python3}
+say() { echo "== [$(( $(date +%s) - t0 )) s] $*" | tee -a "$log"; }
+# NVLink multicast stays off in NCCL, PyTorch and NVSHMEM (a shared host can lose GPUs to it).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+# One rank: antgroup-opt's layered low-latency dispatch sizes its buffers by nodes of 8 GPUs.
+export DEEPEP_DISABLE_LL_DISPATCH_OPT=1
+{
+  echo "== host: $(date -u +%FT%TZ) commit ${SBO_COMMIT:-unknown}"
+  nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader 2>&1
+} | tee -a "$log"
+
+source scripts/gpu/use_deepep.sh
+use_deepep "$out" || exit 1
+
+if [ "${ONE_RANK:-0}" = 1 ]; then
+  say "one rank: our signal GEMM into DeepEP's combine at max_block_n 160 (1,000 replays a variant)"
+  SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK=256 timeout 200 "$PY" benchmarks/bench_moe_layer.py --gpus 1 \
+    --mode decode --num-experts 16 --tokens 1,8,64,128,256 --iters 50 --repeats 20 --combine-sms 3 \
+    --max-block-n 160 --json "$out/decode_1gpu_bn160.json" --deadline-s 180 --hang-s 60 --port 27331 \
+    >"$out/one_rank_bn160.log" 2>&1 || say "one-rank run exit $?"
+  tail -n 12 "$out/one_rank_bn160.log" | tee -a "$log"
+fi
+
+source scripts/gpu/use_bundle.sh
+use_bundle  # ends this call (exit 0) while a part is still to be carried
+"$PY" - <<'PY' 2>&1 | tee "$out/versions.txt"
+import importlib, torch
+print("torch", torch.__version__, torch.cuda.get_device_name(0))
+for mod in ("sglang", "sgl_kernel", "deep_gemm", "deep_ep", "flashinfer", "mooncake.engine", "sglang_pd.sglang_patches"):
+    try:
+        m = importlib.import_module(mod)
+        print(mod, getattr(m, "__version__", "ok"), getattr(m, "__file__", ""))
+    except Exception as exc:
+        print(mod, "FAILED:", type(exc).__name__, exc)
+PY
+say "unit-scale FP8 weights for the preset's model"
+"$PY" scripts/gpu/fp8_checkpoint.py deploy/spec/presets/models/tiny-deepseek-v3-fp8 | tee -a "$log"
+"$PY" -m sglang_pd.deploy.cli doctor >"$out/doctor.txt" 2>&1 || true
+tail -n 20 "$out/doctor.txt" | tee -a "$log"
+say "gpu_sbo_server.py --stages $stages"
+set +e
+"$PY" scripts/gpu/gpu_sbo_server.py --out "$out" --stages "$stages" --commit "${SBO_COMMIT:-unknown}" \
+  --deadline-s "${SBO_DEADLINE_S:-480}"
+rc=$?
+say "gpu_sbo_server.py exit $rc"
+exit "$rc"
