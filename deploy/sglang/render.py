@@ -150,6 +150,13 @@ def render_node(
             a += ["--cuda-graph-max-bs-decode", str(spec.cuda_graph_max_bs)]
         if spec.moe_a2a_backend == "deepep":
             env[DISPATCH_BUDGET_ENV] = str(spec.dispatch_token_budget)
+    if spec.moe_a2a_backend != "none" and spec.tp == 1:
+        # A server with an MoE all-to-all syncs each batch's shape across its ranks, also when it has
+        # one. sglang 0.5.17's sync then writes into a buffer that aliases its own fallback row and
+        # raises at the first idle step (`MLPSyncBatchInfo.all_gather`,
+        # srt/managers/scheduler_components/dp_attn.py); 0.5.23 skips the sync for one rank by itself.
+        # This is sglang's own switch for that skip.
+        env["SGLANG_SCHEDULER_SKIP_ALL_GATHER"] = "1"
     a += spec.extra_args
 
     if t.transfer.backend == "mooncake" and t.transfer.protocol == "tcp":
