@@ -175,9 +175,12 @@ async def step_times(base: str) -> list[dict[str, Any]]:
     return rows
 
 
-def doctor(log: Path, expect_full: bool) -> dict[str, Any]:
+def doctor(log: Path, expect_full: bool, probe_hooks: bool = False) -> dict[str, Any]:
+    """`sglang-pd doctor --server-log` on a server's log; `probe_hooks` also checks each hook's effect (slower)."""
     argv = [sys.executable, "-m", "sglang_pd.deploy.cli", "doctor", "--server-log", str(log), "--format", "json"]
-    p = subprocess.run([*argv, *(["--expect", "full"] if expect_full else [])], capture_output=True, text=True)
+    argv += ["--expect", "full"] if expect_full else []
+    argv += [] if probe_hooks else ["--skip-targets"]
+    p = subprocess.run(argv, capture_output=True, text=True)
     doc: dict[str, Any] = {"exit_code": p.returncode, "stderr": p.stderr[-2000:]}
     with contextlib.suppress(ValueError):
         full = json.loads(p.stdout)
@@ -196,7 +199,7 @@ def stage_server(stack: Stack, topology: Path, sbo: bool, texts: list[str]) -> d
     result.update(wait_server(stack, name, BASE, READY_S))
     result["outputs"] = asyncio.run(greedy(BASE, texts))
     result["step_times"] = asyncio.run(step_times(BASE))
-    result["doctor"] = doctor(stack.out / f"{name}.log", expect_full=sbo)
+    result["doctor"] = doctor(stack.out / f"{name}.log", expect_full=sbo, probe_hooks=sbo)
     stack.stop(name, grace_s=30)
     return result
 

@@ -57,8 +57,6 @@ if [ ! -f "$model/model.safetensors" ]; then  # kept by a warm machine between c
   say "unit-scale FP8 weights for the preset's model"
   "$PY" scripts/gpu/fp8_checkpoint.py "$model" | tee -a "$log"
 fi
-"$PY" -m sglang_pd.deploy.cli doctor >"$out/doctor.txt" 2>&1 || true
-tail -n 20 "$out/doctor.txt" | tee -a "$log"
 say "gpu_sbo_server.py --stages $stages"
 set +e
 "$PY" scripts/gpu/gpu_sbo_server.py --out "$out" --stages "$stages" --commit "${SBO_COMMIT:-unknown}" \
