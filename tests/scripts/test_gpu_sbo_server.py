@@ -1,0 +1,49 @@
+"""The SBO server run's pieces that need no GPU: the commands it starts and how it compares two runs."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts/gpu"))
+run = importlib.import_module("gpu_sbo_server")
+
+
+@pytest.mark.parametrize("sbo", [True, False])
+def test_the_server_is_the_presets_decode_without_pd(tmp_path: Path, sbo: bool) -> None:
+    topology = run.derived_topology(tmp_path)
+    argv, env = run.server_command(topology, sbo)
+    assert not any(a.startswith("--disaggregation") for a in argv)
+    assert "--load-format" not in argv  # the written weights, not sglang's near-zero dummy ones
+    assert ("--enable-single-batch-overlap" in argv) is sbo
+    assert env["SGLANG_PD_SBO_MODE"] == ("full" if sbo else "off")
+    assert env["SGLANG_SCHEDULER_SKIP_ALL_GATHER"] == "1"
+    for flag, value in (("--moe-a2a-backend", "deepep"), ("--deepep-mode", "low_latency")):
+        assert argv[argv.index(flag) + 1] == value
+    assert argv[argv.index("--port") + 1] == str(run.PORT)
+
+
+def test_prompts_fit_one_prefill_chunk() -> None:
+    texts = run.prompts()
+    assert len(texts) == 16 and len(set(texts)) == 16
+    assert max(len(t.encode()) for t in texts) < 128  # the decode's chunked_prefill_size (one byte, one token)
+
+
+def test_compare_counts_agreement_and_the_gap_where_tokens_agree() -> None:
+    a = [
+        {"status": 200, "ids": [1, 2, 3], "logprobs": [-0.1, -0.2, -0.3]},
+        {"status": 200, "ids": [4, 5, 6], "logprobs": [-1.0, -1.0, -1.0]},
+        {"status": 500, "error": "x"},
+    ]
+    b = [
+        {"status": 200, "ids": [1, 2, 3], "logprobs": [-0.1, -0.25, -0.3]},
+        {"status": 200, "ids": [4, 9, 6], "logprobs": [-1.5, -9.0, -1.0]},
+        {"status": 200, "ids": [7], "logprobs": [0.0]},
+    ]
+    got = run.compare(a, b)
+    assert got["identical"] == "1/3"
+    assert got["first_divergence_per_prompt"] == [None, 1, "error"]
+    assert got["max_abs_logprob_diff_where_tokens_agree"] == pytest.approx(0.5)  # prompt 2, position 0 only
