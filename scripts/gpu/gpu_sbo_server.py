@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import gpu_pd_check
 import yaml
 from gpu_pd_check import ROUTER, Stack, wait_server, wait_stack
 
@@ -56,26 +57,8 @@ TOP_LOGPROBS = 1
 
 
 def prompts() -> list[str]:
-    """16 prompts of 3-123 bytes (the byte tokenizer makes a token of each), under the 128-token prefill chunk."""
-    words = [
-        "the",
-        "quick",
-        "brown",
-        "fox",
-        "jumps",
-        "over",
-        "a",
-        "lazy",
-        "dog",
-        "while",
-        "seven",
-        "wizards",
-        "quietly",
-        "hex",
-        "jolly",
-        "zebras",
-    ]
-    return [" ".join(words[(i * 3) % len(words) :] + words)[: 3 + i * 8] for i in range(16)]
+    """The PD check's prompts that fit the decode's 128-token prefill chunk (a byte a token)."""
+    return [p for p in gpu_pd_check.prompts() if len(p.encode()) < 128]
 
 
 def derived_topology(out: Path) -> Path:

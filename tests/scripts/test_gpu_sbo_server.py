@@ -28,7 +28,7 @@ def test_the_server_is_the_presets_decode_without_pd(tmp_path: Path, sbo: bool) 
 
 def test_prompts_fit_one_prefill_chunk() -> None:
     texts = run.prompts()
-    assert len(texts) == 16 and len(set(texts)) == 16
+    assert len(texts) >= 8 and len(set(texts)) == len(texts)
     assert max(len(t.encode()) for t in texts) < 128  # the decode's chunked_prefill_size (one byte, one token)
 
 
