@@ -386,9 +386,7 @@ def effective_problems(t: Topology, cmd: NodeCommand, effective: dict[str, Any])
     return problems
 
 
-def _decode_problems(
-    t: Topology, d: DecodeSpec, effective: dict[str, Any], need: Any, problems: list[str]
-) -> None:
+def _decode_problems(t: Topology, d: DecodeSpec, effective: dict[str, Any], need: Any, problems: list[str]) -> None:
     facts: dict[str, Any] = effective.get("facts", {})
     sbo_asked = d.sbo is not SBOMode.OFF
     # On sm_90 the plugin decides the SBO halves from the DeepEP it finds: the one of the machine that checks.
@@ -465,7 +463,7 @@ def _why_no_decode_graphs(d: DecodeSpec) -> str:
     backend = f"decode.attention_backend: {d.attention_backend}" if d.attention_backend else "the attention backend"
     return (
         f"a setting in decode.extra_args or {backend} makes sglang disable them (its log says which: "
-        "\"Cuda graph is disabled because ...\"); remove that setting"
+        '"Cuda graph is disabled because ..."); remove that setting'
     )
 
 

@@ -8,7 +8,14 @@ import importlib.util
 
 from sglang_pd.deploy.spec.topology import GPU_CAPABILITY, SBOMode, Topology
 
-__all__ = ["HOPPER", "PLUGIN_ENTRY_POINT", "deepep_caveat", "deepep_here", "sbo_topology_errors", "sbo_topology_warnings"]
+__all__ = [
+    "HOPPER",
+    "PLUGIN_ENTRY_POINT",
+    "deepep_caveat",
+    "deepep_here",
+    "sbo_topology_errors",
+    "sbo_topology_warnings",
+]
 
 #: GPU types by architecture, from the topology's one GPU table. sm_90 needs this plugin for SBO;
 #: sglang serves SBO on Blackwell itself.

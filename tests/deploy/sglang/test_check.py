@@ -262,8 +262,10 @@ def test_sbo_verdicts_say_they_judge_this_machines_deepep_not_the_images(r1_chec
     effective["facts"]["sbo_combine_down_gemm_overlap"] = {"value": False}
     (problem,) = effective_problems(t, decode.command, effective)
     assert "SBO's down-GEMM/combine overlap is not effective" in problem
-    assert f"judged with the DeepEP installed where this check runs ({decode.effective['deepep']}), not the cluster " \
+    assert (
+        f"judged with the DeepEP installed where this check runs ({decode.effective['deepep']}), not the cluster "
         "image's; `sglang-pd doctor --expect full` in the image" in problem
+    )
     plan = replace(build_plan(t, check_rules(t)), sglang_checks=[c.as_dict() for c in r1_checks])
     assert f"with this machine's DeepEP, {decode.effective['deepep']}, not necessarily the image's" in format_plan(
         plan, "table"
