@@ -349,6 +349,35 @@ def test_fabric_presets(render, fabric, want, absent) -> None:
     assert not set(absent) & set(env)
 
 
+def _leader_env(docs: list[dict], role: str) -> dict:
+    templates = one(docs, "LeaderWorkerSet", f"-{role}")["spec"]["leaderWorkerTemplate"]
+    # A one-node group has no separate leader template: its one pod is the worker template's.
+    pod = templates.get("leaderTemplate", templates["workerTemplate"])
+    return _env(pod["spec"]["containers"][0])
+
+
+def test_nvshmem_gets_the_hca_list_and_no_nic_to_pe_mapping(render) -> None:
+    # One NIC per GPU (the preset lists eight): NVSHMEM's default gives each GPU its closest NIC, whatever PE
+    # numbering DeepEP uses; a mapping would key on the PE's index on its node (docs/cluster-prerequisites.md).
+    docs = render({})
+    for role in ("prefill", "decode"):
+        env = _leader_env(docs, role)
+        assert env["NVSHMEM_HCA_LIST"] == ",".join(f"mlx5_{i}" for i in range(8))
+        assert "NVSHMEM_HCA_PE_MAPPING" not in env and "NVSHMEM_ENABLE_NIC_PE_MAPPING" not in env
+
+
+def test_a_roles_own_nic_mapping_drops_the_hca_list_nvshmem_would_prefer(render) -> None:
+    t = preset_topology("deepseek-r1-h200-1p1d")
+    mapping = ",".join(f"mlx5_{i}:1:1" for i in range(8))
+    t["decode"]["env"] = {**t["decode"].get("env", {}), "NVSHMEM_HCA_PE_MAPPING": mapping}
+    t["decode"]["env"]["NVSHMEM_ENABLE_NIC_PE_MAPPING"] = "1"
+    docs = render({"topology": t})
+    # NVSHMEM ignores NVSHMEM_HCA_PE_MAPPING while NVSHMEM_HCA_LIST is set: decode's pods get no list.
+    assert "NVSHMEM_HCA_LIST" not in _leader_env(docs, "decode")
+    assert "NVSHMEM_HCA_LIST" in _leader_env(docs, "prefill")
+    assert _leader_env(docs, "decode")["NCCL_IB_HCA"] == "=" + ",".join(f"mlx5_{i}" for i in range(8))
+
+
 def test_the_socket_interface_comes_from_the_topology(render) -> None:
     topology = preset_topology("deepseek-r1-h200-1p1d")
     topology["hardware"]["socket_interface"] = "bond0"

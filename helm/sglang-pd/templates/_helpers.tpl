@@ -396,13 +396,17 @@ Return a role's startup budget in seconds (failureThreshold x periodSeconds).
 {{- end -}}
 
 {{/*
-Return the fabric environment of GPU pods as a dict (YAML): fabric.preset infiniband or roce,
-the bootstrap interface (fabric.socketInterface, else topology.hardware.socket_interface), and the
-HCAs from topology.hardware.rdma_devices (NCCL_IB_HCA, NVSHMEM_HCA_LIST), as sglang's LWS example
-and llm-d's wide-EP guide set them. NCCL, Gloo, NVSHMEM
-(DeepEP) and Mooncake read these; RoCE needs the GID index as well.
+Return the fabric environment of a role's GPU pods as a dict (YAML): call with (dict "role" "decode" "context" $).
+fabric.preset infiniband or roce, the bootstrap interface (fabric.socketInterface, else
+topology.hardware.socket_interface), and the HCAs from topology.hardware.rdma_devices (NCCL_IB_HCA,
+NVSHMEM_HCA_LIST), as sglang's LWS example and llm-d's wide-EP guide set them. NCCL, Gloo, NVSHMEM
+(DeepEP) and Mooncake read these; RoCE needs the GID index as well. No NVSHMEM_HCA_PE_MAPPING: NVSHMEM
+gives each GPU its closest NIC (docs/cluster-prerequisites.md says why); a role whose topology env sets
+one gets no NVSHMEM_HCA_LIST, which NVSHMEM would let win over it.
 */}}
 {{- define "sglang-pd.fabricEnv" -}}
+{{- $roleEnv := (index (include "sglang-pd.topologyView" .context | fromYaml) .role).env | default dict -}}
+{{- with .context -}}
 {{- $t := include "sglang-pd.topologyView" . | fromYaml -}}
 {{- $f := .Values.fabric -}}
 {{- $env := dict -}}
@@ -415,7 +419,9 @@ and llm-d's wide-EP guide set them. NCCL, Gloo, NVSHMEM
 {{- with $t.hardware.rdma_devices -}}
 {{- $_ := set $env "NCCL_IB_HCA" (printf "=%s" (join "," .)) -}}
 {{- /* NVSHMEM (DeepEP's transport) picks HCAs by itself otherwise, bonded or management ones included. */ -}}
+{{- if not (hasKey $roleEnv "NVSHMEM_HCA_PE_MAPPING") -}}
 {{- $_ := set $env "NVSHMEM_HCA_LIST" (join "," .) -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 {{- if eq $f.preset "roce" -}}
@@ -429,6 +435,7 @@ and llm-d's wide-EP guide set them. NCCL, Gloo, NVSHMEM
 {{- end -}}
 {{- end -}}
 {{- toYaml $env -}}
+{{- end -}}
 {{- end -}}
 
 {{/*
@@ -545,7 +552,7 @@ spec:
         - name: SGLANG_PD_POD_MODEL_PATH
           value: {{ include "sglang-pd.modelPath" $ | quote }}
         {{- end }}
-        {{- range $k, $v := merge (dict) $cfg.env $.Values.env (include "sglang-pd.fabricEnv" $ | fromYaml) }}
+        {{- range $k, $v := merge (dict) $cfg.env $.Values.env (include "sglang-pd.fabricEnv" (dict "role" .role "context" $) | fromYaml) }}
         - name: {{ $k }}
           value: {{ $v | quote }}
         {{- end }}
