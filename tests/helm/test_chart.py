@@ -468,6 +468,66 @@ def test_topology_string_that_is_not_yaml_is_explained(chart) -> None:
         chart.render({"topology": "name: [unclosed"}, name="demo", namespace="llm")
 
 
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("- prefill\n- decode\n", "topology: the string given (--set-file topology=FILE?) is not a YAML mapping"),
+        ("deepseek-r1-h200-1p1d\n", "topology: the string given (--set-file topology=FILE?) is not a YAML mapping"),
+        ("  \n", "topology: the string given (--set-file topology=FILE?) is empty. Pass the topology file itself"),
+    ],
+    ids=["a-list", "a-preset-name", "empty"],
+)
+def test_a_set_file_topology_that_is_not_a_mapping_is_refused(chart, text: str, said: str) -> None:
+    with pytest.raises(helm_python.HelmError, match="VALUES VALIDATION") as info:
+        chart.render({"topology": text}, name="demo", namespace="llm")
+    assert said in str(info.value)
+
+
+def _set_file(change) -> str:
+    """A topology file's text (as --set-file passes it): the H200 preset with `change` applied."""
+    t = preset_topology("deepseek-r1-h200-1p1d")
+    change(t)
+    return yaml.safe_dump(t)
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        (
+            lambda t: t.update(hardwre=t.pop("hardware")),
+            "topology.hardwre: unknown key; remove it or check its spelling against the documented fields",
+        ),
+        (
+            lambda t: t["decode"].update(grups=2),
+            "topology.decode.grups: unknown key; remove it or check its spelling against the documented fields",
+        ),
+        (
+            lambda t: t.update(hardware="h200"),
+            "topology.hardware: must be a mapping of its fields (colocated, compute_capability, gpu, gpu_memory_gib, "
+            'gpus_per_node, rdma_devices, socket_interface), not a string ("h200"); write each field indented under '
+            "hardware:",
+        ),
+        (
+            lambda t: t["decode"].update(tbo="yes"),
+            "topology.decode.tbo: must be a mapping of its fields (enabled, token_distribution_threshold), not a string "
+            '("yes")',
+        ),
+        (lambda t: t.update(transfer=None), "topology.transfer: must be a mapping of its fields ("),
+    ],
+    ids=["top-level-typo", "nested-typo", "section-a-string", "nested-section-a-string", "section-null"],
+)
+def test_a_set_file_topology_with_a_bad_key_is_refused_naming_it(chart, change, said: str) -> None:
+    text = _set_file(change)
+    with pytest.raises(helm_python.HelmError, match="VALUES VALIDATION") as info:
+        chart.render({"topology": text}, name="demo", namespace="llm")
+    assert said in str(info.value)
+    if "hardwre" in text:  # the misspelt section is also missing under its own name
+        assert "topology.hardware: missing; the topology needs it" in str(info.value)
+    # The chart refuses only what the pods' launcher would: the same file fails the topology's own model.
+    with pytest.raises(topology.TopologyError):
+        topology.parse_topology(yaml.safe_load(text), source_dir=PRESETS)
+
+
 def _normalized(t: dict) -> dict:
     # Helm round-trips YAML through JSON: integer map keys (transfer.ib_devices) become strings.
     return json.loads(json.dumps(t))

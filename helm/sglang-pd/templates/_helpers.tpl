@@ -138,9 +138,29 @@ Templates read it through "sglang-pd.topologyView"; the ConfigMap holds it verba
 {{- define "sglang-pd.topology" -}}
 {{- if kindIs "string" .Values.topology -}}
 {{- /* --set-file topology=FILE passes the file as a string */ -}}
+{{- if not (trim .Values.topology) -}}
+{{- fail "\nVALUES VALIDATION:\ntopology: the string given (--set-file topology=FILE?) is empty. Pass the topology file itself (--set-file topology=my-topology.yaml), or leave topology unset to use the preset." -}}
+{{- end -}}
 {{- $parsed := fromYaml .Values.topology -}}
 {{- if or (not $parsed) (hasKey $parsed "Error") -}}
 {{- fail (printf "\nVALUES VALIDATION:\ntopology: the string given (--set-file topology=FILE?) is not a YAML mapping: %v. Check it with `sglang-pd plan FILE`." (get (default dict $parsed) "Error")) -}}
+{{- end -}}
+{{- /* Helm's schema cannot look inside a string: its keys are checked here, before any template reads them. */ -}}
+{{- $fields := .Files.Get "files/topology-fields.yaml" | fromYaml -}}
+{{- $problems := list -}}
+{{- range .Files.Get "files/topology-required.yaml" | fromYamlArray -}}
+{{- if not (hasKey $parsed .) -}}
+{{- $problems = append $problems (printf "topology.%s: missing; the topology needs it (the shipped presets, deploy/spec/presets/*.yaml, show its fields)" .) -}}
+{{- end -}}
+{{- end -}}
+{{- $lines := list (include "sglang-pd.unknownKeys" (dict "data" $parsed "fields" $fields "path" "topology")) (include "sglang-pd.notMappings" (dict "data" $parsed "fields" $fields "path" "topology")) -}}
+{{- range splitList "\n" (join "\n" $lines) -}}
+{{- if . -}}
+{{- $problems = append $problems . -}}
+{{- end -}}
+{{- end -}}
+{{- if $problems -}}
+{{- fail (printf "\nVALUES VALIDATION:\n%s" (join "\n" $problems)) -}}
 {{- end -}}
 {{- toYaml $parsed -}}
 {{- else if .Values.topology -}}
@@ -208,19 +228,32 @@ check covers a topology given as values; this covers one given as a string (--se
 {{- end -}}
 
 {{/*
+Return one line per key of .data whose model in .fields (files/topology-fields.yaml) has fields of its own
+but whose value is not a mapping, each named by its path under .path, with the fields it takes.
+*/}}
+{{- define "sglang-pd.notMappings" -}}
+{{- $fields := .fields -}}
+{{- $kinds := dict "string" "a string" "slice" "a list" "bool" "true or false" "float64" "a number" "int64" "a number" "int" "a number" "invalid" "empty (null)" -}}
+{{- range $k, $v := .data -}}
+{{- $sub := get $fields $k -}}
+{{- $where := printf "%s.%s" $.path $k -}}
+{{- if kindIs "map" $sub -}}
+{{- if not (kindIs "map" $v) }}
+{{ $where }}: must be a mapping of its fields ({{ keys $sub | sortAlpha | join ", " }}), not {{ get $kinds (kindOf $v) | default (kindOf $v) }}{{ if kindIs "string" $v }} ({{ $v | quote }}){{ end }}; write each field indented under {{ $k }}:
+{{- else }}
+{{- include "sglang-pd.notMappings" (dict "data" $v "fields" $sub "path" $where) }}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
 Collect every values problem the schema cannot express, then fail once with each fix spelled out.
 */}}
 {{- define "sglang-pd.validateValues" -}}
 {{- $messages := list -}}
 {{- $t := include "sglang-pd.topologyView" . | fromYaml -}}
-{{- if kindIs "string" .Values.topology -}}
-{{- $fields := .Files.Get "files/topology-fields.yaml" | fromYaml -}}
-{{- range include "sglang-pd.unknownKeys" (dict "data" (fromYaml .Values.topology) "fields" $fields "path" "topology") | splitList "\n" -}}
-{{- if . -}}
-{{- $messages = append $messages . -}}
-{{- end -}}
-{{- end -}}
-{{- end -}}
+{{- /* A topology given as a string (--set-file) has its keys checked where it is parsed ("sglang-pd.topology"). */ -}}
 {{- if and (eq .Values.model.source "pvc") (not .Values.model.pvc.claimName) -}}
 {{- $messages = append $messages "model.pvc.claimName: model.source is pvc but no claim is named. Set --set model.pvc.claimName=<pvc> or choose model.source=hub|hostPath." -}}
 {{- end -}}
