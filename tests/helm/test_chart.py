@@ -509,8 +509,8 @@ def _set_file(change) -> str:
         ),
         (
             lambda t: t["decode"].update(tbo="yes"),
-            "topology.decode.tbo: must be a mapping of its fields (enabled, token_distribution_threshold), not a string "
-            '("yes")',
+            "topology.decode.tbo: must be a mapping of its fields (enabled, token_distribution_threshold), "
+            'not a string ("yes")',
         ),
         (lambda t: t.update(transfer=None), "topology.transfer: must be a mapping of its fields ("),
     ],
