@@ -324,9 +324,16 @@ def effective_problems(t: Topology, cmd: NodeCommand, effective: dict[str, Any])
         f = facts.get(name)
         return f is None or "error" in f
 
+    # sglang's refusal of SBO makes every MoE fact unknown with the same error: the refusal is reported once
+    # (_decode_problems), not again for each fact it hid.
+    sbo_asked = isinstance(spec, DecodeSpec) and spec.sbo is not SBOMode.OFF
+    hidden_by_refusal = (facts.get("sbo_enabled") or {}).get("error") if sbo_asked else None
+
     def need(name: str, want: Any, message: str) -> None:
         if unknown(name):
             why = (facts.get(name) or {}).get("error", "not reported")
+            if why == hidden_by_refusal and name != "sbo_enabled":
+                return
             problems.append(f"{role}: cannot tell whether {message.split(';')[0]} with sglang {version}: {why}")
         elif fact(name) != want:
             problems.append(f"{role}: {message} (sglang {version} says {name} = {fact(name)!r})")

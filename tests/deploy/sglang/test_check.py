@@ -272,6 +272,28 @@ def test_sbo_verdicts_say_they_judge_this_machines_deepep_not_the_images(r1_chec
     )
 
 
+def test_an_sbo_refusal_is_reported_once_not_again_for_each_moe_fact_it_hid(r1_checks) -> None:
+    from sglang_pd.deploy.sglang.check import effective_problems
+
+    t = load_topology(PRESET_DIR / "deepseek-r1-h200-1p1d.yaml")
+    (decode, *_) = [c for c in r1_checks if c.command.role == "decode"]
+    effective = json.loads(json.dumps(decode.effective))
+    # What the child reports when the plugin refuses full SBO with this machine's DeepEP: sglang's
+    # initialize_moe_config raised, so every MoE fact carries that error.
+    raised = "sglang's initialize_moe_config raised ValueError: SBO (single batch overlap) is not supported"
+    moe = ("moe_a2a_backend", "moe_runner_backend", "deepep_mode", "tbo", "sbo_enabled", "sbo_shared_overlap")
+    effective["facts"].update({name: {"error": raised} for name in moe})
+    (problem,) = effective_problems(t, decode.command, effective)
+    assert problem.startswith(f"decode: sglang refuses --enable-single-batch-overlap on H200: {raised}")
+    assert "judged with the DeepEP installed where this check runs" in problem
+    # An unknown fact for another reason is still named.
+    effective["facts"]["tbo"] = {"error": "AttributeError: no is_tbo_enabled"}
+    assert any(
+        p.startswith("decode: cannot tell whether two-batch overlap")
+        for p in effective_problems(t, decode.command, effective)
+    )
+
+
 def test_tbo_and_lm_head_asked_but_not_effective_are_named(r1_checks) -> None:
     from sglang_pd.deploy.sglang.check import effective_problems
 
