@@ -124,7 +124,9 @@ class HardwareSpec(_Strict):
     gpus_per_node: Positive
     rdma_devices: list[str] = Field(
         default_factory=list,
-        description="RDMA devices of a node: one shared list, or one per GPU (length = gpus_per_node).",
+        description="RDMA devices of a node: one shared list, or one per GPU (length = gpus_per_node). The chart "
+        "gives them to NCCL (NCCL_IB_HCA) and NVSHMEM (NVSHMEM_HCA_LIST); NVSHMEM gives each GPU its closest NIC "
+        "(docs/cluster-prerequisites.md).",
     )
     socket_interface: str | None = Field(
         None,
