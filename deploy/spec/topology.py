@@ -644,7 +644,8 @@ def _nic_mapping_rules(t: Topology, role: str, spec: _RoleSpec, errors: list[str
             f"{role}.env.{NVSHMEM_HCA_LIST_ENV}."
         )
     if spec.moe_a2a_backend == "deepep" and spec.deepep_mode == "normal" and spec.nodes > 1:
-        # DeepEP's normal mode runs one NVSHMEM job per local GPU index, with one PE per node: every
+        # DeepEP's normal mode runs one NVSHMEM job per local GPU index, with one PE per node (its Buffer takes
+        # the NVSHMEM id of its RDMA root rank, deep_ep/buffers/legacy.py in sgl-deep-ep 0.1.2.post1): every
         # GPU is PE 0 of its node there, so the mapping's first entry would serve them all.
         errors.append(
             f"{key}: {role}.deepep_mode is normal, in which every GPU is the only NVSHMEM PE of its node, so the "
