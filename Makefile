@@ -7,6 +7,8 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 # The deployed sglang release has one home: deploy/common/contract.py.
 SGLANG_VERSION := $(shell sed -n 's/^SGLANG_VERSION = "\(.*\)"$$/\1/p' deploy/common/contract.py)
 SGLANG_GPU_VERSION := $(shell sed -n 's/^SGLANG_GPU_VERSION = "\(.*\)"$$/\1/p' deploy/common/contract.py)
+# The Mooncake release the GPU image pins over its base image's build (deploy/docker/Dockerfile checks it).
+MOONCAKE_VERSION := $(shell sed -n 's/^MOONCAKE_VERSION = "\(.*\)"$$/\1/p' deploy/common/contract.py)
 TOPOLOGY ?= local-cpu
 VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
 
@@ -69,7 +71,7 @@ gpu-test: $(VENV)/.installed  ## on a CUDA machine
 	$(VENV)/bin/pytest -m gpu
 
 image:  ## build and push both images: REGISTRY/sglang-pd:TAG-sglangX (GPU) and REGISTRY/sglang-pd-cpu:TAG
-	$(DOCKER) build -f deploy/docker/Dockerfile --build-arg SGLANG_VERSION=$(SGLANG_VERSION) -t $(GPU_IMAGE) .
+	$(DOCKER) build -f deploy/docker/Dockerfile --build-arg SGLANG_VERSION=$(SGLANG_VERSION) --build-arg MOONCAKE_VERSION=$(MOONCAKE_VERSION) -t $(GPU_IMAGE) .
 	$(DOCKER) build -f deploy/docker/Dockerfile.cpu -t $(CPU_IMAGE) .
 	$(DOCKER) push $(GPU_IMAGE)
 	$(DOCKER) push $(CPU_IMAGE)

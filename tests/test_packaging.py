@@ -4,6 +4,7 @@ the README's tests."""
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import subprocess
 import sys
@@ -11,9 +12,10 @@ import tomllib
 import zipfile
 from pathlib import Path
 
+import pytest
 from packaging.specifiers import SpecifierSet
 
-from sglang_pd.deploy.common.contract import DEEPEP_REVISION, SGLANG_GPU_VERSION, SGLANG_VERSION
+from sglang_pd.deploy.common.contract import DEEPEP_REVISION, MOONCAKE_VERSION, SGLANG_GPU_VERSION, SGLANG_VERSION
 from sglang_pd.deploy.evals.data import GSM8K_SHA256
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,6 +107,84 @@ def test_the_image_build_fails_unless_full_sbo_would_engage() -> None:
     assert not args.skip_targets  # hook targets and their effect are probed in the image's sglang
 
 
+CHECK_MOONCAKE = REPO / "deploy" / "docker" / "check_mooncake.py"
+
+
+def test_the_image_pins_the_contracts_mooncake_and_checks_it_before_and_after() -> None:
+    dockerfile = (REPO / "deploy" / "docker" / "Dockerfile").read_text()
+    assert re.search(rf"^ARG MOONCAKE_VERSION={re.escape(MOONCAKE_VERSION)}$", dockerfile, re.M), (
+        f"deploy/docker/Dockerfile: ARG MOONCAKE_VERSION must be {MOONCAKE_VERSION} (deploy/common/contract.py)"
+    )
+    assert _make_variable("MOONCAKE_VERSION") == MOONCAKE_VERSION
+    # The extras pin the same release (pyproject.toml cannot read the contract).
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    assert extras["kv-cpu"] == [f"mooncake-transfer-engine-non-cuda=={MOONCAKE_VERSION}"]
+    assert extras["kv-cuda"] == [f"mooncake-transfer-engine=={MOONCAKE_VERSION}"]
+    pins = re.findall(r'"(mooncake[\w-]*[<>=!~][^"]*)"', dockerfile)
+    assert pins == ["mooncake-transfer-engine==${MOONCAKE_VERSION}"], (
+        f"the image must pin Mooncake from the ARG: {pins}"
+    )
+    steps = _run_steps(dockerfile)
+    [install] = [i for i, step in enumerate(steps) if "mooncake-transfer-engine==" in step]
+    # What the base image had is printed before the pin replaces it, in the same step.
+    assert steps[install].index("check_mooncake.py base") < steps[install].index("mooncake-transfer-engine==")
+    [check] = [i for i, step in enumerate(steps) if "check_mooncake.py pinned" in step]
+    assert check > install and 'check_mooncake.py pinned "${MOONCAKE_VERSION}"' in steps[check]
+
+
+def _check_mooncake(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(CHECK_MOONCAKE), *args], capture_output=True, text=True, env=env, timeout=60
+    )
+
+
+def test_the_mooncake_check_passes_on_a_working_engine_and_names_a_wrong_pin() -> None:
+    # This machine has the non-CUDA wheel (the kv-cpu extra): the same module and engine as the CUDA one.
+    base = _check_mooncake("base")
+    assert base.returncode == 0
+    assert f"mooncake-transfer-engine-non-cuda {MOONCAKE_VERSION}; the pin replaces it" in base.stdout
+    ok = _check_mooncake("pinned", MOONCAKE_VERSION, "--distribution", "mooncake-transfer-engine-non-cuda")
+    assert ok.returncode == 0, ok.stderr
+    assert "transfer engine initializes over TCP" in ok.stdout
+    wrong = _check_mooncake("pinned", "9.9.9", "--distribution", "mooncake-transfer-engine-non-cuda")
+    assert wrong.returncode == 1
+    assert (
+        f"mooncake-transfer-engine-non-cuda==9.9.9 is pinned, but the installed Mooncake is "
+        f"mooncake-transfer-engine-non-cuda {MOONCAKE_VERSION}; pip did not install the pin"
+    ) in wrong.stderr
+
+
+@pytest.mark.parametrize(
+    ("engine_py", "said"),
+    [
+        (
+            "raise ImportError('libcudart.so.13: cannot open shared object file')\n",
+            "is installed but `from mooncake.engine import TransferEngine` fails: ImportError: libcudart.so.13",
+        ),
+        (
+            "class TransferEngine:\n    def __init__(self):\n        raise RuntimeError('no CUDA driver')\n",
+            "imports, but its transfer engine cannot be constructed: RuntimeError: no CUDA driver",
+        ),
+        (
+            "class TransferEngine:\n    def initialize(self, *args):\n        return -1\n",
+            "its transfer engine failed to initialize over TCP on 127.0.0.1 (status -1)",
+        ),
+    ],
+)
+def test_the_mooncake_check_fails_the_build_when_the_pinned_engine_does_not_work(
+    tmp_path: Path, engine_py: str, said: str
+) -> None:
+    # A broken build of the module, found before the installed one (as a wheel with a wrong CUDA would load).
+    (tmp_path / "mooncake").mkdir()
+    (tmp_path / "mooncake" / "__init__.py").write_text("")
+    (tmp_path / "mooncake" / "engine.py").write_text(engine_py)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    result = _check_mooncake("pinned", MOONCAKE_VERSION, "--distribution", "mooncake-transfer-engine-non-cuda", env=env)
+    assert result.returncode == 1
+    assert f"error: mooncake: mooncake-transfer-engine-non-cuda {MOONCAKE_VERSION} " in result.stderr
+    assert said in result.stderr
+
+
 def test_readme_starts_with_the_two_commands_and_ci_runs_the_test_one() -> None:
     readme = (REPO / "README.md").read_text()
     block = re.search(r"```bash\n(.*?)```", readme, re.S)
@@ -185,6 +265,9 @@ def test_make_image_builds_and_pushes_both_images_to_the_registry_given() -> Non
     gpu = f"registry.example.com/ml/sglang-pd:1.2.3-sglang{SGLANG_VERSION}"
     cpu = "registry.example.com/ml/sglang-pd-cpu:1.2.3"
     lines = make.stdout.splitlines()
-    assert f"docker build -f deploy/docker/Dockerfile --build-arg SGLANG_VERSION={SGLANG_VERSION} -t {gpu} ." in lines
+    assert (
+        f"docker build -f deploy/docker/Dockerfile --build-arg SGLANG_VERSION={SGLANG_VERSION} "
+        f"--build-arg MOONCAKE_VERSION={MOONCAKE_VERSION} -t {gpu} ."
+    ) in lines
     assert f"docker build -f deploy/docker/Dockerfile.cpu -t {cpu} ." in lines
     assert f"docker push {gpu}" in lines and f"docker push {cpu}" in lines

@@ -83,6 +83,11 @@ SGLANG_GPU_VERSION = "0.5.17"
 # tests/test_packaging.py), scripts/gpu/build_deepep.sh builds it on the GPU machine, and the plugin's
 # tests quote its signatures (tests/support/deepep_revision.py).
 DEEPEP_REVISION = "76f027117d76c69ee1862a1dc2a608dfc17dd652"
+# The Mooncake transfer engine release: the GPU image pins `mooncake-transfer-engine` at it over the base
+# image's own build (deploy/docker/Dockerfile's MOONCAKE_VERSION, which the Makefile passes from here and
+# deploy/docker/check_mooncake.py checks in the build), and pyproject.toml's kv-cpu and kv-cuda extras pin
+# the same release (tests/test_packaging.py holds all of them equal to this).
+MOONCAKE_VERSION = "0.3.13.post1"
 
 # -- ports ----------------------------------------------------------------------------------------
 # sglang's defaults for the prefill bootstrap server (--disaggregation-bootstrap-port), and the

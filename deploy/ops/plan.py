@@ -212,7 +212,8 @@ def _effective_line(effective: dict[str, Any]) -> str:
         f"runner {show('moe_runner_backend')}",
         f"TBO {show('tbo')}",
         f"SBO {show('sbo_enabled')} (shared {show('sbo_shared_overlap')}, "
-        f"down-GEMM/combine {show('sbo_combine_down_gemm_overlap')})",
+        f"down-GEMM/combine {show('sbo_combine_down_gemm_overlap')}; with this machine's DeepEP, "
+        f"{effective.get('deepep', '?')}, not necessarily the image's)",
         f"attention {show('prefill_attention_backend')}/{show('decode_attention_backend')}",
         f"LM head {show('lm_head')}",
         f"decode graphs {graphs.get('backend', '?')} <= {graphs.get('max_bs', '?')}",

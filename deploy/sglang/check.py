@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_pd.deploy.sglang.render import LEADER_HOST_FROM_ENV, NodeCommand, render_plan
+from sglang_pd.deploy.sglang.sbo import deepep_caveat, deepep_here
 from sglang_pd.deploy.spec.topology import DecodeSpec, SBOMode, Topology
 
 __all__ = [
@@ -323,9 +324,16 @@ def effective_problems(t: Topology, cmd: NodeCommand, effective: dict[str, Any])
         f = facts.get(name)
         return f is None or "error" in f
 
+    # sglang's refusal of SBO makes every MoE fact unknown with the same error: the refusal is reported once
+    # (_decode_problems), not again for each fact it hid.
+    sbo_asked = isinstance(spec, DecodeSpec) and spec.sbo is not SBOMode.OFF
+    hidden_by_refusal = (facts.get("sbo_enabled") or {}).get("error") if sbo_asked else None
+
     def need(name: str, want: Any, message: str) -> None:
         if unknown(name):
             why = (facts.get(name) or {}).get("error", "not reported")
+            if why == hidden_by_refusal and name != "sbo_enabled":
+                return
             problems.append(f"{role}: cannot tell whether {message.split(';')[0]} with sglang {version}: {why}")
         elif fact(name) != want:
             problems.append(f"{role}: {message} (sglang {version} says {name} = {fact(name)!r})")
@@ -381,30 +389,34 @@ def effective_problems(t: Topology, cmd: NodeCommand, effective: dict[str, Any])
             f"LM head mode: {role}.dp_lm_head={spec.dp_lm_head} is not effective; check --enable-dp-lm-head",
         )
     if isinstance(spec, DecodeSpec):
-        _decode_problems(t, spec, facts, need, problems)
+        _decode_problems(t, spec, effective, need, problems)
     return problems
 
 
-def _decode_problems(t: Topology, d: DecodeSpec, facts: dict[str, Any], need: Any, problems: list[str]) -> None:
+def _decode_problems(t: Topology, d: DecodeSpec, effective: dict[str, Any], need: Any, problems: list[str]) -> None:
+    facts: dict[str, Any] = effective.get("facts", {})
     sbo_asked = d.sbo is not SBOMode.OFF
+    # On sm_90 the plugin decides the SBO halves from the DeepEP it finds: the one of the machine that checks.
+    caveat = f"; {deepep_caveat(effective.get('deepep'))}" if t.hardware.capability() == (9, 0) else ""
     refusal = (facts.get("sbo_enabled") or {}).get("error")
     if sbo_asked and refusal:
         problems.append(
             f"decode: sglang refuses --enable-single-batch-overlap on {t.hardware.gpu}: {refusal}; "
-            "install the sglang-pd plugin in the image (`sglang-pd doctor` says what is missing)"
+            f"install the sglang-pd plugin in the image (`sglang-pd doctor` says what is missing){caveat}"
         )
         return
     need(
         "sbo_enabled",
         sbo_asked,
-        f"single-batch overlap (decode.sbo={d.sbo.value}) is not what sglang runs; check --enable-single-batch-overlap",
+        f"single-batch overlap (decode.sbo={d.sbo.value}) is not what sglang runs; check --enable-single-batch-overlap"
+        + (caveat if sbo_asked else ""),
     )
     if sbo_asked:
         need(
             "sbo_shared_overlap",
             True,
             "SBO's shared-expert half is not effective (SboFlags.fuse_shared_experts_inside_sbo); "
-            "check --enable-single-batch-overlap and --moe-a2a-backend deepep",
+            f"check --enable-single-batch-overlap and --moe-a2a-backend deepep{caveat}",
         )
     if d.sbo is SBOMode.FULL:
         need(
@@ -412,7 +424,7 @@ def _decode_problems(t: Topology, d: DecodeSpec, facts: dict[str, Any], need: An
             True,
             "SBO's down-GEMM/combine overlap is not effective "
             "(SboFlags.enable_combine_down_gemm_two_stream_overlap); add --moe-runner-backend deep_gemm "
-            "(decode.moe_runner_backend: deep_gemm; flashinfer_cutedsl on Blackwell)",
+            f"(decode.moe_runner_backend: deep_gemm; flashinfer_cutedsl on Blackwell){caveat}",
         )
     per_rank = -(-d.max_running_requests // d.attn_dp_size) if d.max_running_requests else None
     graphs = facts.get("cuda_graph_decode") or {}
@@ -420,15 +432,46 @@ def _decode_problems(t: Topology, d: DecodeSpec, facts: dict[str, Any], need: An
     if "error" in graphs:
         problems.append(f"decode: cannot read sglang's decode CUDA-graph sizes: {graphs['error']}")
     elif value.get("backend") == "disabled":
-        problems.append(
-            "decode: sglang runs decode without CUDA graphs (deepep_mode normal or a backend that disables them); "
-            "use decode.deepep_mode: low_latency"
-        )
+        problems.append(f"decode: sglang runs decode without CUDA graphs: {_why_no_decode_graphs(d)}")
     elif per_rank is not None and value.get("max_bs") is not None and value["max_bs"] < per_rank:
         problems.append(
             f"decode: CUDA graphs are captured up to batch {value['max_bs']}, below the per-rank decode batch "
             f"{per_rank}; set --cuda-graph-max-bs-decode {per_rank} (decode.cuda_graph_max_bs)"
         )
+
+
+# sglang 0.5.23's switches that turn decode CUDA graphs off (server_args.py, arg_groups/fields/exec_.py).
+GRAPH_OFF_FLAGS = ("--disable-cuda-graph", "--disable-decode-cuda-graph")
+GRAPH_BACKEND_FLAG = "--cuda-graph-backend-decode"
+
+
+def _graph_off_flag(extra_args: list[str]) -> str | None:
+    """The flag among `extra_args` that turns decode CUDA graphs off, as written, or None."""
+    for i, arg in enumerate(extra_args):
+        if arg in GRAPH_OFF_FLAGS:
+            return arg
+        if arg == f"{GRAPH_BACKEND_FLAG}=disabled":
+            return arg
+        if arg == GRAPH_BACKEND_FLAG and extra_args[i + 1 : i + 2] == ["disabled"]:
+            return f"{arg} disabled"
+    return None
+
+
+def _why_no_decode_graphs(d: DecodeSpec) -> str:
+    """Which topology field turned decode CUDA graphs off, and how to turn them back on."""
+    flag = _graph_off_flag(d.extra_args)
+    if flag is not None:
+        return f"decode.extra_args has {flag}, which turns them off; remove it from decode.extra_args"
+    if d.moe_a2a_backend == "deepep" and d.deepep_mode == "normal":
+        return (
+            "sglang captures no decode graphs with DeepEP's normal mode (decode.deepep_mode: normal); "
+            "set decode.deepep_mode: low_latency"
+        )
+    backend = f"decode.attention_backend: {d.attention_backend}" if d.attention_backend else "the attention backend"
+    return (
+        f"a setting in decode.extra_args or {backend} makes sglang disable them (its log says which: "
+        '"Cuda graph is disabled because ..."); remove that setting'
+    )
 
 
 def _child() -> None:
@@ -618,6 +661,8 @@ def _effective(args: Any, view: Any, role: str, cap: tuple[int, int] | None) -> 
     return {
         "sglang_version": importlib.metadata.version("sglang"),
         "capability": f"sm_{cap[0]}{cap[1]}" if cap else None,
+        # The plugin chose the SBO halves from this process's DeepEP: the checking machine's, not the image's.
+        "deepep": deepep_here(),
         "facts": facts,
     }
 

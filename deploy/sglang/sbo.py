@@ -8,13 +8,49 @@ import importlib.util
 
 from sglang_pd.deploy.spec.topology import GPU_CAPABILITY, SBOMode, Topology
 
-__all__ = ["HOPPER", "PLUGIN_ENTRY_POINT", "sbo_topology_errors", "sbo_topology_warnings"]
+__all__ = [
+    "HOPPER",
+    "PLUGIN_ENTRY_POINT",
+    "deepep_caveat",
+    "deepep_here",
+    "sbo_topology_errors",
+    "sbo_topology_warnings",
+]
 
 #: GPU types by architecture, from the topology's one GPU table. sm_90 needs this plugin for SBO;
 #: sglang serves SBO on Blackwell itself.
 HOPPER = frozenset(gpu for gpu, (major, _) in GPU_CAPABILITY.items() if major == 9)
 #: The name of our entry point in sglang's `sglang.srt.plugins` group (pyproject.toml).
 PLUGIN_ENTRY_POINT = "sglang_pd"
+
+
+def deepep_here() -> str:
+    """The DeepEP this process would load, without importing it: its distribution and version, and its module's
+    location ("none" when no `deep_ep` module is importable)."""
+    spec = importlib.util.find_spec("deep_ep")
+    if spec is None:
+        return "none"
+    for dist in ("sgl-deep-ep", "deep-ep", "deep_ep"):
+        try:
+            version = f"{dist} {importlib.metadata.version(dist)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        break
+    else:
+        version = "no distribution metadata"
+    where = spec.origin or next(iter(spec.submodule_search_locations or []), "?")
+    return f"{version} at {where}"
+
+
+def deepep_caveat(deepep: str | None = None) -> str:
+    """The clause every DeepEP-dependent SBO verdict of `plan --check` carries: whose DeepEP it judged.
+
+    `deepep` is `deepep_here()` as the process that judged saw it (sglang's resolver runs in a child).
+    """
+    return (
+        f"judged with the DeepEP installed where this check runs ({deepep or deepep_here()}), not the cluster "
+        "image's; `sglang-pd doctor --expect full` in the image judges the DeepEP the pods load"
+    )
 
 
 def sbo_topology_errors(t: Topology) -> list[str]:
@@ -81,5 +117,8 @@ def sbo_topology_warnings(t: Topology) -> list[str]:
     if mode is SBOMode.FULL and status.distribution_version("sgl-deep-ep") is not None:
         decision = status.deepep_layout()
         if decision.layout is None:
-            warnings.append(f"decode.sbo: full on {t.hardware.gpu}: {decision.reason}; set decode.sbo: shared-only.")
+            warnings.append(
+                f"decode.sbo: full on {t.hardware.gpu}: {decision.reason}; set decode.sbo: shared-only "
+                f"({deepep_caveat()})."
+            )
     return warnings

@@ -124,7 +124,9 @@ class HardwareSpec(_Strict):
     gpus_per_node: Positive
     rdma_devices: list[str] = Field(
         default_factory=list,
-        description="RDMA devices of a node: one shared list, or one per GPU (length = gpus_per_node).",
+        description="RDMA devices of a node: one shared list, or one per GPU (length = gpus_per_node). The chart "
+        "gives them to NCCL (NCCL_IB_HCA) and NVSHMEM (NVSHMEM_HCA_LIST); NVSHMEM gives each GPU its closest NIC "
+        "(docs/cluster-prerequisites.md).",
     )
     socket_interface: str | None = Field(
         None,
@@ -551,6 +553,13 @@ RENDERED_FLAGS: dict[str, str] = {
 }
 
 DISPATCH_BUDGET_ENV = "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK"
+# NVSHMEM's NIC selection (https://docs.nvidia.com/nvshmem/api/gen/env.html): by default each PE takes the
+# NIC closest to its GPU. NVSHMEM_HCA_PE_MAPPING (`hca_name:port:count`, comma-separated; PE0, PE1, ... of a
+# node in turn) and NVSHMEM_HCA_LIST take effect only with NVSHMEM_ENABLE_NIC_PE_MAPPING=1, and NVSHMEM
+# ignores the mapping when a list is set. docs/cluster-prerequisites.md says why the chart sets no mapping.
+NVSHMEM_MAPPING_ENV = "NVSHMEM_HCA_PE_MAPPING"
+NVSHMEM_ENABLE_MAPPING_ENV = "NVSHMEM_ENABLE_NIC_PE_MAPPING"
+NVSHMEM_HCA_LIST_ENV = "NVSHMEM_HCA_LIST"
 # Attention backends that force a KV page size (sglang/srt/arg_groups/overrides.py).
 PAGE_SIZES_OF_BACKEND: dict[str, tuple[int, ...]] = {"flashmla": (64,), "trtllm_mla": (32, 64)}
 
@@ -595,6 +604,53 @@ def _role_rules(t: Topology, role: str, spec: _RoleSpec, errors: list[str]) -> N
         errors.append(
             f"{role}.env.{DISPATCH_BUDGET_ENV}: set decode.dispatch_token_budget instead; "
             "the renderer exports it and the rules check it against the decode batch."
+        )
+    if NVSHMEM_MAPPING_ENV in spec.env:
+        _nic_mapping_rules(t, role, spec, errors)
+
+
+def _nic_mapping_rules(t: Topology, role: str, spec: _RoleSpec, errors: list[str]) -> None:
+    """A role's own NVSHMEM_HCA_PE_MAPPING (in <role>.env): what NVSHMEM needs for it to take effect as meant."""
+    key = f"{role}.env.{NVSHMEM_MAPPING_ENV}"
+    value = spec.env[NVSHMEM_MAPPING_ENV]
+    gpn = t.hardware.gpus_per_node
+    entries = [e.split(":") for e in value.split(",")]
+    if not value or any(len(e) != 3 or not e[0] or not e[1].isdigit() or not e[2].isdigit() for e in entries):
+        errors.append(
+            f"{key}: {value!r} is not NVSHMEM's format, comma-separated hca_name:port:count entries "
+            f"(e.g. mlx5_0:1:2,mlx5_1:1:2 puts PE0 and PE1 on port 1 of mlx5_0, PE2 and PE3 on mlx5_1); fix it."
+        )
+        return
+    pes = sum(int(e[2]) for e in entries)
+    if pes != gpn:
+        errors.append(
+            f"{key}: its counts add up to {pes} PEs, but a node runs hardware.gpus_per_node={gpn} (one PE per GPU); "
+            f"make the counts add up to {gpn}."
+        )
+    unknown = sorted({e[0] for e in entries} - set(t.hardware.rdma_devices))
+    if t.hardware.rdma_devices and unknown:
+        errors.append(
+            f"{key}: {', '.join(unknown)} not among hardware.rdma_devices ({', '.join(t.hardware.rdma_devices)}); "
+            "name the node's RDMA devices."
+        )
+    if spec.env.get(NVSHMEM_ENABLE_MAPPING_ENV) != "1":
+        errors.append(
+            f"{key}: NVSHMEM ignores the mapping unless {NVSHMEM_ENABLE_MAPPING_ENV}=1; "
+            f'add {NVSHMEM_ENABLE_MAPPING_ENV}: "1" to {role}.env.'
+        )
+    if spec.env.get(NVSHMEM_HCA_LIST_ENV):
+        errors.append(
+            f"{key}: NVSHMEM ignores the mapping when {NVSHMEM_HCA_LIST_ENV} is set too; remove "
+            f"{role}.env.{NVSHMEM_HCA_LIST_ENV}."
+        )
+    if spec.moe_a2a_backend == "deepep" and spec.deepep_mode == "normal" and spec.nodes > 1:
+        # DeepEP's normal mode runs one NVSHMEM job per local GPU index, with one PE per node (its Buffer takes
+        # the NVSHMEM id of its RDMA root rank, deep_ep/buffers/legacy.py in sgl-deep-ep 0.1.2.post1): every
+        # GPU is PE 0 of its node there, so the mapping's first entry would serve them all.
+        errors.append(
+            f"{key}: {role}.deepep_mode is normal, in which every GPU is the only NVSHMEM PE of its node, so the "
+            f"mapping would put every GPU on its first NIC; remove {key} and {role}.env.{NVSHMEM_ENABLE_MAPPING_ENV} "
+            "(NVSHMEM then gives each GPU its closest NIC)."
         )
 
 

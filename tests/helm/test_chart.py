@@ -349,6 +349,35 @@ def test_fabric_presets(render, fabric, want, absent) -> None:
     assert not set(absent) & set(env)
 
 
+def _leader_env(docs: list[dict], role: str) -> dict:
+    templates = one(docs, "LeaderWorkerSet", f"-{role}")["spec"]["leaderWorkerTemplate"]
+    # A one-node group has no separate leader template: its one pod is the worker template's.
+    pod = templates.get("leaderTemplate", templates["workerTemplate"])
+    return _env(pod["spec"]["containers"][0])
+
+
+def test_nvshmem_gets_the_hca_list_and_no_nic_to_pe_mapping(render) -> None:
+    # One NIC per GPU (the preset lists eight): NVSHMEM's default gives each GPU its closest NIC, whatever PE
+    # numbering DeepEP uses; a mapping would key on the PE's index on its node (docs/cluster-prerequisites.md).
+    docs = render({})
+    for role in ("prefill", "decode"):
+        env = _leader_env(docs, role)
+        assert env["NVSHMEM_HCA_LIST"] == ",".join(f"mlx5_{i}" for i in range(8))
+        assert "NVSHMEM_HCA_PE_MAPPING" not in env and "NVSHMEM_ENABLE_NIC_PE_MAPPING" not in env
+
+
+def test_a_roles_own_nic_mapping_drops_the_hca_list_nvshmem_would_prefer(render) -> None:
+    t = preset_topology("deepseek-r1-h200-1p1d")
+    mapping = ",".join(f"mlx5_{i}:1:1" for i in range(8))
+    t["decode"]["env"] = {**t["decode"].get("env", {}), "NVSHMEM_HCA_PE_MAPPING": mapping}
+    t["decode"]["env"]["NVSHMEM_ENABLE_NIC_PE_MAPPING"] = "1"
+    docs = render({"topology": t})
+    # NVSHMEM ignores NVSHMEM_HCA_PE_MAPPING while NVSHMEM_HCA_LIST is set: decode's pods get no list.
+    assert "NVSHMEM_HCA_LIST" not in _leader_env(docs, "decode")
+    assert "NVSHMEM_HCA_LIST" in _leader_env(docs, "prefill")
+    assert _leader_env(docs, "decode")["NCCL_IB_HCA"] == "=" + ",".join(f"mlx5_{i}" for i in range(8))
+
+
 def test_the_socket_interface_comes_from_the_topology(render) -> None:
     topology = preset_topology("deepseek-r1-h200-1p1d")
     topology["hardware"]["socket_interface"] = "bond0"
@@ -437,6 +466,68 @@ def test_topology_file_as_string_from_set_file(render, tmp_path) -> None:
 def test_topology_string_that_is_not_yaml_is_explained(chart) -> None:
     with pytest.raises(helm_python.HelmError, match="topology: the string given"):
         chart.render({"topology": "name: [unclosed"}, name="demo", namespace="llm")
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("- prefill\n- decode\n", "topology: the string given (--set-file topology=FILE?) is not a YAML mapping"),
+        ("deepseek-r1-h200-1p1d\n", "topology: the string given (--set-file topology=FILE?) is not a YAML mapping"),
+        ("  \n", "topology: the string given (--set-file topology=FILE?) is empty. Pass the topology file itself"),
+    ],
+    ids=["a-list", "a-preset-name", "empty"],
+)
+def test_a_set_file_topology_that_is_not_a_mapping_is_refused(chart, text: str, said: str) -> None:
+    with pytest.raises(helm_python.HelmError, match="VALUES VALIDATION") as info:
+        chart.render({"topology": text}, name="demo", namespace="llm")
+    assert said in str(info.value)
+
+
+def _set_file(change) -> str:
+    """A topology file's text (as --set-file passes it): the H200 preset with `change` applied."""
+    t = preset_topology("deepseek-r1-h200-1p1d")
+    change(t)
+    return yaml.safe_dump(t)
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        (
+            lambda t: t.update(hardwre=t.pop("hardware")),
+            "topology.hardwre: unknown key; remove it or check its spelling against the documented fields "
+            "(decode, hardware, model, name, prefill, router, transfer)",
+        ),
+        (
+            lambda t: t["decode"].update(grups=2),
+            "topology.decode.grups: unknown key; remove it or check its spelling against the documented fields "
+            "(attention_backend, attn_dp_size, chunked_prefill_size, cuda_graph_max_bs, deepep_mode, ",
+        ),
+        (
+            lambda t: t.update(hardware="h200"),
+            "topology.hardware: must be a mapping of its fields (colocated, compute_capability, gpu, gpu_memory_gib, "
+            'gpus_per_node, rdma_devices, socket_interface), not a string ("h200"); write each field indented under '
+            "hardware:",
+        ),
+        (
+            lambda t: t["decode"].update(tbo="yes"),
+            "topology.decode.tbo: must be a mapping of its fields (enabled, token_distribution_threshold), "
+            'not a string ("yes")',
+        ),
+        (lambda t: t.update(transfer=None), "topology.transfer: must be a mapping of its fields ("),
+    ],
+    ids=["top-level-typo", "nested-typo", "section-a-string", "nested-section-a-string", "section-null"],
+)
+def test_a_set_file_topology_with_a_bad_key_is_refused_naming_it(chart, change, said: str) -> None:
+    text = _set_file(change)
+    with pytest.raises(helm_python.HelmError, match="VALUES VALIDATION") as info:
+        chart.render({"topology": text}, name="demo", namespace="llm")
+    assert said in str(info.value)
+    if "hardwre" in text:  # the misspelt section is also missing under its own name
+        assert "topology.hardware: missing; the topology needs it" in str(info.value)
+    # The chart refuses only what the pods' launcher would: the same file fails the topology's own model.
+    with pytest.raises(topology.TopologyError):
+        topology.parse_topology(yaml.safe_load(text), source_dir=PRESETS)
 
 
 def _normalized(t: dict) -> dict:

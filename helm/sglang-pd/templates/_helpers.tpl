@@ -138,9 +138,29 @@ Templates read it through "sglang-pd.topologyView"; the ConfigMap holds it verba
 {{- define "sglang-pd.topology" -}}
 {{- if kindIs "string" .Values.topology -}}
 {{- /* --set-file topology=FILE passes the file as a string */ -}}
+{{- if not (trim .Values.topology) -}}
+{{- fail "\nVALUES VALIDATION:\ntopology: the string given (--set-file topology=FILE?) is empty. Pass the topology file itself (--set-file topology=my-topology.yaml), or leave topology unset to use the preset." -}}
+{{- end -}}
 {{- $parsed := fromYaml .Values.topology -}}
 {{- if or (not $parsed) (hasKey $parsed "Error") -}}
 {{- fail (printf "\nVALUES VALIDATION:\ntopology: the string given (--set-file topology=FILE?) is not a YAML mapping: %v. Check it with `sglang-pd plan FILE`." (get (default dict $parsed) "Error")) -}}
+{{- end -}}
+{{- /* Helm's schema cannot look inside a string: its keys are checked here, before any template reads them. */ -}}
+{{- $fields := .Files.Get "files/topology-fields.yaml" | fromYaml -}}
+{{- $problems := list -}}
+{{- range .Files.Get "files/topology-required.yaml" | fromYamlArray -}}
+{{- if not (hasKey $parsed .) -}}
+{{- $problems = append $problems (printf "topology.%s: missing; the topology needs it (the shipped presets, deploy/spec/presets/*.yaml, show its fields)" .) -}}
+{{- end -}}
+{{- end -}}
+{{- $lines := list (include "sglang-pd.unknownKeys" (dict "data" $parsed "fields" $fields "path" "topology")) (include "sglang-pd.notMappings" (dict "data" $parsed "fields" $fields "path" "topology")) -}}
+{{- range splitList "\n" (join "\n" $lines) -}}
+{{- if . -}}
+{{- $problems = append $problems . -}}
+{{- end -}}
+{{- end -}}
+{{- if $problems -}}
+{{- fail (printf "\nVALUES VALIDATION:\n%s" (join "\n" $problems)) -}}
 {{- end -}}
 {{- toYaml $parsed -}}
 {{- else if .Values.topology -}}
@@ -200,9 +220,29 @@ check covers a topology given as values; this covers one given as a string (--se
 {{- range $k, $v := .data -}}
 {{- $where := printf "%s.%s" $.path $k -}}
 {{- if not (hasKey $fields $k) }}
-{{ $where }}: unknown key; remove it or check its spelling against the documented fields
+{{ $where }}: unknown key; remove it or check its spelling against the documented fields ({{ keys $fields | sortAlpha | join ", " }})
 {{- else if and (kindIs "map" $v) (kindIs "map" (get $fields $k)) }}
 {{- include "sglang-pd.unknownKeys" (dict "data" $v "fields" (get $fields $k) "path" $where) }}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Return one line per key of .data whose model in .fields (files/topology-fields.yaml) has fields of its own
+but whose value is not a mapping, each named by its path under .path, with the fields it takes.
+*/}}
+{{- define "sglang-pd.notMappings" -}}
+{{- $fields := .fields -}}
+{{- $kinds := dict "string" "a string" "slice" "a list" "bool" "true or false" "float64" "a number" "int64" "a number" "int" "a number" "invalid" "empty (null)" -}}
+{{- range $k, $v := .data -}}
+{{- $sub := get $fields $k -}}
+{{- $where := printf "%s.%s" $.path $k -}}
+{{- if kindIs "map" $sub -}}
+{{- if not (kindIs "map" $v) }}
+{{ $where }}: must be a mapping of its fields ({{ keys $sub | sortAlpha | join ", " }}), not {{ get $kinds (kindOf $v) | default (kindOf $v) }}{{ if kindIs "string" $v }} ({{ $v | quote }}){{ end }}; write each field indented under {{ $k }}:
+{{- else }}
+{{- include "sglang-pd.notMappings" (dict "data" $v "fields" $sub "path" $where) }}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
@@ -213,14 +253,7 @@ Collect every values problem the schema cannot express, then fail once with each
 {{- define "sglang-pd.validateValues" -}}
 {{- $messages := list -}}
 {{- $t := include "sglang-pd.topologyView" . | fromYaml -}}
-{{- if kindIs "string" .Values.topology -}}
-{{- $fields := .Files.Get "files/topology-fields.yaml" | fromYaml -}}
-{{- range include "sglang-pd.unknownKeys" (dict "data" (fromYaml .Values.topology) "fields" $fields "path" "topology") | splitList "\n" -}}
-{{- if . -}}
-{{- $messages = append $messages . -}}
-{{- end -}}
-{{- end -}}
-{{- end -}}
+{{- /* A topology given as a string (--set-file) has its keys checked where it is parsed ("sglang-pd.topology"). */ -}}
 {{- if and (eq .Values.model.source "pvc") (not .Values.model.pvc.claimName) -}}
 {{- $messages = append $messages "model.pvc.claimName: model.source is pvc but no claim is named. Set --set model.pvc.claimName=<pvc> or choose model.source=hub|hostPath." -}}
 {{- end -}}
@@ -396,13 +429,17 @@ Return a role's startup budget in seconds (failureThreshold x periodSeconds).
 {{- end -}}
 
 {{/*
-Return the fabric environment of GPU pods as a dict (YAML): fabric.preset infiniband or roce,
-the bootstrap interface (fabric.socketInterface, else topology.hardware.socket_interface), and the
-HCAs from topology.hardware.rdma_devices (NCCL_IB_HCA, NVSHMEM_HCA_LIST), as sglang's LWS example
-and llm-d's wide-EP guide set them. NCCL, Gloo, NVSHMEM
-(DeepEP) and Mooncake read these; RoCE needs the GID index as well.
+Return the fabric environment of a role's GPU pods as a dict (YAML): call with (dict "role" "decode" "context" $).
+fabric.preset infiniband or roce, the bootstrap interface (fabric.socketInterface, else
+topology.hardware.socket_interface), and the HCAs from topology.hardware.rdma_devices (NCCL_IB_HCA,
+NVSHMEM_HCA_LIST), as sglang's LWS example and llm-d's wide-EP guide set them. NCCL, Gloo, NVSHMEM
+(DeepEP) and Mooncake read these; RoCE needs the GID index as well. No NVSHMEM_HCA_PE_MAPPING: NVSHMEM
+gives each GPU its closest NIC (docs/cluster-prerequisites.md says why); a role whose topology env sets
+one gets no NVSHMEM_HCA_LIST, which NVSHMEM would let win over it.
 */}}
 {{- define "sglang-pd.fabricEnv" -}}
+{{- $roleEnv := (index (include "sglang-pd.topologyView" .context | fromYaml) .role).env | default dict -}}
+{{- with .context -}}
 {{- $t := include "sglang-pd.topologyView" . | fromYaml -}}
 {{- $f := .Values.fabric -}}
 {{- $env := dict -}}
@@ -415,7 +452,9 @@ and llm-d's wide-EP guide set them. NCCL, Gloo, NVSHMEM
 {{- with $t.hardware.rdma_devices -}}
 {{- $_ := set $env "NCCL_IB_HCA" (printf "=%s" (join "," .)) -}}
 {{- /* NVSHMEM (DeepEP's transport) picks HCAs by itself otherwise, bonded or management ones included. */ -}}
+{{- if not (hasKey $roleEnv "NVSHMEM_HCA_PE_MAPPING") -}}
 {{- $_ := set $env "NVSHMEM_HCA_LIST" (join "," .) -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 {{- if eq $f.preset "roce" -}}
@@ -429,6 +468,7 @@ and llm-d's wide-EP guide set them. NCCL, Gloo, NVSHMEM
 {{- end -}}
 {{- end -}}
 {{- toYaml $env -}}
+{{- end -}}
 {{- end -}}
 
 {{/*
@@ -545,7 +585,7 @@ spec:
         - name: SGLANG_PD_POD_MODEL_PATH
           value: {{ include "sglang-pd.modelPath" $ | quote }}
         {{- end }}
-        {{- range $k, $v := merge (dict) $cfg.env $.Values.env (include "sglang-pd.fabricEnv" $ | fromYaml) }}
+        {{- range $k, $v := merge (dict) $cfg.env $.Values.env (include "sglang-pd.fabricEnv" (dict "role" .role "context" $) | fromYaml) }}
         - name: {{ $k }}
           value: {{ $v | quote }}
         {{- end }}

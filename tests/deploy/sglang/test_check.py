@@ -215,6 +215,85 @@ def test_sbo_without_the_deep_gemm_runner_is_named(preset_dict) -> None:
         assert "add --moe-runner-backend deep_gemm" in problem
 
 
+@pytest.mark.parametrize(
+    ("change", "names", "not_named"),
+    [
+        # DeepEP low-latency is already set: the advice must name the flag, not decode.deepep_mode.
+        (
+            {"extra_args": ["--disable-cuda-graph"]},
+            "decode.extra_args has --disable-cuda-graph, which turns them off; remove it from decode.extra_args",
+            "decode.deepep_mode",
+        ),
+        (
+            {"extra_args": ["--cuda-graph-backend-decode", "disabled"]},
+            "decode.extra_args has --cuda-graph-backend-decode disabled",
+            "decode.deepep_mode",
+        ),
+        (
+            {"deepep_mode": "normal", "sbo": "off"},
+            "(decode.deepep_mode: normal); set decode.deepep_mode: low_latency",
+            "decode.extra_args has",
+        ),
+    ],
+)
+def test_decode_without_cuda_graphs_names_the_field_that_turned_them_off(
+    preset_dict, change: dict, names: str, not_named: str
+) -> None:
+    d = preset_dict()
+    d["decode"].update(change)
+    checks = check_with_sglang(parse_topology(d, source_dir=PRESET_DIR))
+    decode = [c for c in checks if c.command.role == "decode"]
+    assert decode
+    for c in decode:
+        assert facts(c)["cuda_graph_decode"]["backend"] == "disabled"  # sglang's own resolution
+        (problem,) = [p for p in c.problems if "without CUDA graphs" in p]
+        assert names in problem and not_named not in problem, problem
+
+
+def test_sbo_verdicts_say_they_judge_this_machines_deepep_not_the_images(r1_checks) -> None:
+    from sglang_pd.deploy.sglang.check import effective_problems
+    from sglang_pd.deploy.sglang.sbo import deepep_here
+
+    t = load_topology(PRESET_DIR / "deepseek-r1-h200-1p1d.yaml")
+    (decode, *_) = [c for c in r1_checks if c.command.role == "decode"]
+    # The child that resolved reports the DeepEP it saw: here the antgroup-opt sources this module installs.
+    assert decode.effective["deepep"] == deepep_here() != "none"
+    effective = json.loads(json.dumps(decode.effective))
+    effective["facts"]["sbo_combine_down_gemm_overlap"] = {"value": False}
+    (problem,) = effective_problems(t, decode.command, effective)
+    assert "SBO's down-GEMM/combine overlap is not effective" in problem
+    assert (
+        f"judged with the DeepEP installed where this check runs ({decode.effective['deepep']}), not the cluster "
+        "image's; `sglang-pd doctor --expect full` in the image" in problem
+    )
+    plan = replace(build_plan(t, check_rules(t)), sglang_checks=[c.as_dict() for c in r1_checks])
+    assert f"with this machine's DeepEP, {decode.effective['deepep']}, not necessarily the image's" in format_plan(
+        plan, "table"
+    )
+
+
+def test_an_sbo_refusal_is_reported_once_not_again_for_each_moe_fact_it_hid(r1_checks) -> None:
+    from sglang_pd.deploy.sglang.check import effective_problems
+
+    t = load_topology(PRESET_DIR / "deepseek-r1-h200-1p1d.yaml")
+    (decode, *_) = [c for c in r1_checks if c.command.role == "decode"]
+    effective = json.loads(json.dumps(decode.effective))
+    # What the child reports when the plugin refuses full SBO with this machine's DeepEP: sglang's
+    # initialize_moe_config raised, so every MoE fact carries that error.
+    raised = "sglang's initialize_moe_config raised ValueError: SBO (single batch overlap) is not supported"
+    moe = ("moe_a2a_backend", "moe_runner_backend", "deepep_mode", "tbo", "sbo_enabled", "sbo_shared_overlap")
+    effective["facts"].update({name: {"error": raised} for name in moe})
+    (problem,) = effective_problems(t, decode.command, effective)
+    assert problem.startswith(f"decode: sglang refuses --enable-single-batch-overlap on H200: {raised}")
+    assert "judged with the DeepEP installed where this check runs" in problem
+    # An unknown fact for another reason is still named.
+    effective["facts"]["tbo"] = {"error": "AttributeError: no is_tbo_enabled"}
+    assert any(
+        p.startswith("decode: cannot tell whether two-batch overlap")
+        for p in effective_problems(t, decode.command, effective)
+    )
+
+
 def test_tbo_and_lm_head_asked_but_not_effective_are_named(r1_checks) -> None:
     from sglang_pd.deploy.sglang.check import effective_problems
 
@@ -256,4 +335,4 @@ def test_plan_table_shows_the_effective_view(r1_checks) -> None:
     plan = replace(build_plan(t, check_rules(t)), sglang_checks=[c.as_dict() for c in r1_checks])
     out = format_plan(plan, "table")
     assert "what it will run (the effective view)" in out
-    assert "SBO True (shared True, down-GEMM/combine True)" in out and "TBO True" in out
+    assert "SBO True (shared True, down-GEMM/combine True; with this machine's DeepEP" in out and "TBO True" in out

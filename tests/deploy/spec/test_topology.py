@@ -344,3 +344,70 @@ def test_weight_estimate_matches_the_published_checkpoint(preset_dict) -> None:
     assert estimate_weight_bytes(t.load_model_config() or {}) == pytest.approx(689e9, rel=0.03)
     with pytest.raises(TopologyError, match="needs hidden_size and vocab_size"):
         estimate_weight_bytes({"num_hidden_layers": 2})
+
+
+# --- a role's own NVSHMEM NIC-to-PE mapping (NVSHMEM's env docs: docs/cluster-prerequisites.md) -------------
+
+PER_GPU_MAPPING = ",".join(f"mlx5_{i}:1:1" for i in range(8))
+
+
+def _with_mapping(preset_dict, role: str = "decode", **env: str) -> dict:
+    d = preset_dict()
+    d[role]["env"] = {**d[role].get("env", {}), **env}
+    return d
+
+
+def test_a_complete_nic_mapping_is_accepted(preset_dict) -> None:
+    d = _with_mapping(preset_dict, NVSHMEM_HCA_PE_MAPPING=PER_GPU_MAPPING, NVSHMEM_ENABLE_NIC_PE_MAPPING="1")
+    assert errors_of(d) == []
+    # Two GPUs per NIC, as NVSHMEM's own example writes it.
+    two = "mlx5_0:1:2,mlx5_1:1:2,mlx5_2:1:2,mlx5_3:1:2"
+    assert errors_of(_with_mapping(preset_dict, NVSHMEM_HCA_PE_MAPPING=two, NVSHMEM_ENABLE_NIC_PE_MAPPING="1")) == []
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        (
+            {"NVSHMEM_HCA_PE_MAPPING": "mlx5_0,mlx5_1", "NVSHMEM_ENABLE_NIC_PE_MAPPING": "1"},
+            "decode.env.NVSHMEM_HCA_PE_MAPPING: 'mlx5_0,mlx5_1' is not NVSHMEM's format, comma-separated "
+            "hca_name:port:count entries",
+        ),
+        (
+            {"NVSHMEM_HCA_PE_MAPPING": "mlx5_0:1:4,mlx5_1:1:2", "NVSHMEM_ENABLE_NIC_PE_MAPPING": "1"},
+            "decode.env.NVSHMEM_HCA_PE_MAPPING: its counts add up to 6 PEs, but a node runs "
+            "hardware.gpus_per_node=8 (one PE per GPU); make the counts add up to 8.",
+        ),
+        (
+            {"NVSHMEM_HCA_PE_MAPPING": "mlx5_0:1:4,mlx5_bond_0:1:4", "NVSHMEM_ENABLE_NIC_PE_MAPPING": "1"},
+            "decode.env.NVSHMEM_HCA_PE_MAPPING: mlx5_bond_0 not among hardware.rdma_devices (mlx5_0, mlx5_1,",
+        ),
+        (
+            {"NVSHMEM_HCA_PE_MAPPING": PER_GPU_MAPPING},
+            "decode.env.NVSHMEM_HCA_PE_MAPPING: NVSHMEM ignores the mapping unless NVSHMEM_ENABLE_NIC_PE_MAPPING=1; "
+            'add NVSHMEM_ENABLE_NIC_PE_MAPPING: "1" to decode.env.',
+        ),
+        (
+            {
+                "NVSHMEM_HCA_PE_MAPPING": PER_GPU_MAPPING,
+                "NVSHMEM_ENABLE_NIC_PE_MAPPING": "1",
+                "NVSHMEM_HCA_LIST": "mlx5_0,mlx5_1",
+            },
+            "decode.env.NVSHMEM_HCA_PE_MAPPING: NVSHMEM ignores the mapping when NVSHMEM_HCA_LIST is set too; "
+            "remove decode.env.NVSHMEM_HCA_LIST.",
+        ),
+    ],
+    ids=["format", "counts", "unknown-nic", "not-enabled", "with-a-list"],
+)
+def test_a_nic_mapping_nvshmem_would_ignore_or_misread_is_refused(preset_dict, env: dict, message: str) -> None:
+    assert only_error(_with_mapping(preset_dict, **env)).startswith(message)
+
+
+def test_a_nic_mapping_under_deepep_normal_mode_across_nodes_is_refused(preset_dict) -> None:
+    d = _with_mapping(preset_dict, "prefill", NVSHMEM_HCA_PE_MAPPING=PER_GPU_MAPPING, NVSHMEM_ENABLE_NIC_PE_MAPPING="1")
+    assert errors_of(d) == []  # one prefill node: DeepEP's normal mode stays on NVLink, NVSHMEM picks no NIC
+    d["prefill"].update(nodes=2, tp=16, ep=16, attn_dp_size=16)
+    assert only_error(d).startswith(
+        "prefill.env.NVSHMEM_HCA_PE_MAPPING: prefill.deepep_mode is normal, in which every GPU is the only NVSHMEM "
+        "PE of its node, so the mapping would put every GPU on its first NIC; remove"
+    )
