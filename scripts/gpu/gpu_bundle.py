@@ -39,6 +39,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from sglang_pd.deploy.common.contract import MOONCAKE_VERSION, SGLANG_GPU_VERSION
+
 REPO = Path(__file__).resolve().parents[2]
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)] + [
     "manylinux2014_x86_64",
@@ -46,10 +48,10 @@ PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)] + 
 ]
 
 SGLANG = [
-    "sglang==0.5.17",
+    f"sglang=={SGLANG_GPU_VERSION}",
     "sglang-kernel==0.4.5",
     "flashinfer_python==0.6.15.post1",
-    "mooncake-transfer-engine==0.3.13.post1",
+    f"mooncake-transfer-engine=={MOONCAKE_VERSION}",
     "transformers==5.12.1",
     # sglang 0.5.17's DeepGEMM pin: the MoE runner `--moe-runner-backend deep_gemm` (the SBO decode
     # server, scripts/gpu/gpu_sbo_server.py) runs its masked grouped GEMMs; JIT, compiled on first use.
