@@ -7,8 +7,9 @@ With no `--peer` it starts a peer process here and checks this machine (loopback
 It opens the transfer engine, registers page-shaped KV memory (host memory, or with `--memory gpu` GPU
 memory as sglang's KV pool is, which over rdma needs GPUDirect RDMA), probes the peer, measures the
 latency of one-page writes and the bandwidth of contiguous and fragmented page writes, checks
-the bytes arrived (crc32), and on failure prints a diagnosis a user can act on. On loopback both engines share this machine's NIC (or GPU): it
-proves the node's RDMA set-up and memory registration, not the path between two nodes.
+the bytes arrived (crc32), and on failure prints a diagnosis a user can act on. On loopback both
+engines share this machine's NIC (or GPU): it proves the node's RDMA set-up and memory registration
+(GPUDirect RDMA included, with `--memory gpu`), not the path between two nodes.
 Exit codes: 0 all checks passed, 1 a check failed, 2 bad usage.
 """
 
@@ -72,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def diagnose(exc: BaseException) -> str:
     """What a user should do about `exc`."""
     if isinstance(exc, GpuMemoryUnavailable):
-        return "give the probe a GPU (the chart's kv-probe pod requests one where decode pods run), or pass --memory host."
+        return "give the probe a GPU (the chart's kv-probe pod requests one where decode pods run), or --memory host."
     if isinstance(exc, DeviceMissing):
         return "mount /dev/infiniband and /sys/class/infiniband into the pod, or name an existing device (--device)."
     if isinstance(exc, RegistrationRefused):

@@ -93,7 +93,9 @@ def _import_torch() -> Any:
     try:
         import torch
     except ImportError as exc:
-        raise GpuMemoryUnavailable(f"--memory gpu needs torch with CUDA, but torch does not import ({exc}); {GPU_FIX}.") from exc
+        raise GpuMemoryUnavailable(
+            f"--memory gpu needs torch with CUDA, but torch does not import ({exc}); {GPU_FIX}."
+        ) from exc
     return torch
 
 

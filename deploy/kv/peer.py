@@ -1,7 +1,8 @@
 """A KV peer: a process that registers one buffer and lets others write into it.
 
 `python -m sglang_pd.deploy.kv.peer --size BYTES [--http-port P] [--memory gpu]` opens this process's
-transfer engine, registers a zeroed buffer (host memory, or GPU memory: memory.py) and serves, over a tiny HTTP API on loopback (or `--listen`):
+transfer engine, registers a zeroed buffer (host memory, or GPU memory: memory.py) and serves, over a
+tiny HTTP API on loopback (or `--listen`):
 `GET /info` (session id, buffer base and length), `GET /crc?offset=&length=` (crc32 of a slice),
 `GET /fill?offset=&length=&byte=` and `GET /quit`. The first stdout line is the /info JSON plus
 `http_port`. `kv-probe`, `benchmarks/bench_kv.py` and the tests use it as the decode side.

@@ -7,8 +7,7 @@ import types
 
 import pytest
 
-from sglang_pd.deploy.kv import GpuMemoryUnavailable, KVSetupError
-from sglang_pd.deploy.kv import memory
+from sglang_pd.deploy.kv import GpuMemoryUnavailable, KVSetupError, memory
 
 
 def test_a_host_buffer_reads_back_what_was_written_at_its_address() -> None:
@@ -20,7 +19,7 @@ def test_a_host_buffer_reads_back_what_was_written_at_its_address() -> None:
 
 
 def test_an_unknown_memory_kind_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="--memory has value 'disk'. Use one of host, gpu."):
+    with pytest.raises(ValueError, match=r"--memory has value 'disk'\. Use one of host, gpu\."):
         memory.allocate("disk", 64)
 
 
