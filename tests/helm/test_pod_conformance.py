@@ -6,12 +6,17 @@ in the same words."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
+import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jsonschema
 import kubernetes_validate
 import pytest
@@ -21,6 +26,8 @@ from sglang_pd.deploy.cli import build_parser
 from sglang_pd.deploy.cli import main as cli_main
 from sglang_pd.deploy.ops import launch
 from sglang_pd.deploy.spec.topology import TopologyError
+
+from tests.support.polling import free_port, wait_until
 
 from .conftest import PRESETS, helm_python, one, preset_topology
 from .pod_fs import GpuPod, Node, gpu_pods, lay_out, mount_config_maps
@@ -188,10 +195,90 @@ def test_a_driver_older_than_cuda_13_needs_stops_the_pod(render, tmp_path, capsy
         assert driver["detail"].startswith("NVIDIA driver 550.127.05 is older than R580, which the image's CUDA 13")
 
 
+# The CPU presets: the reference engine in place of sglang, so that the chart runs on kind or minikube. The
+# GPU-only defaults (rdma.mode hostNetwork, a hostPath cache) stay as they are: they must not reach these pods.
+REFERENCE_SCENARIOS: dict[str, dict[str, Any]] = {
+    "local-cpu": {"preset": "local-cpu"},
+    "local-cpu-mla-worker-key": {"preset": "local-cpu-mla", "workerKeySecret": {"name": "wk"}},
+}
+
+
+def _serve_on_free_ports(command: list[str]) -> tuple[list[str], int]:
+    """The pod's command on free loopback ports (a pod has its own network namespace; tests share one)."""
+    argv = list(command)
+    for flag in ("--port", "--bootstrap-port"):
+        if flag in argv:
+            argv[argv.index(flag) + 1] = str(free_port())
+    return argv, int(_flag(argv, "--port"))
+
+
+@pytest.mark.parametrize("scenario", list(REFERENCE_SCENARIOS))
+def test_every_reference_pod_the_chart_renders_starts_and_answers_health(render, tmp_path, scenario) -> None:
+    values = REFERENCE_SCENARIOS[scenario]
+    docs = render(copy.deepcopy(values))
+    pods = gpu_pods(docs)
+    assert {pod.role for pod in pods} == {"prefill", "decode"}
+    procs: list[tuple[GpuPod, subprocess.Popen[bytes], int, Path, dict[str, str]]] = []
+    try:
+        for pod in pods:
+            root = tmp_path / pod.name.replace("/", "-")
+            env = lay_out(root, docs, pod, Node(ip="127.0.0.1"), SECRETS)
+            command, port = _serve_on_free_ports(pod.container["command"])
+            assert command[:2] == ["sglang-pd", "engine"], command
+            log = root / "engine.log"
+            with open(log, "wb") as out:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "sglang_pd.deploy.cli", *command[1:]],
+                    env={**os.environ, **env},
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            procs.append((pod, proc, port, log, env))
+        for pod, proc, port, log, env in procs:
+            key = env.get("SGLANG_PD_WORKER_API_KEY")
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+            def healthy(proc: subprocess.Popen[bytes] = proc, port: int = port, log: Path = log) -> bool:
+                assert proc.poll() is None, f"{pod.name} exited: {log.read_text()[-3000:]}"
+                with contextlib.suppress(httpx.HTTPError):
+                    return httpx.get(f"http://127.0.0.1:{port}/health", headers=headers, timeout=30).status_code == 200
+                return False
+
+            wait_until(healthy, timeout=240)
+            if key:  # the worker key reached the engine: without it, /health is refused
+                assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 401
+    finally:
+        for _, proc, *_ in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        for _, proc, *_ in procs:
+            proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("scenario", list(REFERENCE_SCENARIOS))
+def test_reference_pods_ask_for_no_gpu_rdma_host_access_or_privilege(render, scenario) -> None:
+    docs = render(copy.deepcopy(REFERENCE_SCENARIOS[scenario]))
+    probe = one(docs, "Pod", "-test-kv-probe")["spec"]
+    specs = [pod.spec for pod in gpu_pods(docs)] + [probe]
+    for spec in specs:
+        assert not spec.get("hostNetwork") and not spec.get("hostPID") and not spec.get("hostIPC")
+        assert not [v for v in spec.get("volumes", []) if "hostPath" in v], spec.get("volumes")
+        for c in spec["containers"]:
+            resources = json.dumps(c["resources"])
+            assert "nvidia.com/gpu" not in resources and "rdma/" not in resources, c["resources"]
+            assert c["securityContext"]["privileged"] is False
+            assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    # The engines and the probe run the CPU images, the probe on host memory.
+    assert all(pod.container["image"].startswith("ghcr.io/sglang-pd/sglang-pd-cpu:") for pod in gpu_pods(docs))
+    assert _flag(probe["containers"][0]["command"], "--memory") == "host"
+
+
 @pytest.mark.parametrize("k8s", K8S_VERSIONS)
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("scenario", [*SCENARIOS, *REFERENCE_SCENARIOS])
 def test_every_scenario_renders_objects_kubernetes_accepts(render, scenario, k8s) -> None:
-    for doc in render(copy.deepcopy(SCENARIOS[scenario][0])):
+    values = SCENARIOS[scenario][0] if scenario in SCENARIOS else REFERENCE_SCENARIOS[scenario]
+    for doc in render(copy.deepcopy(values)):
         if doc["kind"] == "LeaderWorkerSet":
             jsonschema.validate(doc, LWS_SCHEMA)
             for tpl in lws_pod_templates(doc).values():
