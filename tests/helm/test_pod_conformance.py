@@ -26,7 +26,6 @@ from sglang_pd.deploy.cli import build_parser
 from sglang_pd.deploy.cli import main as cli_main
 from sglang_pd.deploy.ops import launch
 from sglang_pd.deploy.spec.topology import TopologyError
-
 from tests.support.polling import free_port, wait_until
 
 from .conftest import PRESETS, helm_python, one, preset_topology
@@ -239,10 +238,16 @@ def test_every_reference_pod_the_chart_renders_starts_and_answers_health(render,
             key = env.get("SGLANG_PD_WORKER_API_KEY")
             headers = {"Authorization": f"Bearer {key}"} if key else {}
 
-            def healthy(proc: subprocess.Popen[bytes] = proc, port: int = port, log: Path = log) -> bool:
+            def healthy(
+                pod: GpuPod = pod,
+                proc: subprocess.Popen[bytes] = proc,
+                url: str = f"http://127.0.0.1:{port}/health",
+                log: Path = log,
+                headers: dict[str, str] = headers,
+            ) -> bool:
                 assert proc.poll() is None, f"{pod.name} exited: {log.read_text()[-3000:]}"
                 with contextlib.suppress(httpx.HTTPError):
-                    return httpx.get(f"http://127.0.0.1:{port}/health", headers=headers, timeout=30).status_code == 200
+                    return httpx.get(url, headers=headers, timeout=30).status_code == 200
                 return False
 
             wait_until(healthy, timeout=240)
