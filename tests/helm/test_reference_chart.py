@@ -90,3 +90,11 @@ def test_a_volume_holding_a_model_directory_serves_it(render) -> None:
     engine = _engine(render(values), "decode")
     assert _flag(engine["command"], "--model") == "/models/smol"
     assert engine["volumeMounts"] == [{"name": "model", "mountPath": "/models", "readOnly": True}]
+
+
+def test_the_workers_network_policy_covers_the_reference_pods(render) -> None:
+    # Their pods use pod networking whatever rdma.mode says, so the policy that fences their ports applies.
+    docs = render({"preset": "local-cpu", "networkPolicy": {"enabled": True}})
+    names = sorted(d["metadata"]["name"] for d in docs if d["kind"] == "NetworkPolicy")
+    assert names == ["demo-sglang-pd-router", "demo-sglang-pd-workers"]
+    assert not lws_pod_templates(one(docs, "LeaderWorkerSet", "-decode"))["workerTemplate"]["spec"].get("hostNetwork")
