@@ -76,3 +76,13 @@ def test_kv_probe_registers_and_writes_gpu_memory() -> None:
     assert report["memory"] == "gpu" and "bytes of GPU memory (cuda:0" in register["detail"]
     assert "the peer's: GPU memory (cuda:0" in register["detail"]
     assert any(c["check"] == "integrity" and c["ok"] for c in report["checks"])
+
+
+def test_a_refused_gpu_registration_points_at_gpudirect_rdma() -> None:
+    from sglang_pd.deploy.kv import RegistrationRefused
+    from sglang_pd.deploy.kv.cli import diagnose
+
+    gpu = diagnose(RegistrationRefused("Mooncake refused to register 4718592 bytes (registering GPU memory (cuda:0))"))
+    host = diagnose(RegistrationRefused("Mooncake refused to register 4718592 bytes (registering host memory)"))
+    assert "GPUDirect RDMA): load nvidia-peermem, or use a kernel and driver with DMA-BUF" in gpu
+    assert "nvidia-peermem" not in host and "locked-memory limit" in host
