@@ -8,6 +8,9 @@ import sys
 
 import pytest
 
+from sglang_pd.deploy.kv import RegistrationRefused
+from sglang_pd.deploy.kv.cli import diagnose
+
 from .test_engine import free_port
 
 PROBE = [sys.executable, "-m", "sglang_pd.deploy.cli", "kv-probe", "--format", "json", "--repeat", "2"]
@@ -79,9 +82,6 @@ def test_kv_probe_registers_and_writes_gpu_memory() -> None:
 
 
 def test_a_refused_gpu_registration_points_at_gpudirect_rdma() -> None:
-    from sglang_pd.deploy.kv import RegistrationRefused
-    from sglang_pd.deploy.kv.cli import diagnose
-
     gpu = diagnose(RegistrationRefused("Mooncake refused to register 4718592 bytes (registering GPU memory (cuda:0))"))
     host = diagnose(RegistrationRefused("Mooncake refused to register 4718592 bytes (registering host memory)"))
     assert "GPUDirect RDMA): load nvidia-peermem, or use a kernel and driver with DMA-BUF" in gpu
