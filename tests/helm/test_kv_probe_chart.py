@@ -88,3 +88,13 @@ def test_the_gpu_image_and_the_resource_name_follow_the_values(render) -> None:
     probe = _probe(docs)["containers"][0]
     assert probe["resources"]["requests"] == {"cpu": "2", "memory": "8Gi", "amd.com/gpu": 1}
     assert probe["image"] == "reg.example/me/pd:t1"
+
+
+def test_the_probe_pod_gets_the_decode_pods_fabric_environment(render) -> None:
+    values = {"fabric": {"preset": "roce", "gidIndex": 5}, "decode": {"env": {"MC_LOG_LEVEL": "INFO"}}}
+    docs = render(values)
+    probe = {e["name"]: e["value"] for e in _probe(docs)["containers"][0]["env"]}
+    decode = {e["name"]: e.get("value") for e in _decode_pod_spec(docs)["containers"][0]["env"]}
+    assert probe["MC_GID_INDEX"] == decode["MC_GID_INDEX"] == "5"
+    assert probe["MC_LOG_LEVEL"] == decode["MC_LOG_LEVEL"] == "INFO"
+    assert probe["NCCL_IB_HCA"] == decode["NCCL_IB_HCA"]
