@@ -262,6 +262,22 @@ def test_every_reference_pod_the_chart_renders_starts_and_answers_health(render,
 
 
 @pytest.mark.parametrize("scenario", list(REFERENCE_SCENARIOS))
+def test_the_cpu_presets_kv_probe_pod_runs_its_command_and_passes(render, scenario) -> None:
+    probe = one(render(copy.deepcopy(REFERENCE_SCENARIOS[scenario])), "Pod", "-test-kv-probe")["spec"]
+    command = probe["containers"][0]["command"]
+    assert command[:2] == ["sglang-pd", "kv-probe"] and "env" not in probe["containers"][0]
+    r = subprocess.run(
+        [sys.executable, "-m", "sglang_pd.deploy.cli", *command[1:], "--format", "json", "--repeat", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(r.stdout)
+    assert report["ok"] and report["memory"] == "host"
+
+
+@pytest.mark.parametrize("scenario", list(REFERENCE_SCENARIOS))
 def test_reference_pods_ask_for_no_gpu_rdma_host_access_or_privilege(render, scenario) -> None:
     docs = render(copy.deepcopy(REFERENCE_SCENARIOS[scenario]))
     probe = one(docs, "Pod", "-test-kv-probe")["spec"]
