@@ -277,6 +277,27 @@ def test_the_cpu_presets_kv_probe_pod_runs_its_command_and_passes(render, scenar
     assert report["ok"] and report["memory"] == "host"
 
 
+def _cuda_visible() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+@pytest.mark.skipif(_cuda_visible(), reason="checks the refusal where no CUDA GPU is visible")
+@pytest.mark.parametrize("scenario", ["defaults", "rdma-device-plugin", "roce", "h20-preset"])
+def test_the_gpu_kv_probe_pods_command_parses_and_asks_for_gpu_memory(render, scenario) -> None:
+    # Here (no GPU) its real command gets as far as the GPU buffer, and says what the pod needs.
+    container = one(render(copy.deepcopy(SCENARIOS[scenario][0])), "Pod", "-test-kv-probe")["spec"]["containers"][0]
+    env = {**os.environ, **{e["name"]: e["value"] for e in container["env"]}}
+    command = [sys.executable, "-m", "sglang_pd.deploy.cli", *container["command"][1:], "--format", "json"]
+    r = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 1, r.stderr[-2000:]
+    report = json.loads(r.stdout)
+    assert report["error"].startswith("GpuMemoryUnavailable: --memory gpu needs"), report
+
+
 @pytest.mark.parametrize("scenario", list(REFERENCE_SCENARIOS))
 def test_reference_pods_ask_for_no_gpu_rdma_host_access_or_privilege(render, scenario) -> None:
     docs = render(copy.deepcopy(REFERENCE_SCENARIOS[scenario]))
