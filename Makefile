@@ -77,11 +77,12 @@ image:  ## build and push both images: REGISTRY/sglang-pd:TAG-sglangX (GPU) and 
 	$(DOCKER) push $(CPU_IMAGE)
 	@echo "pushed $(GPU_IMAGE) and $(CPU_IMAGE)"
 
-image-reference:  ## build and push REGISTRY/sglang-pd-cpu:TAG-reference (the CPU image plus the reference engine)
+image-reference:  ## build and push the CPU presets' two images: REGISTRY/sglang-pd-cpu:TAG and its -reference (no GPU image)
 	$(DOCKER) build -f deploy/docker/Dockerfile.cpu -t $(CPU_IMAGE) .
 	$(DOCKER) build -f deploy/docker/Dockerfile.reference --build-arg CPU_IMAGE=$(CPU_IMAGE) -t $(REFERENCE_IMAGE) .
+	$(DOCKER) push $(CPU_IMAGE)
 	$(DOCKER) push $(REFERENCE_IMAGE)
-	@echo "pushed $(REFERENCE_IMAGE)"
+	@echo "pushed $(CPU_IMAGE) and $(REFERENCE_IMAGE)"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -194,7 +194,7 @@ def test_make_image_builds_and_pushes_both_images_to_the_registry_given() -> Non
 REFERENCE_DOCKERFILE = REPO / "deploy" / "docker" / "Dockerfile.reference"
 
 
-def test_make_image_reference_builds_the_cpu_image_then_the_reference_engine_on_it() -> None:
+def test_make_image_reference_builds_and_pushes_the_cpu_image_and_the_reference_engine_on_it() -> None:
     make = subprocess.run(
         ["make", "-s", "-n", "image-reference", "REGISTRY=registry.example.com/ml", "TAG=1.2.3", "DOCKER=docker"],
         cwd=REPO,
@@ -204,9 +204,10 @@ def test_make_image_reference_builds_the_cpu_image_then_the_reference_engine_on_
     )
     cpu = "registry.example.com/ml/sglang-pd-cpu:1.2.3"
     lines = make.stdout.splitlines()
-    assert lines[:3] == [
+    assert lines[:4] == [
         f"docker build -f deploy/docker/Dockerfile.cpu -t {cpu} .",
         f"docker build -f deploy/docker/Dockerfile.reference --build-arg CPU_IMAGE={cpu} -t {cpu}-reference .",
+        f"docker push {cpu}",
         f"docker push {cpu}-reference",
     ]
     # The chart's CPU presets pull that tag by default.
