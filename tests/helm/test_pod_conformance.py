@@ -253,6 +253,21 @@ def test_every_reference_pod_the_chart_renders_starts_and_answers_health(render,
             wait_until(healthy, timeout=240)
             if key:  # the worker key reached the engine: without it, /health is refused
                 assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 401
+            # kubelet's probes, as the pod runs them (with the worker key, an exec that sends it).
+            for name in ("startupProbe", "readinessProbe"):
+                probe = pod.container[name]
+                if "exec" in probe:
+                    python, *rest = probe["exec"]["command"]
+                    assert python == "python"
+                    rest[-1] = rest[-1].replace(
+                        f"127.0.0.1:{_flag(pod.container['command'], '--port')}/", f"127.0.0.1:{port}/"
+                    )
+                    r = subprocess.run([sys.executable, *rest], env={**os.environ, **env}, timeout=60)
+                    assert r.returncode == 0, f"{pod.name}: the {name} fails"
+                    wrong = {**os.environ, **env, "SGLANG_PD_WORKER_API_KEY": "not-the-key"}
+                    assert subprocess.run([sys.executable, *rest], env=wrong, timeout=60).returncode == 1
+                else:
+                    assert probe["httpGet"] == {"path": "/health", "port": "http"} and not key
     finally:
         for _, proc, *_ in procs:
             with contextlib.suppress(ProcessLookupError):
