@@ -20,8 +20,10 @@ TAG ?= $(VERSION)
 DOCKER ?= docker
 GPU_IMAGE := $(REGISTRY)/sglang-pd:$(TAG)-sglang$(SGLANG_VERSION)
 CPU_IMAGE := $(REGISTRY)/sglang-pd-cpu:$(TAG)
+# `make image-reference`: the CPU image plus the reference engine, for the chart's CPU presets (docs/kubernetes.md).
+REFERENCE_IMAGE := $(REGISTRY)/sglang-pd-cpu:$(TAG)-reference
 
-.PHONY: run test lint unit quick gpu-test image clean
+.PHONY: run test lint unit quick gpu-test image image-reference clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	@# Mooncake's non-CUDA wheel links libibverbs (Debian libibverbs1), even for TCP transfers.
@@ -76,6 +78,13 @@ image:  ## build and push both images: REGISTRY/sglang-pd:TAG-sglangX (GPU) and 
 	$(DOCKER) push $(GPU_IMAGE)
 	$(DOCKER) push $(CPU_IMAGE)
 	@echo "pushed $(GPU_IMAGE) and $(CPU_IMAGE)"
+
+image-reference:  ## build and push the CPU presets' two images: REGISTRY/sglang-pd-cpu:TAG and its -reference (no GPU image)
+	$(DOCKER) build -f deploy/docker/Dockerfile.cpu -t $(CPU_IMAGE) .
+	$(DOCKER) build -f deploy/docker/Dockerfile.reference --build-arg CPU_IMAGE=$(CPU_IMAGE) -t $(REFERENCE_IMAGE) .
+	$(DOCKER) push $(CPU_IMAGE)
+	$(DOCKER) push $(REFERENCE_IMAGE)
+	@echo "pushed $(CPU_IMAGE) and $(REFERENCE_IMAGE)"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -41,8 +41,9 @@ FIELDS = CHART / "files" / "topology-fields.yaml"
 REQUIRED = CHART / "files" / "topology-required.yaml"
 # The topology keys the chart's templates read; their defaults come from the pydantic models.
 READ_BY_TEMPLATES = {
-    "prefill": ["instances", "nodes", "port", "bootstrap_port"],
-    "decode": ["groups", "nodes", "port"],
+    "model": ["served_name", "page_size", "context_length"],
+    "prefill": ["instances", "nodes", "port", "bootstrap_port", "max_running_requests"],
+    "decode": ["groups", "nodes", "port", "max_running_requests"],
     "transfer": ["backend", "protocol", "ib_devices"],
     "router": ["port"],
 }

@@ -13,6 +13,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import yaml
 from packaging.specifiers import SpecifierSet
 
 from sglang_pd.deploy.common.contract import DEEPEP_REVISION, MOONCAKE_VERSION, SGLANG_GPU_VERSION, SGLANG_VERSION
@@ -271,3 +272,36 @@ def test_make_image_builds_and_pushes_both_images_to_the_registry_given() -> Non
     ) in lines
     assert f"docker build -f deploy/docker/Dockerfile.cpu -t {cpu} ." in lines
     assert f"docker push {gpu}" in lines and f"docker push {cpu}" in lines
+
+
+REFERENCE_DOCKERFILE = REPO / "deploy" / "docker" / "Dockerfile.reference"
+
+
+def test_make_image_reference_builds_and_pushes_the_cpu_image_and_the_reference_engine_on_it() -> None:
+    make = subprocess.run(
+        ["make", "-s", "-n", "image-reference", "REGISTRY=registry.example.com/ml", "TAG=1.2.3", "DOCKER=docker"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    cpu = "registry.example.com/ml/sglang-pd-cpu:1.2.3"
+    lines = make.stdout.splitlines()
+    assert lines[:4] == [
+        f"docker build -f deploy/docker/Dockerfile.cpu -t {cpu} .",
+        f"docker build -f deploy/docker/Dockerfile.reference --build-arg CPU_IMAGE={cpu} -t {cpu}-reference .",
+        f"docker push {cpu}",
+        f"docker push {cpu}-reference",
+    ]
+    # The chart's CPU presets pull that tag by default.
+    values = yaml.safe_load((REPO / "helm" / "sglang-pd" / "values.yaml").read_text())
+    assert values["referenceEngine"]["image"]["tag"] == f"{PYPROJECT['project']['version']}-reference"
+
+
+def test_the_reference_image_installs_the_reference_extra_as_pinned() -> None:
+    args = _pip_install_args(REFERENCE_DOCKERFILE.read_text())
+    extras: dict[str, list[str]] = PYPROJECT["project"]["optional-dependencies"]
+    assert ".[kv-cpu,reference]" in args
+    torch = next(a for a in args if a.startswith("torch=="))
+    assert torch in extras["reference"], f"Dockerfile.reference installs {torch}; the reference extra pins it otherwise"
+    assert not {_name(r) for r in extras["reference"]} & (GPU_ONLY - {"torch"}), "GPU-only packages in the extra"

@@ -7,6 +7,7 @@ from .engine import EngineState, KVTransferEngine, get_engine
 from .exceptions import (
     BadAddress,
     DeviceMissing,
+    GpuMemoryUnavailable,
     HandshakeFailed,
     KVError,
     KVSetupError,
@@ -26,6 +27,7 @@ __all__ = [
     "BadAddress",
     "DeviceMissing",
     "EngineState",
+    "GpuMemoryUnavailable",
     "HandshakeFailed",
     "KVConfig",
     "KVError",

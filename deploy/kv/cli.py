@@ -4,16 +4,18 @@ On the decode host: `sglang-pd kv-probe --serve --hostname DECODE_IP` (prints th
 On the prefill host: `sglang-pd kv-probe --peer http://DECODE_IP:PORT --hostname PREFILL_IP`.
 With no `--peer` it starts a peer process here and checks this machine (loopback).
 
-It opens the transfer engine, registers page-shaped KV memory, probes the peer, measures the
+It opens the transfer engine, registers page-shaped KV memory (host memory, or with `--memory gpu` GPU
+memory as sglang's KV pool is, which over rdma needs GPUDirect RDMA), probes the peer, measures the
 latency of one-page writes and the bandwidth of contiguous and fragmented page writes, checks
-the bytes arrived (crc32), and on failure prints a diagnosis a user can act on.
+the bytes arrived (crc32), and on failure prints a diagnosis a user can act on. On loopback both
+engines share this machine's NIC (or GPU): it proves the node's RDMA set-up and memory registration
+(GPUDirect RDMA included, with `--memory gpu`), not the path between two nodes.
 Exit codes: 0 all checks passed, 1 a check failed, 2 bad usage.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import random
@@ -32,11 +34,13 @@ from .engine import get_engine
 from .exceptions import (
     BadAddress,
     DeviceMissing,
+    GpuMemoryUnavailable,
     KVError,
     PeerUnreachable,
     RegistrationRefused,
     TransportUnavailable,
 )
+from .memory import MEMORY_KINDS, KVBuffer, allocate
 from .pages import PagedLayout
 
 __all__ = ["add_arguments", "diagnose", "run"]
@@ -52,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hostname", default=None, help="address peers reach this engine at (SGLANG_PD_KV_HOSTNAME)")
     parser.add_argument("--protocol", choices=("tcp", "rdma"), default=None, help="tcp, or rdma in clusters")
     parser.add_argument("--device", default=None, help="RDMA device(s), e.g. mlx5_0")
+    parser.add_argument(
+        "--memory",
+        choices=MEMORY_KINDS,
+        default="host",
+        help="memory to register on both sides: host, or gpu (a CUDA buffer, as sglang's KV pool; needs torch "
+        "with CUDA) (default host)",
+    )
     parser.add_argument("--pages", type=int, default=256, help="pages per bandwidth write (default 256)")
     parser.add_argument("--page-bytes", type=int, default=64 * 1152, help="bytes per page and layer (DeepSeek-V3)")
     parser.add_argument("--layers", type=int, default=4, help="KV layers to write (default 4)")
@@ -61,11 +72,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def diagnose(exc: BaseException) -> str:
     """What a user should do about `exc`."""
+    if isinstance(exc, GpuMemoryUnavailable):
+        return "give the probe a GPU (the chart's kv-probe pod requests one where decode pods run), or --memory host."
     if isinstance(exc, DeviceMissing):
         return "mount /dev/infiniband and /sys/class/infiniband into the pod, or name an existing device (--device)."
     if isinstance(exc, RegistrationRefused):
         _, limit = memlock_limit()
-        return f"the locked-memory limit is {limit}: {MEMLOCK_FIX}."
+        gpu = (
+            " With --memory gpu over rdma, the NIC must reach GPU memory (GPUDirect RDMA): load nvidia-peermem, "
+            "or use a kernel and driver with DMA-BUF (Linux 5.12+, open kernel modules)."
+        )
+        return f"the locked-memory limit is {limit}: {MEMLOCK_FIX}." + (gpu if "gpu" in str(exc).lower() else "")
     if isinstance(exc, TransportUnavailable):
         return (
             "install exactly one Mooncake wheel (mooncake-transfer-engine-non-cuda without CUDA) and the Debian "
@@ -88,7 +105,7 @@ def _get(url: str) -> dict[str, Any]:
     return result
 
 
-def _probe(args: argparse.Namespace, config: KVConfig, peer_url: str) -> dict[str, Any]:
+def _probe(args: argparse.Namespace, config: KVConfig, peer_url: str, buf: KVBuffer) -> dict[str, Any]:
     report: dict[str, Any] = {"checks": []}
 
     def check(name: str, detail: str) -> None:
@@ -103,12 +120,14 @@ def _probe(args: argparse.Namespace, config: KVConfig, peer_url: str) -> dict[st
     if pages < 2:
         raise ValueError(f"The peer registered {dst_len} bytes: too small for {layers} layers of {page}-byte pages.")
     size = page * pages * layers
-    buf = (ctypes.c_char * size)()
-    view = memoryview(buf).cast("B")
-    view[:] = random.Random(1).randbytes(size)
-    base = ctypes.addressof(buf)
-    engine.register(base, size)
-    check("register", f"{size} bytes registered")
+    data = random.Random(1).randbytes(size)
+    buf.write(0, data)
+    base = buf.base
+    try:
+        engine.register(base, size)
+    except RegistrationRefused as exc:
+        raise RegistrationRefused(f"{exc} (registering {buf.describe()})") from exc
+    check("register", f"{size} bytes of {buf.describe()} registered; the peer's: {info.get('memory', 'host memory')}")
     engine.probe(peer)
     check("probe", f"peer {peer} answers")
 
@@ -144,7 +163,7 @@ def _probe(args: argparse.Namespace, config: KVConfig, peer_url: str) -> dict[st
         # every layer's pages must have arrived where the decode side expects them
         want = zlib.crc32(
             b"".join(
-                bytes(view[src_off : src_off + page])
+                data[src_off : src_off + page]
                 for layer in range(layers)
                 for d in range(pages)
                 for src_off in [layer * page * pages + dst_pages.index(d) * page]
@@ -155,6 +174,7 @@ def _probe(args: argparse.Namespace, config: KVConfig, peer_url: str) -> dict[st
             raise BadAddress(f"The bytes the peer holds after the {shape} write differ from those sent (crc32).")
     check("integrity", "crc32 of every written page matches")
     report["bandwidth"] = rows
+    report["memory"] = buf.kind
     report["ok"] = True
     return report
 
@@ -196,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
         size = args.page_bytes * args.pages * args.layers
         print(f"kv-probe peer: control API on http://{args.listen}:{args.http_port}; Ctrl-C to stop", file=sys.stderr)
         try:
-            _serve(size, args.listen, args.http_port, config)
+            _serve(size, args.listen, args.http_port, config, args.memory)
         except KeyboardInterrupt:
             pass
         except KVError as exc:
@@ -206,15 +226,17 @@ def run(args: argparse.Namespace) -> int:
     report: dict[str, Any]
     with ExitStack() as stack:
         try:
+            size = args.page_bytes * args.pages * args.layers
+            # This side's memory first: a GPU asked for and missing is said here, before a peer starts.
+            buf = allocate(args.memory, size)
             if args.peer:
                 peer_url = args.peer.rstrip("/")
             else:
                 from .peer import start_peer
 
-                size = args.page_bytes * args.pages * args.layers
                 env = {k: v for k, v in os.environ.items() if k.startswith("SGLANG_PD_KV_")}
-                peer_url = stack.enter_context(start_peer(size, env=env)).info.http
-            report = _probe(args, config, peer_url)
+                peer_url = stack.enter_context(start_peer(size, env=env, memory=args.memory)).info.http
+            report = _probe(args, config, peer_url, buf)
         except (KVError, OSError, httpx.HTTPError, ValueError, RuntimeError) as exc:
             report = {"checks": [], "ok": False, "error": f"{type(exc).__name__}: {exc}", "diagnosis": diagnose(exc)}
     report["checks"].append(_deepep_driver_check())

@@ -4,7 +4,8 @@
     ├── KVSetupError                the transfer engine could not start or register memory
     │   ├── TransportUnavailable    the Mooncake module, protocol or transport cannot be used here
     │   │   └── DeviceMissing       the RDMA device named in the config does not exist
-    │   └── RegistrationRefused     memory registration failed (memlock limit, overlap, no memory)
+    │   ├── RegistrationRefused     memory registration failed (memlock limit, overlap, no memory)
+    │   └── GpuMemoryUnavailable    GPU memory was asked for where there is none (no CUDA torch or GPU)
     └── TransferError               a write to a peer failed (carries the peer and Mooncake's code)
         ├── PeerUnreachable         the peer is down, refused the connection or is unknown
         │   └── HandshakeFailed     the peer answered but the handshake or its metadata was refused
@@ -28,6 +29,7 @@ __all__ = [
     "MOONCAKE_ERROR_CODES",
     "BadAddress",
     "DeviceMissing",
+    "GpuMemoryUnavailable",
     "HandshakeFailed",
     "KVError",
     "KVSetupError",
@@ -60,6 +62,10 @@ class DeviceMissing(TransportUnavailable):
 
 class RegistrationRefused(KVSetupError):
     """Registering a memory region failed (locked-memory limit, overlap, or out of memory)."""
+
+
+class GpuMemoryUnavailable(KVSetupError):
+    """GPU memory was asked for, but this process has no CUDA torch, no visible GPU or no CUDA Mooncake."""
 
 
 class TransferError(KVError):

@@ -1,7 +1,8 @@
 """A KV peer: a process that registers one buffer and lets others write into it.
 
-`python -m sglang_pd.deploy.kv.peer --size BYTES [--http-port P]` opens this process's transfer
-engine, registers a zeroed buffer and serves, over a tiny HTTP API on loopback (or `--listen`):
+`python -m sglang_pd.deploy.kv.peer --size BYTES [--http-port P] [--memory gpu]` opens this process's
+transfer engine, registers a zeroed buffer (host memory, or GPU memory: memory.py) and serves, over a
+tiny HTTP API on loopback (or `--listen`):
 `GET /info` (session id, buffer base and length), `GET /crc?offset=&length=` (crc32 of a slice),
 `GET /fill?offset=&length=&byte=` and `GET /quit`. The first stdout line is the /info JSON plus
 `http_port`. `kv-probe`, `benchmarks/bench_kv.py` and the tests use it as the decode side.
@@ -13,7 +14,6 @@ registered buffer from plain threads, and it starts in milliseconds with nothing
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import subprocess
 import sys
@@ -31,6 +31,7 @@ from sglang_pd.deploy.common.procs import Child, spawn
 
 from .config import KVConfig
 from .engine import get_engine
+from .memory import MEMORY_KINDS, allocate
 
 __all__ = ["PeerInfo", "PeerProcess", "main", "start_peer"]
 
@@ -43,13 +44,11 @@ class PeerInfo:
     http: str  # http://host:port of the peer's control API
 
 
-def _serve(size: int, listen: str, http_port: int, config: KVConfig) -> None:
+def _serve(size: int, listen: str, http_port: int, config: KVConfig, memory: str = "host") -> None:
     engine = get_engine(config)
-    buf = (ctypes.c_char * size)()
-    base = ctypes.addressof(buf)
-    engine.register(base, size)
-    view = memoryview(buf).cast("B")
-    info = {"session_id": engine.session_id, "base": base, "length": size}
+    buf = allocate(memory, size)
+    engine.register(buf.base, size)
+    info = {"session_id": engine.session_id, "base": buf.base, "length": size, "memory": buf.describe()}
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, format: str, *args: object) -> None:  # quiet
@@ -63,10 +62,10 @@ def _serve(size: int, listen: str, http_port: int, config: KVConfig) -> None:
                 body = info
             elif url.path == "/crc":
                 off, n = int(q["offset"]), int(q["length"])
-                body = {"crc": zlib.crc32(view[off : off + n])}
+                body = {"crc": zlib.crc32(buf.read(off, n))}
             elif url.path == "/fill":
                 off, n = int(q["offset"]), int(q["length"])
-                view[off : off + n] = bytes([int(q.get("byte", "0"))]) * n
+                buf.write(off, bytes([int(q.get("byte", "0"))]) * n)
                 body = {"ok": True}
             elif url.path == "/quit":
                 body = {"ok": True}
@@ -94,9 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hostname", default=None, help="address Mooncake peers reach this engine at")
     p.add_argument("--protocol", default=None, choices=("tcp", "rdma"))
     p.add_argument("--device", default=None)
+    p.add_argument("--memory", choices=MEMORY_KINDS, default="host", help="register host or GPU memory (host)")
     a = p.parse_args(argv)
     config = KVConfig.from_env(hostname=a.hostname, protocol=a.protocol, device=a.device)
-    _serve(a.size, a.listen, a.http_port, config)
+    _serve(a.size, a.listen, a.http_port, config, a.memory)
     return 0
 
 
@@ -121,10 +121,16 @@ class PeerProcess:
 
 @contextmanager
 def start_peer(
-    size: int, *, env: dict[str, str] | None = None, timeout_s: float = 30.0, group: int | None = None
+    size: int,
+    *,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 30.0,
+    group: int | None = None,
+    memory: str = "host",
 ) -> Iterator[PeerProcess]:
-    """Start a peer process on loopback (`group`: its primary group id), yield it, and always stop it."""
-    argv = [sys.executable, "-m", "sglang_pd.deploy.kv.peer", "--size", str(size)]
+    """Start a peer process on loopback (`group`: its primary group id; `memory`: host or gpu), yield it, and
+    always stop it."""
+    argv = [sys.executable, "-m", "sglang_pd.deploy.kv.peer", "--size", str(size), "--memory", memory]
     child = spawn("the KV peer process", argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, group=group)
     try:
         d = json.loads(child.first_line(timeout_s))

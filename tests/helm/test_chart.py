@@ -28,6 +28,8 @@ pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves
 PRESETS_DIR = PRESETS
 
 PRESET_NAMES = ["deepseek-r1-h200-1p1d", "deepseek-v3-h20-3p2d", "local-cpu"]
+# The presets that run sglang on GPUs; a CPU topology runs the reference engine (test_reference_chart.py).
+GPU_PRESETS = [p for p in PRESET_NAMES if preset_topology(p)["hardware"]["gpu"] != "cpu"]
 K8S_VERSIONS = ["1.30.0", "1.33.0"]
 # Custom resources Kubernetes' schemas do not know; LWS gets its own schema below.
 CUSTOM_KINDS = {"LeaderWorkerSet", "ServiceMonitor", "PodMonitor", "AnalysisTemplate"}
@@ -121,7 +123,7 @@ def test_optional_objects_render_only_when_asked(render) -> None:
     assert {"Job", "AnalysisTemplate", "ServiceMonitor", "PodMonitor", "NetworkPolicy", "Ingress"} <= on
 
 
-@pytest.mark.parametrize("preset", PRESET_NAMES)
+@pytest.mark.parametrize("preset", GPU_PRESETS)
 def test_gpu_counts_sizes_and_replicas_follow_the_topology(render, preset) -> None:
     t = preset_topology(preset)
     docs = render(preset_values(preset))
@@ -272,7 +274,7 @@ def test_emptydir_downloads_request_ephemeral_storage(render) -> None:
     assert "ephemeral-storage" not in pvc["containers"][0]["resources"]["requests"]
 
 
-@pytest.mark.parametrize("preset", PRESET_NAMES)
+@pytest.mark.parametrize("preset", GPU_PRESETS)
 @pytest.mark.parametrize("source", ["hub", "pvc"])
 def test_derived_startup_budget_passes_the_launchers_check(render, preset, source) -> None:
     values = {**preset_values(preset), "model": {"source": source, "pvc": {"claimName": "w"}}}

@@ -6,12 +6,17 @@ in the same words."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
+import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jsonschema
 import kubernetes_validate
 import pytest
@@ -21,6 +26,7 @@ from sglang_pd.deploy.cli import build_parser
 from sglang_pd.deploy.cli import main as cli_main
 from sglang_pd.deploy.ops import launch
 from sglang_pd.deploy.spec.topology import TopologyError
+from tests.support.polling import free_port, wait_until
 
 from .conftest import PRESETS, helm_python, one, preset_topology
 from .pod_fs import GpuPod, Node, gpu_pods, lay_out, mount_config_maps
@@ -188,10 +194,148 @@ def test_a_driver_older_than_cuda_13_needs_stops_the_pod(render, tmp_path, capsy
         assert driver["detail"].startswith("NVIDIA driver 550.127.05 is older than R580, which the image's CUDA 13")
 
 
+# The CPU presets: the reference engine in place of sglang, so that the chart runs on kind or minikube. The
+# GPU-only defaults (rdma.mode hostNetwork, a hostPath cache) stay as they are: they must not reach these pods.
+REFERENCE_SCENARIOS: dict[str, dict[str, Any]] = {
+    "local-cpu": {"preset": "local-cpu"},
+    "local-cpu-mla-worker-key": {"preset": "local-cpu-mla", "workerKeySecret": {"name": "wk"}},
+}
+
+
+def _serve_on_free_ports(command: list[str]) -> tuple[list[str], int]:
+    """The pod's command on free loopback ports (a pod has its own network namespace; tests share one)."""
+    argv = list(command)
+    for flag in ("--port", "--bootstrap-port"):
+        if flag in argv:
+            argv[argv.index(flag) + 1] = str(free_port())
+    return argv, int(_flag(argv, "--port"))
+
+
+@pytest.mark.parametrize("scenario", list(REFERENCE_SCENARIOS))
+def test_every_reference_pod_the_chart_renders_starts_and_answers_health(render, tmp_path, scenario) -> None:
+    values = REFERENCE_SCENARIOS[scenario]
+    docs = render(copy.deepcopy(values))
+    pods = gpu_pods(docs)
+    assert {pod.role for pod in pods} == {"prefill", "decode"}
+    procs: list[tuple[GpuPod, subprocess.Popen[bytes], int, Path, dict[str, str]]] = []
+    try:
+        for pod in pods:
+            root = tmp_path / pod.name.replace("/", "-")
+            env = lay_out(root, docs, pod, Node(ip="127.0.0.1"), SECRETS)
+            command, port = _serve_on_free_ports(pod.container["command"])
+            assert command[:2] == ["sglang-pd", "engine"], command
+            log = root / "engine.log"
+            with open(log, "wb") as out:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "sglang_pd.deploy.cli", *command[1:]],
+                    env={**os.environ, **env},
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            procs.append((pod, proc, port, log, env))
+        for pod, proc, port, log, env in procs:
+            key = env.get("SGLANG_PD_WORKER_API_KEY")
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+            def healthy(
+                pod: GpuPod = pod,
+                proc: subprocess.Popen[bytes] = proc,
+                url: str = f"http://127.0.0.1:{port}/health",
+                log: Path = log,
+                headers: dict[str, str] = headers,
+            ) -> bool:
+                assert proc.poll() is None, f"{pod.name} exited: {log.read_text()[-3000:]}"
+                with contextlib.suppress(httpx.HTTPError):
+                    return httpx.get(url, headers=headers, timeout=30).status_code == 200
+                return False
+
+            wait_until(healthy, timeout=240)
+            if key:  # the worker key reached the engine: without it, /health is refused
+                assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 401
+            # kubelet's probes, as the pod runs them (with the worker key, an exec that sends it).
+            for name in ("startupProbe", "readinessProbe"):
+                probe = pod.container[name]
+                if "exec" in probe:
+                    python, *rest = probe["exec"]["command"]
+                    assert python == "python"
+                    rest[-1] = rest[-1].replace(
+                        f"127.0.0.1:{_flag(pod.container['command'], '--port')}/", f"127.0.0.1:{port}/"
+                    )
+                    r = subprocess.run([sys.executable, *rest], env={**os.environ, **env}, timeout=60)
+                    assert r.returncode == 0, f"{pod.name}: the {name} fails"
+                    wrong = {**os.environ, **env, "SGLANG_PD_WORKER_API_KEY": "not-the-key"}
+                    assert subprocess.run([sys.executable, *rest], env=wrong, timeout=60).returncode == 1
+                else:
+                    assert probe["httpGet"] == {"path": "/health", "port": "http"} and not key
+    finally:
+        for _, proc, *_ in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        for _, proc, *_ in procs:
+            proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("scenario", list(REFERENCE_SCENARIOS))
+def test_the_cpu_presets_kv_probe_pod_runs_its_command_and_passes(render, scenario) -> None:
+    probe = one(render(copy.deepcopy(REFERENCE_SCENARIOS[scenario])), "Pod", "-test-kv-probe")["spec"]
+    command = probe["containers"][0]["command"]
+    assert command[:2] == ["sglang-pd", "kv-probe"] and "env" not in probe["containers"][0]
+    r = subprocess.run(
+        [sys.executable, "-m", "sglang_pd.deploy.cli", *command[1:], "--format", "json", "--repeat", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(r.stdout)
+    assert report["ok"] and report["memory"] == "host"
+
+
+def _cuda_visible() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+@pytest.mark.skipif(_cuda_visible(), reason="checks the refusal where no CUDA GPU is visible")
+@pytest.mark.parametrize("scenario", ["defaults", "rdma-device-plugin", "roce", "h20-preset"])
+def test_the_gpu_kv_probe_pods_command_parses_and_asks_for_gpu_memory(render, scenario) -> None:
+    # Here (no GPU) its real command gets as far as the GPU buffer, and says what the pod needs.
+    container = one(render(copy.deepcopy(SCENARIOS[scenario][0])), "Pod", "-test-kv-probe")["spec"]["containers"][0]
+    env = {**os.environ, **{e["name"]: e["value"] for e in container["env"]}}
+    command = [sys.executable, "-m", "sglang_pd.deploy.cli", *container["command"][1:], "--format", "json"]
+    r = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 1, r.stderr[-2000:]
+    report = json.loads(r.stdout)
+    assert report["error"].startswith("GpuMemoryUnavailable: --memory gpu needs"), report
+
+
+@pytest.mark.parametrize("scenario", list(REFERENCE_SCENARIOS))
+def test_reference_pods_ask_for_no_gpu_rdma_host_access_or_privilege(render, scenario) -> None:
+    docs = render(copy.deepcopy(REFERENCE_SCENARIOS[scenario]))
+    probe = one(docs, "Pod", "-test-kv-probe")["spec"]
+    specs = [pod.spec for pod in gpu_pods(docs)] + [probe]
+    for spec in specs:
+        assert not spec.get("hostNetwork") and not spec.get("hostPID") and not spec.get("hostIPC")
+        assert not [v for v in spec.get("volumes", []) if "hostPath" in v], spec.get("volumes")
+        for c in spec["containers"]:
+            resources = json.dumps(c["resources"])
+            assert "nvidia.com/gpu" not in resources and "rdma/" not in resources, c["resources"]
+            assert c["securityContext"]["privileged"] is False
+            assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    # The engines and the probe run the CPU images, the probe on host memory.
+    assert all(pod.container["image"].startswith("ghcr.io/sglang-pd/sglang-pd-cpu:") for pod in gpu_pods(docs))
+    assert _flag(probe["containers"][0]["command"], "--memory") == "host"
+
+
 @pytest.mark.parametrize("k8s", K8S_VERSIONS)
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("scenario", [*SCENARIOS, *REFERENCE_SCENARIOS])
 def test_every_scenario_renders_objects_kubernetes_accepts(render, scenario, k8s) -> None:
-    for doc in render(copy.deepcopy(SCENARIOS[scenario][0])):
+    values = SCENARIOS[scenario][0] if scenario in SCENARIOS else REFERENCE_SCENARIOS[scenario]
+    for doc in render(copy.deepcopy(values)):
         if doc["kind"] == "LeaderWorkerSet":
             jsonschema.validate(doc, LWS_SCHEMA)
             for tpl in lws_pod_templates(doc).values():

@@ -333,6 +333,20 @@ Collect every values problem the schema cannot express, then fail once with each
 {{- $messages = append $messages "router.extraArgs: --worker-api-key writes the worker key into the pod spec. Remove it and set --set workerKeySecret.name=<secret>,workerKeySecret.key=<key>." -}}
 {{- end -}}
 {{- end -}}
+{{- if eq (include "sglang-pd.engine" .) "reference" -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- if ne (int (index $t $role).nodes) 1 -}}
+{{- $messages = append $messages (printf "%s.nodes: a CPU topology (hardware.gpu cpu) runs the reference engine, one pod per %s, but %s.nodes is %d. Set %s.nodes to 1 (more instances: prefill.instances, decode.groups)." $role (ternary "instance" "group" (eq $role "prefill")) $role (int (index $t $role).nodes) $role) -}}
+{{- end -}}
+{{- end -}}
+{{- $models := list "smollm2-135m-instruct" "tiny-deepseek-v3" -}}
+{{- if and (eq .Values.model.source "hub") (not (has (toString $t.model.path) $models)) -}}
+{{- $messages = append $messages (printf "model.path: the reference engine in a pod loads %s from its image, or a Hugging Face model directory from a volume, not %q. Set topology.model.path to one of them, or serve the directory with model.source=pvc|hostPath." (join " or " $models) (toString $t.model.path)) -}}
+{{- end -}}
+{{- if ne (toString $t.transfer.protocol) "tcp" -}}
+{{- $messages = append $messages (printf "topology.transfer.protocol: the reference engine's pods carry no RDMA NIC, but the protocol is %s. Set topology.transfer.protocol=tcp." (toString $t.transfer.protocol)) -}}
+{{- end -}}
+{{- end -}}
 {{- if and .Values.router.ingress.enabled (not .Values.router.ingress.host) -}}
 {{- $messages = append $messages "router.ingress.host: the Ingress needs a host name. Set --set router.ingress.host=llm.example.com." -}}
 {{- end -}}
@@ -741,14 +755,16 @@ spec:
   leaderWorkerTemplate:
     size: {{ $nodes }}
     restartPolicy: RecreateGroupOnPodRestart
+    {{- /* A CPU topology runs the reference engine (one pod per instance) instead of sglang. */}}
+    {{- $pod := ternary "sglang-pd.referencePodTemplate" "sglang-pd.gpuPodTemplate" (eq (include "sglang-pd.engine" $) "reference") }}
     {{- if gt $nodes 1 }}
     leaderTemplate:
-      {{- include "sglang-pd.gpuPodTemplate" (dict "role" .role "leader" true "context" $) | nindent 6 }}
+      {{- include $pod (dict "role" .role "leader" true "context" $) | nindent 6 }}
     workerTemplate:
-      {{- include "sglang-pd.gpuPodTemplate" (dict "role" .role "leader" false "context" $) | nindent 6 }}
+      {{- include $pod (dict "role" .role "leader" false "context" $) | nindent 6 }}
     {{- else }}
     workerTemplate:
-      {{- include "sglang-pd.gpuPodTemplate" (dict "role" .role "leader" true "context" $) | nindent 6 }}
+      {{- include $pod (dict "role" .role "leader" true "context" $) | nindent 6 }}
     {{- end }}
 {{- end -}}
 
