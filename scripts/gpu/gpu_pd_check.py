@@ -695,8 +695,11 @@ def main() -> int:
             except Exception:
                 report.setdefault("errors", {})[stage] = traceback.format_exc()
             finally:
-                stack.stop_all()
                 report.setdefault("stage_seconds", {})[stage] = round(time.monotonic() - t0, 1)
+                # What the stage measured is on disk before its processes stop: stopping a PD stack
+                # can take its drain time, and a call's limit may end this run meanwhile.
+                (args.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+                stack.stop_all()
             (args.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
             if recording["servers"]:
                 name = f"sglang-{recording['sglang']}-http.json"

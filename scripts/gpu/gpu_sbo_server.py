@@ -298,8 +298,11 @@ def main() -> int:
             except Exception:
                 report.setdefault("errors", {})[stage] = traceback.format_exc()[-6000:]
             finally:
-                stack.stop_all()
                 report.setdefault("stage_seconds", {})[stage] = round(time.monotonic() - t0, 1)
+                # What the stage measured is on disk before its processes stop: stopping a PD stack
+                # can take its drain time, and a call's limit may end this run meanwhile.
+                (args.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+                stack.stop_all()
             sbo = sbo_result(report, args.ref)
             if sbo is not None and "outputs" in report.get("nosbo", {}):
                 report["sbo_vs_nosbo"] = compare(sbo["outputs"], report["nosbo"]["outputs"])
