@@ -640,6 +640,18 @@ def run_gsm8k(out: Path, data: Path) -> dict[str, Any]:
     return result
 
 
+def gpu_description() -> str | None:
+    """The GPUs' name, driver and memory as nvidia-smi gives them (None where it cannot run)."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        return subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
+    return None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -652,12 +664,7 @@ def main() -> int:
     stages = args.stages.split(",")
     date = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     report: dict[str, Any] = {"date": date, "commit": args.commit, "argv": sys.argv}
-    with contextlib.suppress(Exception):
-        report["gpu"] = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
+    report["gpu"] = gpu_description()
     import sglang
 
     recording: dict[str, Any] = {

@@ -264,12 +264,7 @@ def main() -> int:
         "commit": args.commit,
         "argv": sys.argv,
     }
-    with contextlib.suppress(Exception):
-        report["gpu"] = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
+    report["gpu"] = gpu_pd_check.gpu_description()
     import sglang
 
     report["sglang"] = sglang.__version__
