@@ -255,14 +255,19 @@ def test_the_cpu_image_base_is_a_slim_python_that_pyproject_allows() -> None:
     assert re.search(r"apt-get install [^\n]*libibverbs1", dockerfile)
 
 
-def test_make_image_builds_and_pushes_both_images_to_the_registry_given() -> None:
-    make = subprocess.run(
-        ["make", "-s", "-n", "image", "REGISTRY=registry.example.com/ml", "TAG=1.2.3", "DOCKER=docker"],
+def _dry_run_make(target: str) -> subprocess.CompletedProcess[str]:
+    """What `make TARGET` would run (`make -n`) for registry.example.com/ml at tag 1.2.3."""
+    return subprocess.run(
+        ["make", "-s", "-n", target, "REGISTRY=registry.example.com/ml", "TAG=1.2.3", "DOCKER=docker"],
         cwd=REPO,
         capture_output=True,
         text=True,
         check=True,
     )
+
+
+def test_make_image_builds_and_pushes_both_images_to_the_registry_given() -> None:
+    make = _dry_run_make("image")
     gpu = f"registry.example.com/ml/sglang-pd:1.2.3-sglang{SGLANG_VERSION}"
     cpu = "registry.example.com/ml/sglang-pd-cpu:1.2.3"
     lines = make.stdout.splitlines()
@@ -278,13 +283,7 @@ REFERENCE_DOCKERFILE = REPO / "deploy" / "docker" / "Dockerfile.reference"
 
 
 def test_make_image_reference_builds_and_pushes_the_cpu_image_and_the_reference_engine_on_it() -> None:
-    make = subprocess.run(
-        ["make", "-s", "-n", "image-reference", "REGISTRY=registry.example.com/ml", "TAG=1.2.3", "DOCKER=docker"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    make = _dry_run_make("image-reference")
     cpu = "registry.example.com/ml/sglang-pd-cpu:1.2.3"
     lines = make.stdout.splitlines()
     assert lines[:4] == [

@@ -13,24 +13,12 @@
 # Each stage runs even if an earlier benchmark failed; a stage is skipped only when DeepEP did not
 # build or the time budget (BUDGET_S, default 530 s) is spent.
 set -uo pipefail
-out=${1:?usage: gpu_moe_run.sh OUT_DIR}
-mkdir -p "$out"
 budget=${BUDGET_S:-530}
-t0=$(date +%s)
-elapsed() { echo $(( $(date +%s) - t0 )); }
+source scripts/gpu/run_log.sh
+begin_run "${1:?usage: gpu_moe_run.sh OUT_DIR}" bench.log
 
-# The machine's rule: no NVLink multicast in NCCL, PyTorch or NVSHMEM.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
-PY=${PYTHON:-python3}
-log=$out/bench.log
-: >"$log"
-say() { echo "== [$(elapsed) s] $*" | tee -a "$log"; }
-
-# %% The host
+# %% The host (begin_run logged the GPUs)
 {
-  echo "== host: $(date -u +%FT%TZ)"
-  nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader 2>&1
   nvidia-smi topo -m 2>&1 | head -n 12
   "$PY" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), "triton", triton.__version__)' 2>&1
 } | tee -a "$log"

@@ -104,9 +104,10 @@ class Stack:
         self.out = out
         self.children: dict[str, Child] = {}
 
-    def start(self, name: str, argv: list[str]) -> Child:
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
+        """Start `argv` logging to `<out>/<name>.log`; `env` is added to this process's environment."""
         with open(self.out / f"{name}.log", "wb") as log:  # the child keeps its own descriptor
-            child = spawn(name, argv, stdout=log, stderr=subprocess.STDOUT, text=False)
+            child = spawn(name, argv, env=env, stdout=log, stderr=subprocess.STDOUT, text=False)
         self.children[name] = child
         return child
 

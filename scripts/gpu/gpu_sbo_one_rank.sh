@@ -12,21 +12,12 @@
 # One rank has no peer and no NIC: DeepEP copies locally. What this shows is the chain's
 # correctness and SBO's overhead; RDMA, NVLink peers, multi-rank skew and the gain need two GPUs.
 set -uo pipefail
-out=${1:?usage: gpu_sbo_one_rank.sh OUT_DIR}
-mkdir -p "$out"
-t0=$(date +%s)
-elapsed() { echo $(( $(date +%s) - t0 )); }
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 # DeepEP's layered low-latency dispatch sizes its buffers by nodes of 8 GPUs (it asserts num_ranks % 8 == 0).
 export DEEPEP_DISABLE_LL_DISPATCH_OPT=1
-PY=${PYTHON:-python3}
-log=$out/run.log
-: >"$log"
-say() { echo "== [$(elapsed) s] $*" | tee -a "$log"; }
-
+RUN_COMMIT=${SBO_COMMIT:-unknown}
+source scripts/gpu/run_log.sh
+begin_run "${1:?usage: gpu_sbo_one_rank.sh OUT_DIR}" run.log
 {
-  echo "== host: $(date -u +%FT%TZ) commit ${SBO_COMMIT:-unknown}"
-  nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader 2>&1
   "$PY" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)' 2>&1
 } | tee -a "$log"
 

@@ -174,10 +174,7 @@ def doctor(log: Path, expect_full: bool, probe_hooks: bool = False) -> dict[str,
 def stage_server(stack: Stack, topology: Path, sbo: bool, texts: list[str]) -> dict[str, Any]:
     name = "sbo" if sbo else "nosbo"
     argv, env = server_command(topology, sbo)
-    with open(stack.out / f"{name}.log", "wb") as log:
-        from sglang_pd.deploy.common.procs import spawn
-
-        stack.children[name] = spawn(name, argv, env=env, stdout=log, stderr=subprocess.STDOUT, text=False)
+    stack.start(name, argv, env=env)
     result: dict[str, Any] = {"argv": argv[1:], "env": env}
     result.update(wait_server(stack, name, BASE, READY_S))
     result["outputs"] = asyncio.run(greedy(BASE, texts))
@@ -221,10 +218,7 @@ def stage_pd(stack: Stack, topology: Path, texts: list[str], ref: list[dict[str,
         str(logs),
     ]
     pd: dict[str, Any] = {"argv": up[1:]}
-    with open(stack.out / "up.log", "wb") as log:
-        from sglang_pd.deploy.common.procs import spawn
-
-        stack.children["up"] = spawn("up", up, stdout=log, stderr=subprocess.STDOUT, text=False)
+    stack.start("up", up)
     pd.update(wait_stack(stack, READY_S))
     got = asyncio.run(greedy(ROUTER, texts))
     pd["statuses"] = [g.get("status") for g in got]

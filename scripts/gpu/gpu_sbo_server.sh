@@ -14,19 +14,11 @@
 set -euo pipefail
 out=${1:?usage: gpu_sbo_server.sh OUT_DIR [STAGES]}
 stages=${2:-sbo,nosbo,pd}
-mkdir -p "$out"
-t0=$(date +%s)
-log=$out/run.log
-PY=${PYTHON:-python3}
-say() { echo "== [$(( $(date +%s) - t0 )) s] $*" | tee -a "$log"; }
-# NVLink multicast stays off in NCCL, PyTorch and NVSHMEM (a shared host can lose GPUs to it).
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 # One rank: antgroup-opt's layered low-latency dispatch sizes its buffers by nodes of 8 GPUs.
 export DEEPEP_DISABLE_LL_DISPATCH_OPT=1
-{
-  echo "== host: $(date -u +%FT%TZ) commit ${SBO_COMMIT:-unknown}"
-  nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader 2>&1
-} | tee -a "$log"
+RUN_COMMIT=${SBO_COMMIT:-unknown}
+source scripts/gpu/run_log.sh
+begin_run "$out" run.log
 
 source scripts/gpu/use_deepep.sh
 use_deepep "$out" || exit 1

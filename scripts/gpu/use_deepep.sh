@@ -1,7 +1,7 @@
 # Sourced by the GPU scripts: build DeepEP from the carried source into /tmp/deepep (its log in
 # OUT/build.log) and put it, and the NVSHMEM its kernels link, on this shell's paths.
 #
-#   source scripts/gpu/use_deepep.sh; use_deepep OUT_DIR || exit 1     (needs the caller's `say` and $log, $PY)
+#   source scripts/gpu/use_deepep.sh; use_deepep OUT_DIR || exit 1     (after `begin_run`, scripts/gpu/run_log.sh: it uses `say`, $log and $PY)
 use_deepep() {
   local out=$1
   say "building DeepEP (log: $out/build.log)"
