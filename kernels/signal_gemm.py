@@ -60,6 +60,13 @@ before the one thread that then does the ``atomic_add`` with ``sem="release", sc
 release is cumulative, so a consumer that reads the counter with an acquire load and then reads
 the rows sees the rows. ``tests/kernels/test_signal_gemm.py`` checks this with a polling consumer
 over 1000 randomized runs.
+
+DeepEP's combine then reads the rows with TMA (``cp.async.bulk``), which is the *async proxy*,
+while our stores and the release are generic-proxy operations. PTX orders accesses of two proxies
+only through a proxy fence, so every storing thread issues ``fence.proxy.async.global`` after its
+stores and before the barrier that precedes the release (the writer-side pattern of CUTLASS's
+``fence_view_async_shared``, here for global memory; kernels/README.md, "A consumer that reads by
+TMA").
 """
 
 from __future__ import annotations
@@ -110,20 +117,35 @@ SMS_KEPT_FOR_COMMUNICATION = 3
 # %%
 # Releasing a signal
 # ------------------
-# Both helpers make every thread of the program wait at a barrier (so all of the tile's stores are
-# done), then let chosen threads do one releasing add at GPU scope. `tl.debug_barrier()` followed
-# by `tl.atomic_add(..., sem="release")` says the same in Triton; these say it in one opaque PTX
-# block (GemmConfig.signal_asm chooses; the benchmark times both).
+# Both helpers make every thread of the program fence its stores for the async proxy (the consumer
+# reads them by TMA), wait at a barrier (so all of the tile's stores are done), then let chosen
+# threads do one releasing add at GPU scope. `_fence_for_tma_readers()`, `tl.debug_barrier()` and
+# `tl.atomic_add(..., sem="release")` say the same in Triton; these say it in one opaque PTX block
+# (GemmConfig.signal_asm chooses; the benchmark times both).
+
+
+#: Triton's CPU interpreter runs programs one after another and has no inline PTX (nor proxies).
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def _fence_for_tma_readers():
+    """fence.proxy.async.global: this thread's generic stores before any later async-proxy (TMA) read."""
+    if not _INTERPRETED:
+        tl.inline_asm_elementwise(
+            "fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+        )
 
 
 @triton.jit
 def _release_add_one(ptr):
-    """bar.sync, then thread 0 adds 1 to *ptr with release semantics at GPU scope."""
+    """fence.proxy.async.global and bar.sync, then thread 0 adds 1 to *ptr (release, GPU scope)."""
     return tl.inline_asm_elementwise(
         """
         {
         .reg .pred %p0;
         .reg .b32 %t;
+        fence.proxy.async.global;
         bar.sync 0;
         mov.u32 %t, %tid.x;
         setp.eq.u32 %p0, %t, 0;
@@ -141,13 +163,14 @@ def _release_add_one(ptr):
 
 @triton.jit
 def _release_add_one_range(base, lo, hi):
-    """bar.sync, then thread t adds 1 to base[t] for lo <= t < hi (release, GPU scope)."""
+    """fence.proxy.async.global and bar.sync, then thread t adds 1 to base[t] for lo <= t < hi (release, GPU scope)."""
     return tl.inline_asm_elementwise(
         """
         {
         .reg .pred %p<3>;
         .reg .b32 %t;
         .reg .b64 %a;
+        fence.proxy.async.global;
         bar.sync 0;
         mov.u32 %t, %tid.x;
         setp.ge.u32 %p0, %t, $2;
@@ -173,6 +196,7 @@ def _signal_experts(signal_ptr, experts, lo, hi, SIGNAL_ASM: tl.constexpr):
     if SIGNAL_ASM:
         _release_add_one_range(signal_ptr, lo, hi)
     else:
+        _fence_for_tma_readers()
         tl.debug_barrier()
         tl.atomic_add(signal_ptr + experts, 1, mask=(experts >= lo) & (experts < hi), sem="release", scope="gpu")
 
@@ -350,6 +374,7 @@ def _masked_grouped_gemm_kernel(
             if SIGNAL_ASM:
                 _release_add_one(signal_ptr + e * num_m_blocks_max + mb)
             else:
+                _fence_for_tma_readers()
                 tl.debug_barrier()
                 tl.atomic_add(signal_ptr + e * num_m_blocks_max + mb, 1, sem="release", scope="gpu")
         if SIGNAL_MODE == 2:

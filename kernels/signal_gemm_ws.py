@@ -44,6 +44,15 @@ _PIECE_COLS = gl.constexpr(SCALE_BLOCK)  # and columns: one weight-scale block, 
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
+@gluon.jit
+def _fence_for_tma_readers():
+    """fence.proxy.async.global: this thread's generic stores before any later async-proxy (TMA)
+    read. DeepEP's combine reads our rows by TMA once it sees the release (signal_gemm.py)."""
+    gl.inline_asm_elementwise(
+        "fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+    )
+
+
 # %%
 # The tile list
 # -------------
@@ -419,6 +428,8 @@ def _storer(
             _store_piece(out_wide.index(p), d_tile, row0, wide_col + p * COL_STEP, rows_e, N, stride_dm, WIDE_LAYOUT)
             if NARROW > 0:
                 _store_piece(out_narrow.index(p), d_tile, row0, narrow_col, rows_e, N, stride_dm, NARROW_LAYOUT)
+        if SIGNAL_MODE != 0:
+            _fence_for_tma_readers()  # the stores are read by TMA once released
         _barrier()  # every storer thread's stores before the one releasing atomic
         if SIGNAL_MODE == 1:
             gl.atomic_add(signal_ptr + e * num_m_blocks_max + mb, 1, sem="release", scope="gpu")

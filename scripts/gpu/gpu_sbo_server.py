@@ -17,10 +17,15 @@ DeepEP antgroup-opt and written unit-scale FP8 weights into the preset's model f
    TCP, our router): the same prompts through the router must give the SBO server's tokens;
    the decode server's log must show SBO engaged.
 
+With `--together` every stage's processes start at once (the two servers with a smaller share of
+the GPU's memory, so that all four sglang servers fit), and the stages are then measured one after
+another while the others idle: one cold start instead of three, which is what lets all three
+stages fit one device call.
+
 One GPU has no network for the overlap to hide, so the step-time ratio is SBO's overhead here,
 not its gain. Writes `report.json` and each server's log under --out.
 
-    python scripts/gpu/gpu_sbo_server.py --out $OUT --commit SHA
+    python scripts/gpu/gpu_sbo_server.py --out $OUT --commit SHA [--together]
 """
 
 from __future__ import annotations
@@ -47,8 +52,14 @@ from gpu_pd_check import ROUTER, Stack, wait_server, wait_stack
 
 REPO = Path(__file__).resolve().parents[2]
 PRESET = REPO / "deploy/spec/presets/single-h200-sbo.yaml"
-PORT = 31000
-BASE = f"http://127.0.0.1:{PORT}"
+#: Each server's HTTP port. sglang 0.5.17 draws its NCCL port from [port + 100, port + 1000] and
+#: takes it if nothing listens there yet, and a server binds its HTTP port only once loaded: servers
+#: started together keep every HTTP port out of the others' ranges (the preset's are 30000-30001).
+SERVER_PORTS = {"sbo": 31500, "nosbo": 33000}
+#: The servers' share of GPU memory beside the PD stack's two (0.3 each) with --together: sglang
+#: sizes its pool from the memory free before it loads, so four servers measuring at the same
+#: moment must still fit; 0.1 (14 GiB) holds the 1.9 GB model and a large KV pool.
+TOGETHER_MEM_FRACTION = 0.1
 READY_S = 420.0
 MAX_NEW_TOKENS = 32
 STEP_TOKENS = 48  # decode steps timed per request at each batch size
@@ -76,7 +87,9 @@ def derived_topology(out: Path) -> Path:
     return path
 
 
-def server_command(topology: Path, sbo: bool) -> tuple[list[str], dict[str, str]]:
+def server_command(
+    topology: Path, sbo: bool, port: int, mem_fraction: float | None = None
+) -> tuple[list[str], dict[str, str]]:
     """The preset's decode command without its PD flags (and without SBO when `sbo` is false), and its env."""
     plan = json.loads(
         subprocess.run(
@@ -88,6 +101,8 @@ def server_command(topology: Path, sbo: bool) -> tuple[list[str], dict[str, str]
     )
     decode = plan["roles"]["decode"][0]
     drop_with_value = {"--disaggregation-mode", "--disaggregation-transfer-backend", "--port", "--host"}
+    if mem_fraction is not None:
+        drop_with_value.add("--mem-fraction-static")
     argv, skip = [], False
     for a in decode["argv"]:
         if skip:
@@ -98,7 +113,10 @@ def server_command(topology: Path, sbo: bool) -> tuple[list[str], dict[str, str]
             argv.append(a)
     env = {k: str(v) for k, v in decode.get("env", {}).items()}
     env["SGLANG_PD_SBO_MODE"] = "full" if sbo else "off"
-    return [sys.executable, *argv, "--host", "127.0.0.1", "--port", str(PORT)], env
+    argv += ["--host", "127.0.0.1", "--port", str(port)]
+    if mem_fraction is not None:
+        argv += ["--mem-fraction-static", str(mem_fraction)]
+    return [sys.executable, *argv], env
 
 
 async def greedy(base: str, texts: list[str]) -> list[dict[str, Any]]:
@@ -171,14 +189,20 @@ def doctor(log: Path, expect_full: bool, probe_hooks: bool = False) -> dict[str,
     return doc
 
 
-def stage_server(stack: Stack, topology: Path, sbo: bool, texts: list[str]) -> dict[str, Any]:
-    name = "sbo" if sbo else "nosbo"
-    argv, env = server_command(topology, sbo)
+def start_server(stack: Stack, topology: Path, name: str, mem_fraction: float | None) -> dict[str, Any]:
+    argv, env = server_command(topology, name == "sbo", SERVER_PORTS[name], mem_fraction)
     stack.start(name, argv, env=env)
-    result: dict[str, Any] = {"argv": argv[1:], "env": env}
-    result.update(wait_server(stack, name, BASE, READY_S))
-    result["outputs"] = asyncio.run(greedy(BASE, texts))
-    result["step_times"] = asyncio.run(step_times(BASE))
+    return {"argv": argv[1:], "env": env, "started": time.monotonic()}
+
+
+def measure_server(stack: Stack, name: str, result: dict[str, Any], texts: list[str]) -> dict[str, Any]:
+    """Once `name` (started by start_server) is ready: its outputs, step times and engagement; then stop it."""
+    base = f"http://127.0.0.1:{SERVER_PORTS[name]}"
+    result.update(wait_server(stack, name, base, READY_S))
+    result["ready_since_start_s"] = round(time.monotonic() - result.pop("started"), 1)
+    result["outputs"] = asyncio.run(greedy(base, texts))
+    result["step_times"] = asyncio.run(step_times(base))
+    sbo = name == "sbo"
     result["doctor"] = doctor(stack.out / f"{name}.log", expect_full=sbo, probe_hooks=sbo)
     stack.stop(name, grace_s=30)
     return result
@@ -186,7 +210,8 @@ def stage_server(stack: Stack, topology: Path, sbo: bool, texts: list[str]) -> d
 
 def compare(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, Any]:
     """Greedy agreement of two runs of the same prompts, and the largest logprob gap where they agree."""
-    same, first_divergence, max_gap = 0, [], 0.0
+    same, max_gap = 0, 0.0
+    first_divergence: list[int | str | None] = []
     for x, y in zip(a, b, strict=True):
         if x.get("status") != 200 or y.get("status") != 200:
             first_divergence.append("error")
@@ -204,27 +229,24 @@ def compare(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def stage_pd(stack: Stack, topology: Path, texts: list[str], ref: list[dict[str, Any]] | None) -> dict[str, Any]:
+def start_pd(stack: Stack, topology: Path) -> dict[str, Any]:
     logs = stack.out / "engines"
-    up = [
-        sys.executable,
-        "-m",
-        "sglang_pd.deploy.cli",
-        "up",
-        str(topology),
-        "--engine",
-        "sglang",
-        "--log-dir",
-        str(logs),
-    ]
-    pd: dict[str, Any] = {"argv": up[1:]}
+    up = [sys.executable, "-m", "sglang_pd.deploy.cli", "up", str(topology), "--engine", "sglang"]
+    up += ["--log-dir", str(logs)]
     stack.start("up", up)
+    return {"argv": up[1:], "started": time.monotonic()}
+
+
+def measure_pd(stack: Stack, pd: dict[str, Any], texts: list[str], ref: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """Once the stack (started by start_pd) is ready: the prompts through the router against `ref`, and the
+    decode server's engagement; then stop it."""
     pd.update(wait_stack(stack, READY_S))
+    pd["ready_since_start_s"] = round(time.monotonic() - pd.pop("started"), 1)
     got = asyncio.run(greedy(ROUTER, texts))
     pd["statuses"] = [g.get("status") for g in got]
     if ref is not None:
         pd["vs_sbo_server"] = compare(ref, got)
-    decode_logs = sorted(logs.glob("decode*.log"))
+    decode_logs = sorted((stack.out / "engines").glob("decode*.log"))
     pd["doctor"] = doctor(decode_logs[0], expect_full=True) if decode_logs else "no decode log"
     stack.stop("up", signal.SIGINT, grace_s=60)
     return pd
@@ -246,6 +268,9 @@ def main() -> int:
     parser.add_argument("--commit", default="unknown")
     parser.add_argument("--deadline-s", type=float, default=560.0)
     parser.add_argument(
+        "--together", action="store_true", help="start every stage's processes at once, then measure them in turn"
+    )
+    parser.add_argument(
         "--ref",
         type=Path,
         default=Path("/tmp/sbo-server-outputs.json"),
@@ -263,27 +288,42 @@ def main() -> int:
 
     report["sglang"] = sglang.__version__
 
+    deadline_passed = False
+
     def out_of_time(*_: object) -> None:
+        nonlocal deadline_passed
+        deadline_passed = True
         raise TimeoutError(f"the run's deadline of {args.deadline_s:g} s passed")
 
     signal.signal(signal.SIGALRM, out_of_time)
     signal.alarm(int(args.deadline_s))
     topology = derived_topology(args.out)
     texts = prompts()
+    stages = args.stages.split(",")
+    unknown = [s for s in stages if s not in ("sbo", "nosbo", "pd")]
+    if unknown:
+        parser.error(f"unknown stage(s) {', '.join(unknown)}: use sbo, nosbo, pd")
+    mem_fraction = TOGETHER_MEM_FRACTION if args.together else None
+
+    def start(stage: str) -> dict[str, Any]:
+        return start_pd(stack, topology) if stage == "pd" else start_server(stack, topology, stage, mem_fraction)
+
     stack = Stack(args.out)
     try:
-        for stage in args.stages.split(","):
+        started = {stage: start(stage) for stage in stages} if args.together else {}
+        for stage in stages:
             t0 = time.monotonic()
             try:
-                if stage in ("sbo", "nosbo"):
-                    report[stage] = stage_server(stack, topology, stage == "sbo", texts)
+                if deadline_passed:
+                    raise TimeoutError(f"not measured: the run's deadline of {args.deadline_s:g} s had passed")
+                begun = started.pop(stage, None) or start(stage)
+                if stage == "pd":
+                    sbo = sbo_result(report, args.ref)
+                    report["pd"] = measure_pd(stack, begun, texts, sbo["outputs"] if sbo else None)
+                else:
+                    report[stage] = measure_server(stack, stage, begun, texts)
                     if stage == "sbo":
                         args.ref.write_text(json.dumps(report["sbo"], default=str))
-                elif stage == "pd":
-                    sbo = sbo_result(report, args.ref)
-                    report["pd"] = stage_pd(stack, topology, texts, sbo["outputs"] if sbo else None)
-                else:
-                    raise ValueError(f"unknown stage {stage!r}: use sbo, nosbo, pd")
             except Exception:
                 report.setdefault("errors", {})[stage] = traceback.format_exc()[-6000:]
             finally:
@@ -291,7 +331,8 @@ def main() -> int:
                 # What the stage measured is on disk before its processes stop: stopping a PD stack
                 # can take its drain time, and a call's limit may end this run meanwhile.
                 (args.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
-                stack.stop_all()
+                for name in ("up",) if stage == "pd" else (stage,):
+                    stack.stop(name, signal.SIGINT if name == "up" else signal.SIGTERM, grace_s=60)
             sbo = sbo_result(report, args.ref)
             if sbo is not None and "outputs" in report.get("nosbo", {}):
                 report["sbo_vs_nosbo"] = compare(sbo["outputs"], report["nosbo"]["outputs"])

@@ -15,7 +15,7 @@ run = importlib.import_module("gpu_sbo_server")
 @pytest.mark.parametrize("sbo", [True, False])
 def test_the_server_is_the_presets_decode_without_pd(tmp_path: Path, sbo: bool) -> None:
     topology = run.derived_topology(tmp_path)
-    argv, env = run.server_command(topology, sbo)
+    argv, env = run.server_command(topology, sbo, 31000)
     assert not any(a.startswith("--disaggregation") for a in argv)
     assert "--load-format" not in argv  # the written weights, not sglang's near-zero dummy ones
     assert ("--enable-single-batch-overlap" in argv) is sbo
@@ -23,7 +23,28 @@ def test_the_server_is_the_presets_decode_without_pd(tmp_path: Path, sbo: bool) 
     assert env["SGLANG_SCHEDULER_SKIP_ALL_GATHER"] == "1"
     for flag, value in (("--moe-a2a-backend", "deepep"), ("--deepep-mode", "low_latency")):
         assert argv[argv.index(flag) + 1] == value
-    assert argv[argv.index("--port") + 1] == str(run.PORT)
+    assert argv[argv.index("--port") + 1] == "31000"
+
+
+def test_servers_started_together_take_a_smaller_share_of_memory(tmp_path: Path) -> None:
+    topology = run.derived_topology(tmp_path)
+    alone, _ = run.server_command(topology, True, 31000)
+    together, _ = run.server_command(topology, True, 31000, mem_fraction=run.TOGETHER_MEM_FRACTION)
+    assert alone.count("--mem-fraction-static") == together.count("--mem-fraction-static") == 1
+    assert together[together.index("--mem-fraction-static") + 1] == str(run.TOGETHER_MEM_FRACTION)
+    # The pair and the PD stack's two servers (the preset's own share each) fit one GPU.
+    preset = float(alone[alone.index("--mem-fraction-static") + 1])
+    assert 2 * run.TOGETHER_MEM_FRACTION + 2 * preset <= 0.85
+
+
+def test_servers_started_together_keep_their_nccl_port_ranges_apart() -> None:
+    # sglang 0.5.17 draws a server's NCCL port from [port + 100, port + 1000]; the preset serves on 30000-30001.
+    http = [*run.SERVER_PORTS.values(), 30000, 30001]
+    for p in http:
+        assert not [q for q in http if q in range(p + 100, p + 1001)]
+    for p in run.SERVER_PORTS.values():
+        for q in http:
+            assert q == p or not set(range(p + 100, p + 1001)) & set(range(q + 100, q + 1001))
 
 
 def test_prompts_fit_one_prefill_chunk() -> None:
