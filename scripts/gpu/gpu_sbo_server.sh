@@ -9,8 +9,8 @@
 # unpacks sglang 0.5.17, writes unit-scale FP8 weights into the `single-h200-sbo` preset's model
 # folder (scripts/gpu/fp8_checkpoint.py) and runs scripts/gpu/gpu_sbo_server.py: a decode server with
 # and without full SBO, then the preset's PD stack through our router (STAGES: sbo,nosbo,pd).
-# Optional first: `ONE_RANK=1` also runs the one-rank layer check at max_block_n 160
-# (benchmarks/bench_moe_layer.py). SBO_COMMIT names the commit checked; SBO_DEADLINE_S bounds the run.
+# SBO_TOGETHER=1 starts all the stages' servers at once (one cold start; the three stages then fit
+# one call). SBO_COMMIT names the commit checked; SBO_DEADLINE_S bounds the run.
 set -euo pipefail
 out=${1:?usage: gpu_sbo_server.sh OUT_DIR [STAGES]}
 stages=${2:-sbo,nosbo,pd}
@@ -22,15 +22,6 @@ begin_run "$out" run.log
 
 source scripts/gpu/use_deepep.sh
 use_deepep "$out" || exit 1
-
-if [ "${ONE_RANK:-0}" = 1 ]; then
-  say "one rank: our signal GEMM into DeepEP's combine at max_block_n 160 (1,000 replays a variant)"
-  SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK=256 timeout 200 "$PY" benchmarks/bench_moe_layer.py --gpus 1 \
-    --mode decode --num-experts 16 --tokens 1,8,64,128,256 --iters 50 --repeats 20 --combine-sms 3 \
-    --max-block-n 160 --json "$out/decode_1gpu_bn160.json" --deadline-s 180 --hang-s 60 --port 27331 \
-    >"$out/one_rank_bn160.log" 2>&1 || say "one-rank run exit $?"
-  tail -n 12 "$out/one_rank_bn160.log" | tee -a "$log"
-fi
 
 source scripts/gpu/use_bundle.sh
 use_bundle  # ends this call (exit 0) while a part is still to be carried
@@ -52,7 +43,7 @@ fi
 say "gpu_sbo_server.py --stages $stages"
 set +e
 "$PY" scripts/gpu/gpu_sbo_server.py --out "$out" --stages "$stages" --commit "${SBO_COMMIT:-unknown}" \
-  --deadline-s "${SBO_DEADLINE_S:-480}"
+  --deadline-s "${SBO_DEADLINE_S:-480}" ${SBO_TOGETHER:+--together}
 rc=$?
 say "gpu_sbo_server.py exit $rc"
 exit "$rc"
