@@ -12,8 +12,8 @@
 #
 # OUT_DIR gets: build.log (the DeepEP build), kernel_tests.log, ptx_fences.json, deepep_test.log
 # (DeepEP's tests/test_low_latency.py), decode_1gpu_bn<N>.json (the layer: per token count the
-# variants' outputs, errors, times and experts without tokens), run.log. Carrying a part of the
-# sglang bundle as well (docs/gpu-check.md) keeps it for the next call. SKIP_DEEPEP_TEST=1 skips
+# variants' outputs, errors, times and experts without tokens), run.log. A part of the sglang bundle
+# carried as well (docs/gpu-check.md) is kept for the next call first. SKIP_DEEPEP_TEST=1 skips
 # DeepEP's own test; MAX_BLOCK_NS (default "256 160") picks the layer runs.
 # One rank has no peer and no NIC: DeepEP copies locally. What this shows is the chain's
 # correctness and SBO's overhead; RDMA, NVLink peers, multi-rank skew and the gain need two GPUs.
@@ -26,6 +26,12 @@ begin_run "${1:?usage: gpu_sbo_one_rank.sh OUT_DIR}" run.log
 {
   "$PY" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)' 2>&1
 } | tee -a "$log"
+
+if [ -f .gpu_bundle/manifest.json ]; then
+  # Keep the carried part of the sglang bundle for the next call, even if this one runs out of time
+  # (a subshell: use_bundle ends its shell while a part is still missing).
+  ( source scripts/gpu/use_bundle.sh; use_bundle ) 2>&1 | tail -n 2 | tee -a "$log"
+fi
 
 source scripts/gpu/use_deepep.sh
 use_deepep "$out" || exit 1
@@ -60,9 +66,4 @@ for bn in ${MAX_BLOCK_NS:-256 160}; do
   tail -n 10 "$out/bench_bn$bn.log" | tee -a "$log"
   port=$((port + 10))
 done
-
-if [ -f .gpu_bundle/manifest.json ]; then
-  source scripts/gpu/use_bundle.sh
-  use_bundle  # keeps the carried part of the sglang bundle for the next call (and ends here while one is missing)
-fi
 say "done"
