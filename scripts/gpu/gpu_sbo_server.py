@@ -17,10 +17,12 @@ DeepEP antgroup-opt and written unit-scale FP8 weights into the preset's model f
    TCP, our router): the same prompts through the router must give the SBO server's tokens;
    the decode server's log must show SBO engaged.
 
-With `--together` every stage's processes start at once (the two servers with a smaller share of
-the GPU's memory, so that all four sglang servers fit), and the stages are then measured one after
-another while the others idle: one cold start instead of three, which is what lets all three
-stages fit one device call.
+With `--together` the stages' processes start at once (the server with a smaller share of the
+GPU's memory beside the PD stack's two), every one is waited for, and only then are they measured
+one after another while the others idle: one cold start instead of two. `sbo` and `nosbo` do not
+start together: each DeepEP low-latency server's CUDA graphs took 42.5 GB on this preset, and
+sglang sizes a server's KV pool from the memory free before it loads, so with three starting at
+once the last one's pool came out negative (benchmarks/results/sbo_server_h200_2026-12-03_5fb0e4d.json).
 
 One GPU has no network for the overlap to hide, so the step-time ratio is SBO's overhead here,
 not its gain. Writes `report.json` and each server's log under --out.
@@ -56,9 +58,8 @@ PRESET = REPO / "deploy/spec/presets/single-h200-sbo.yaml"
 #: takes it if nothing listens there yet, and a server binds its HTTP port only once loaded: servers
 #: started together keep every HTTP port out of the others' ranges (the preset's are 30000-30001).
 SERVER_PORTS = {"sbo": 31500, "nosbo": 33000}
-#: The servers' share of GPU memory beside the PD stack's two (0.3 each) with --together: sglang
-#: sizes its pool from the memory free before it loads, so four servers measuring at the same
-#: moment must still fit; 0.1 (14 GiB) holds the 1.9 GB model and a large KV pool.
+#: A server's share of GPU memory beside the PD stack's two (0.3 each) with --together: 0.1
+#: (14 GiB) holds the 1.9 GB model and an 11 GB KV pool.
 TOGETHER_MEM_FRACTION = 0.1
 READY_S = 420.0
 MAX_NEW_TOKENS = 32
@@ -195,11 +196,19 @@ def start_server(stack: Stack, topology: Path, name: str, mem_fraction: float | 
     return {"argv": argv[1:], "env": env, "started": time.monotonic()}
 
 
+def await_server(stack: Stack, name: str, result: dict[str, Any]) -> None:
+    """Wait until `name` (started by start_server) is ready, noting in `result` how long it took."""
+    if "not_ready" in result:
+        raise RuntimeError(result["not_ready"])
+    if "started" in result:
+        result.update(wait_server(stack, name, f"http://127.0.0.1:{SERVER_PORTS[name]}", READY_S))
+        result["ready_since_start_s"] = round(time.monotonic() - result.pop("started"), 1)
+
+
 def measure_server(stack: Stack, name: str, result: dict[str, Any], texts: list[str]) -> dict[str, Any]:
-    """Once `name` (started by start_server) is ready: its outputs, step times and engagement; then stop it."""
+    """Once `name` is ready: its outputs, step times and engagement; then stop it."""
     base = f"http://127.0.0.1:{SERVER_PORTS[name]}"
-    result.update(wait_server(stack, name, base, READY_S))
-    result["ready_since_start_s"] = round(time.monotonic() - result.pop("started"), 1)
+    await_server(stack, name, result)
     result["outputs"] = asyncio.run(greedy(base, texts))
     result["step_times"] = asyncio.run(step_times(base))
     sbo = name == "sbo"
@@ -237,11 +246,19 @@ def start_pd(stack: Stack, topology: Path) -> dict[str, Any]:
     return {"argv": up[1:], "started": time.monotonic()}
 
 
+def await_pd(stack: Stack, pd: dict[str, Any]) -> None:
+    """Wait until the stack (started by start_pd) is ready, noting in `pd` how long it took."""
+    if "not_ready" in pd:
+        raise RuntimeError(pd["not_ready"])
+    if "started" in pd:
+        pd.update(wait_stack(stack, READY_S))
+        pd["ready_since_start_s"] = round(time.monotonic() - pd.pop("started"), 1)
+
+
 def measure_pd(stack: Stack, pd: dict[str, Any], texts: list[str], ref: list[dict[str, Any]] | None) -> dict[str, Any]:
-    """Once the stack (started by start_pd) is ready: the prompts through the router against `ref`, and the
-    decode server's engagement; then stop it."""
-    pd.update(wait_stack(stack, READY_S))
-    pd["ready_since_start_s"] = round(time.monotonic() - pd.pop("started"), 1)
+    """Once the stack is ready: the prompts through the router against `ref`, and the decode
+    server's engagement; then stop it."""
+    await_pd(stack, pd)
     got = asyncio.run(greedy(ROUTER, texts))
     pd["statuses"] = [g.get("status") for g in got]
     if ref is not None:
@@ -277,6 +294,12 @@ def main() -> int:
         help="the SBO server's outputs: written by stage sbo, read by nosbo and pd when run in a later call",
     )
     args = parser.parse_args()
+    stages = args.stages.split(",")
+    unknown = [s for s in stages if s not in ("sbo", "nosbo", "pd")]
+    if unknown:
+        parser.error(f"unknown stage(s) {', '.join(unknown)}: use sbo, nosbo, pd")
+    if args.together and {"sbo", "nosbo"} <= set(stages):
+        parser.error("--together: sbo and nosbo do not fit one GPU at once (CUDA graphs); run nosbo in its own call")
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -299,10 +322,6 @@ def main() -> int:
     signal.alarm(int(args.deadline_s))
     topology = derived_topology(args.out)
     texts = prompts()
-    stages = args.stages.split(",")
-    unknown = [s for s in stages if s not in ("sbo", "nosbo", "pd")]
-    if unknown:
-        parser.error(f"unknown stage(s) {', '.join(unknown)}: use sbo, nosbo, pd")
     mem_fraction = TOGETHER_MEM_FRACTION if args.together else None
 
     def start(stage: str) -> dict[str, Any]:
@@ -311,12 +330,22 @@ def main() -> int:
     stack = Stack(args.out)
     try:
         started = {stage: start(stage) for stage in stages} if args.together else {}
+        # Nothing is measured while a started server is still compiling or capturing its graphs.
+        for stage, begun in started.items():
+            try:
+                if stage == "pd":
+                    await_pd(stack, begun)
+                else:
+                    await_server(stack, stage, begun)
+            except Exception as exc:  # the stage fails with this when it is measured
+                begun.pop("started", None)
+                begun["not_ready"] = f"{type(exc).__name__}: {exc}"
         for stage in stages:
             t0 = time.monotonic()
             try:
                 if deadline_passed:
                     raise TimeoutError(f"not measured: the run's deadline of {args.deadline_s:g} s had passed")
-                begun = started.pop(stage, None) or start(stage)
+                begun = started.pop(stage) if stage in started else start(stage)
                 if stage == "pd":
                     sbo = sbo_result(report, args.ref)
                     report["pd"] = measure_pd(stack, begun, texts, sbo["outputs"] if sbo else None)

@@ -9,8 +9,9 @@
 # unpacks sglang 0.5.17, writes unit-scale FP8 weights into the `single-h200-sbo` preset's model
 # folder (scripts/gpu/fp8_checkpoint.py) and runs scripts/gpu/gpu_sbo_server.py: a decode server with
 # and without full SBO, then the preset's PD stack through our router (STAGES: sbo,nosbo,pd).
-# SBO_TOGETHER=1 starts all the stages' servers at once (one cold start; the three stages then fit
-# one call). SBO_COMMIT names the commit checked; SBO_DEADLINE_S bounds the run.
+# SBO_TOGETHER=1 starts the stages' servers at once and measures them once all are ready (sbo,pd
+# in one call; nosbo does not fit beside them). SBO_COMMIT names the commit checked; SBO_DEADLINE_S
+# bounds the run.
 set -euo pipefail
 out=${1:?usage: gpu_sbo_server.sh OUT_DIR [STAGES]}
 stages=${2:-sbo,nosbo,pd}

@@ -68,3 +68,18 @@ def test_compare_counts_agreement_and_the_gap_where_tokens_agree() -> None:
     assert got["identical"] == "1/3"
     assert got["first_divergence_per_prompt"] == [None, 1, "error"]
     assert got["max_abs_logprob_diff_where_tokens_agree"] == pytest.approx(0.5)  # prompt 2, position 0 only
+
+
+@pytest.mark.parametrize(
+    ("stages", "message"),
+    [("sbo,nosbo", "do not fit one GPU at once"), ("sbo,warm", "unknown stage(s) warm")],
+)
+def test_stage_lists_that_cannot_run_are_refused_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], stages: str, message: str
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["gpu_sbo_server.py", "--out", str(tmp_path), "--stages", stages, "--together"])
+    with pytest.raises(SystemExit) as exit_:
+        run.main()
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # refused before the report or any process
