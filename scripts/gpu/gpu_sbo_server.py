@@ -269,6 +269,14 @@ def measure_pd(stack: Stack, pd: dict[str, Any], texts: list[str], ref: list[dic
     return pd
 
 
+def stop_stage(stack: Stack, stage: str) -> None:
+    """Stop a stage's processes (a no-op once stopped): `up` drains on SIGINT, a server stops on SIGTERM."""
+    if stage == "pd":
+        stack.stop("up", signal.SIGINT, grace_s=60)
+    else:
+        stack.stop(stage, grace_s=30)
+
+
 def sbo_result(report: dict[str, Any], ref: Path) -> dict[str, Any] | None:
     """The SBO server's stage result: from this run, else from the file an earlier call's `sbo` stage wrote."""
     if "outputs" in report.get("sbo", {}):
@@ -340,6 +348,7 @@ def main() -> int:
             except Exception as exc:  # the stage fails with this when it is measured
                 begun.pop("started", None)
                 begun["not_ready"] = f"{type(exc).__name__}: {exc}"
+                stop_stage(stack, stage)  # its memory goes back to the stages still to be measured
         for stage in stages:
             t0 = time.monotonic()
             try:
@@ -360,8 +369,7 @@ def main() -> int:
                 # What the stage measured is on disk before its processes stop: stopping a PD stack
                 # can take its drain time, and a call's limit may end this run meanwhile.
                 (args.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
-                for name in ("up",) if stage == "pd" else (stage,):
-                    stack.stop(name, signal.SIGINT if name == "up" else signal.SIGTERM, grace_s=60)
+                stop_stage(stack, stage)
             sbo = sbo_result(report, args.ref)
             if sbo is not None and "outputs" in report.get("nosbo", {}):
                 report["sbo_vs_nosbo"] = compare(sbo["outputs"], report["nosbo"]["outputs"])

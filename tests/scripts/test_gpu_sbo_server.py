@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import json
 import sys
+import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -83,3 +86,112 @@ def test_stage_lists_that_cannot_run_are_refused_before_anything_starts(
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # refused before the report or any process
+
+
+class _Events:
+    """The order in which main() starts, awaits, measures and stops the stages (no process runs)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, not_ready: frozenset[str] = frozenset()) -> None:
+        self.log: list[tuple[str, str]] = []
+        stack_log = self.log
+
+        class Stack:
+            def __init__(self, out: Path) -> None:
+                self.out = out
+                self.running: set[str] = set()
+
+            def stop(self, name: str, *_: object, **__: object) -> None:
+                if name in self.running:
+                    self.running.discard(name)
+                    stack_log.append(("stop", name))
+
+            def stop_all(self) -> None:
+                for name in sorted(self.running):
+                    self.stop(name)
+
+        def start_server(stack: Stack, topology: Path, name: str, mem_fraction: float | None) -> dict[str, Any]:
+            stack.running.add(name)
+            self.log.append(("start", name))
+            return {"started": 0.0, "mem_fraction": mem_fraction}
+
+        def start_pd(stack: Stack, topology: Path) -> dict[str, Any]:
+            stack.running.add("up")
+            self.log.append(("start", "pd"))
+            return {"started": 0.0}
+
+        def await_(stage: str, result: dict[str, Any]) -> None:
+            if "not_ready" in result:
+                raise RuntimeError(result["not_ready"])
+            if "started" in result:
+                self.log.append(("await", stage))
+                if stage in not_ready:
+                    raise run.gpu_pd_check.NotReady(f"{stage} exited with code 1 before it was ready")
+                result.pop("started")
+
+        def measure_server(stack: Stack, name: str, result: dict[str, Any], texts: list[str]) -> dict[str, Any]:
+            await_(name, result)
+            self.log.append(("measure", name))
+            step = [{"batch": 1, "step_ms_p50": 2.0 if name == "sbo" else 1.6}]
+            return dict(result, outputs=[{"status": 200, "ids": [1, 2], "logprobs": [-0.1, -0.2]}], step_times=step)
+
+        def measure_pd(stack: Stack, pd: dict[str, Any], texts: list[str], ref: Any) -> dict[str, Any]:
+            await_("pd", pd)
+            self.log.append(("measure", "pd"))
+            return dict(pd, compared_with_sbo=ref is not None)
+
+        monkeypatch.setattr(run, "Stack", Stack)
+        monkeypatch.setattr(run, "start_server", start_server)
+        monkeypatch.setattr(run, "start_pd", start_pd)
+        monkeypatch.setattr(run, "await_server", lambda stack, name, result: await_(name, result))
+        monkeypatch.setattr(run, "await_pd", lambda stack, pd: await_("pd", pd))
+        monkeypatch.setattr(run, "measure_server", measure_server)
+        monkeypatch.setattr(run, "measure_pd", measure_pd)
+        monkeypatch.setattr(run.gpu_pd_check, "gpu_description", lambda: "test GPU")
+        monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(__version__="0.5.17"))
+
+    def run(self, monkeypatch: pytest.MonkeyPatch, out: Path, *args: str) -> tuple[int, dict[str, Any]]:
+        argv = ["gpu_sbo_server.py", "--out", str(out), "--ref", str(out / "ref.json"), *args]
+        monkeypatch.setattr(sys, "argv", argv)
+        code = run.main()
+        return code, json.loads((out / "report.json").read_text())
+
+
+def test_together_starts_every_stage_and_waits_for_all_before_measuring_any(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events = _Events(monkeypatch)
+    code, report = events.run(monkeypatch, tmp_path, "--stages", "sbo,pd", "--together")
+    assert code == 0 and "errors" not in report
+    assert events.log == [
+        ("start", "sbo"), ("start", "pd"), ("await", "sbo"), ("await", "pd"),
+        ("measure", "sbo"), ("stop", "sbo"), ("measure", "pd"), ("stop", "up"),
+    ]  # fmt: skip
+    assert report["sbo"]["mem_fraction"] == run.TOGETHER_MEM_FRACTION
+    assert report["pd"]["compared_with_sbo"] is True
+
+
+def test_one_stage_at_a_time_without_together(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    events = _Events(monkeypatch)
+    code, report = events.run(monkeypatch, tmp_path, "--stages", "sbo,nosbo")
+    assert code == 0
+    assert events.log == [
+        ("start", "sbo"), ("await", "sbo"), ("measure", "sbo"), ("stop", "sbo"),
+        ("start", "nosbo"), ("await", "nosbo"), ("measure", "nosbo"), ("stop", "nosbo"),
+    ]  # fmt: skip
+    assert report["sbo"]["mem_fraction"] is None  # alone, a server keeps the preset's share
+    assert report["sbo_vs_nosbo"]["identical"] == "1/1"
+    assert report["step_time_ratio_sbo_over_nosbo"] == [{"batch": 1, "ratio": 1.25}]
+
+
+def test_a_stage_that_never_gets_ready_is_stopped_at_once_and_the_others_are_still_measured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events = _Events(monkeypatch, not_ready=frozenset({"sbo"}))
+    code, report = events.run(monkeypatch, tmp_path, "--stages", "sbo,pd", "--together")
+    assert code == 1
+    assert events.log == [
+        ("start", "sbo"), ("start", "pd"), ("await", "sbo"), ("stop", "sbo"), ("await", "pd"),
+        ("measure", "pd"), ("stop", "up"),
+    ]  # fmt: skip
+    assert "sbo exited with code 1 before it was ready" in report["errors"]["sbo"]
+    assert report["pd"]["compared_with_sbo"] is False  # no SBO outputs to hold the stack to
