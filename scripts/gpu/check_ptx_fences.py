@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-RELEASE = re.compile(r"\b(?:red|atom)\.\S*\brelease\b")
+#: A GPU-scope atomic that releases: `.release`, or `.acq_rel` (Triton's default for atomics).
+RELEASE = re.compile(r"\b(?:red|atom)\.\S*\b(?:release|acq_rel)\b")
 STORE = re.compile(r"\bst\.global\b")
 FENCE = re.compile(r"\bfence\.proxy\.async\.global\b")
 ENTRY = re.compile(r"\.entry\s+(\w+)")

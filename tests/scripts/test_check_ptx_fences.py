@@ -55,6 +55,13 @@ def _store_then_atomic_without_fence(p):
     tl.atomic_add(p, 1, sem="release", scope="gpu")
 
 
+@triton.jit
+def _store_then_default_atomic(p):  # Triton's default sem is acq_rel: a release too
+    tl.store(p + 1, 1)
+    tl.debug_barrier()
+    tl.atomic_add(p, 1, scope="gpu")
+
+
 @gluon.jit
 def _gluon_store_then_fence_then_atomic(p):
     gl.store(p + 1, 1)
@@ -88,6 +95,14 @@ def test_a_release_without_the_fence_fails_the_cache_check(tmp_path: Path) -> No
     result = check_ptx_fences.check_cache(tmp_path)
     assert result["ok"] is False
     assert [k["kernel"] for k in result["unfenced"]] == ["_store_then_atomic_without_fence"]
+
+
+def test_an_acq_rel_atomic_counts_as_a_release() -> None:
+    assert check_ptx_fences.check_ptx(_ptx(_store_then_default_atomic)) == {
+        "kernel": "_store_then_default_atomic",
+        "releases": 1,
+        "fenced": 0,
+    }
 
 
 def test_a_fence_before_a_later_store_does_not_count() -> None:
