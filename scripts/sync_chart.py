@@ -126,23 +126,23 @@ def main(argv: list[str]) -> int:
     schema = wanted_schema(current)
     presets = wanted_presets()
     shipped = {p.name: p.read_text() for p in sorted(CHART_PRESETS.glob("*.yaml"))}
+    generated = {
+        DEFAULTS: wanted_defaults(),
+        MODEL_SIZES: wanted_model_sizes(),
+        FIELDS: wanted_fields(),
+        REQUIRED: wanted_required(),
+    }
     if "--check" in argv:
         stale = [str(SCHEMA)] if schema != current else []
         stale += [str(CHART_PRESETS)] if presets != shipped else []
-        stale += [str(DEFAULTS)] if not DEFAULTS.exists() or DEFAULTS.read_text() != wanted_defaults() else []
-        sizes_ok = MODEL_SIZES.exists() and MODEL_SIZES.read_text() == wanted_model_sizes()
-        stale += [] if sizes_ok else [str(MODEL_SIZES)]
-        stale += [str(FIELDS)] if not FIELDS.exists() or FIELDS.read_text() != wanted_fields() else []
-        stale += [str(REQUIRED)] if not REQUIRED.exists() or REQUIRED.read_text() != wanted_required() else []
+        stale += [str(path) for path, text in generated.items() if not path.exists() or path.read_text() != text]
         if stale:
             print(f"stale: {', '.join(stale)}; run python scripts/sync_chart.py", file=sys.stderr)
             return 1
         return 0
     SCHEMA.write_text(json.dumps(schema, indent=2) + "\n")
-    DEFAULTS.write_text(wanted_defaults())
-    MODEL_SIZES.write_text(wanted_model_sizes())
-    FIELDS.write_text(wanted_fields())
-    REQUIRED.write_text(wanted_required())
+    for path, text in generated.items():
+        path.write_text(text)
     CHART_PRESETS.mkdir(parents=True, exist_ok=True)
     for name in set(shipped) - set(presets):
         (CHART_PRESETS / name).unlink()

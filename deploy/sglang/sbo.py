@@ -27,17 +27,13 @@ PLUGIN_ENTRY_POINT = "sglang_pd"
 def deepep_here() -> str:
     """The DeepEP this process would load, without importing it: its distribution and version, and its module's
     location ("none" when no `deep_ep` module is importable)."""
+    from sglang_pd.sglang_patches.status import distribution_version
+
     spec = importlib.util.find_spec("deep_ep")
     if spec is None:
         return "none"
-    for dist in ("sgl-deep-ep", "deep-ep", "deep_ep"):
-        try:
-            version = f"{dist} {importlib.metadata.version(dist)}"
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        break
-    else:
-        version = "no distribution metadata"
+    versions = ((dist, distribution_version(dist)) for dist in ("sgl-deep-ep", "deep-ep", "deep_ep"))
+    version = next((f"{dist} {v}" for dist, v in versions if v is not None), "no distribution metadata")
     where = spec.origin or next(iter(spec.submodule_search_locations or []), "?")
     return f"{version} at {where}"
 
