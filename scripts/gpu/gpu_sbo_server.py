@@ -206,14 +206,13 @@ def await_server(stack: Stack, name: str, result: dict[str, Any]) -> None:
 
 
 def measure_server(stack: Stack, name: str, result: dict[str, Any], texts: list[str]) -> dict[str, Any]:
-    """Once `name` is ready: its outputs, step times and engagement; then stop it."""
+    """Once `name` is ready: its outputs, step times and engagement (main stops it, once the report is written)."""
     base = f"http://127.0.0.1:{SERVER_PORTS[name]}"
     await_server(stack, name, result)
     result["outputs"] = asyncio.run(greedy(base, texts))
     result["step_times"] = asyncio.run(step_times(base))
     sbo = name == "sbo"
     result["doctor"] = doctor(stack.out / f"{name}.log", expect_full=sbo, probe_hooks=sbo)
-    stack.stop(name, grace_s=30)
     return result
 
 
@@ -257,7 +256,7 @@ def await_pd(stack: Stack, pd: dict[str, Any]) -> None:
 
 def measure_pd(stack: Stack, pd: dict[str, Any], texts: list[str], ref: list[dict[str, Any]] | None) -> dict[str, Any]:
     """Once the stack is ready: the prompts through the router against `ref`, and the decode
-    server's engagement; then stop it."""
+    server's engagement (main stops it, once the report is written)."""
     await_pd(stack, pd)
     got = asyncio.run(greedy(ROUTER, texts))
     pd["statuses"] = [g.get("status") for g in got]
@@ -265,7 +264,6 @@ def measure_pd(stack: Stack, pd: dict[str, Any], texts: list[str], ref: list[dic
         pd["vs_sbo_server"] = compare(ref, got)
     decode_logs = sorted((stack.out / "engines").glob("decode*.log"))
     pd["doctor"] = doctor(decode_logs[0], expect_full=True) if decode_logs else "no decode log"
-    stack.stop("up", signal.SIGINT, grace_s=60)
     return pd
 
 
