@@ -718,6 +718,19 @@ def check_rules(t: Topology, pod: PodSettings | None = None) -> RuleReport:
                 f"{d.dispatch_token_budget}; a captured batch would overflow DeepEP's dispatch buffer. "
                 f"Raise dispatch_token_budget to >= {d.cuda_graph_max_bs} or lower cuda_graph_max_bs."
             )
+    if p.moe_a2a_backend == "deepep" and p.deepep_mode == "low_latency":
+        # Every prefill forward goes through the low-latency buffers, which hold sglang's default budget
+        # (the renderer exports decode.dispatch_token_budget to the decode only); a chunk is one forward.
+        chunk = p.chunked_prefill_size
+        if chunk is None or chunk <= 0 or chunk > DEFAULT_DISPATCH_TOKEN_BUDGET:
+            shown = "unset (sglang then picks thousands)" if chunk is None else str(chunk)
+            errors.append(
+                f"prefill.chunked_prefill_size: {shown}, but with prefill.deepep_mode: low_latency each prefill chunk "
+                f"is one DeepEP low-latency dispatch of at most {DEFAULT_DISPATCH_TOKEN_BUDGET} tokens a rank "
+                f"(sglang's SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK); a larger one overflows at run time. "
+                f"Set prefill.chunked_prefill_size to at most {DEFAULT_DISPATCH_TOKEN_BUDGET}, or "
+                "prefill.deepep_mode: normal."
+            )
     if d.cuda_graph_max_bs is not None and per_rank is not None and d.cuda_graph_max_bs > per_rank:
         warnings.append(
             f"decode.cuda_graph_max_bs: {d.cuda_graph_max_bs} is above the per-rank batch {per_rank}; "

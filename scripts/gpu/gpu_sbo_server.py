@@ -13,21 +13,23 @@ DeepEP antgroup-opt and written unit-scale FP8 weights into the preset's model f
 2. `nosbo`: the same server without `--enable-single-batch-overlap` (plugin mode off): the same
    outputs and step times. The report compares them: identical sequences, the first divergence,
    the largest logprob difference over the agreeing positions, the step-time ratio per batch.
-3. `pd`: `sglang-pd up` of the preset (prefill plain sglang, decode as in `sbo`, KV over Mooncake
-   TCP, our router): the same prompts through the router must give the SBO server's tokens;
-   the decode server's log must show SBO engaged.
+3. `pd`: `sglang-pd up` of the preset (the prefill runs the decode's MoE kernels without SBO, the
+   decode is as in `sbo`, KV over Mooncake TCP, our router): the same prompts through the router
+   must give the SBO server's tokens; the decode server's log must show SBO engaged.
 
-With `--together` the stages' processes start at once (the server with a smaller share of the
-GPU's memory beside the PD stack's two), every one is waited for, and only then are they measured
-one after another while the others idle: one cold start instead of two. `sbo` and `nosbo` do not
-start together: each DeepEP low-latency server's CUDA graphs took 42.5 GB on this preset, and
-sglang sizes a server's KV pool from the memory free before it loads, so with three starting at
-once the last one's pool came out negative (benchmarks/results/sbo_server_h200_2026-12-03_5fb0e4d.json).
+Stages are measured in the order given. With `--together` their processes start at once, every one
+is waited for, and only then are they measured one after another; each stops once measured, so
+with `--stages pd,sbo` the SBO server's step times are taken with the GPU to itself. `sbo` and
+`nosbo` do not start together: each DeepEP low-latency server's CUDA graphs took 42.5 GB on this
+preset, and sglang sizes a server's KV pool from the memory free before it loads, so with three
+starting at once the last one's pool came out negative
+(benchmarks/results/sbo_server_h200_2026-12-03_5fb0e4d.json). A stage measured in a later call
+compares with the SBO server's outputs kept in `--ref`.
 
 One GPU has no network for the overlap to hide, so the step-time ratio is SBO's overhead here,
 not its gain. Writes `report.json` and each server's log under --out.
 
-    python scripts/gpu/gpu_sbo_server.py --out $OUT --commit SHA [--together]
+    python scripts/gpu/gpu_sbo_server.py --out $OUT --commit SHA [--stages pd,sbo --together]
 """
 
 from __future__ import annotations
@@ -58,9 +60,10 @@ PRESET = REPO / "deploy/spec/presets/single-h200-sbo.yaml"
 #: takes it if nothing listens there yet, and a server binds its HTTP port only once loaded: servers
 #: started together keep every HTTP port out of the others' ranges (the preset's are 30000-30001).
 SERVER_PORTS = {"sbo": 31500, "nosbo": 33000}
-#: A server's share of GPU memory beside the PD stack's two (0.3 each) with --together: 0.1
-#: (14 GiB) holds the 1.9 GB model and an 11 GB KV pool.
-TOGETHER_MEM_FRACTION = 0.1
+#: The servers' share of GPU memory, the same for `sbo` and `nosbo` so that their step times compare,
+#: and small enough to start beside the PD stack's two (0.3 each): 0.1 (14 GiB) holds the 1.9 GB
+#: model and an 11 GB KV pool.
+SERVER_MEM_FRACTION = 0.1
 READY_S = 420.0
 MAX_NEW_TOKENS = 32
 STEP_TOKENS = 48  # decode steps timed per request at each batch size
@@ -88,9 +91,7 @@ def derived_topology(out: Path) -> Path:
     return path
 
 
-def server_command(
-    topology: Path, sbo: bool, port: int, mem_fraction: float | None = None
-) -> tuple[list[str], dict[str, str]]:
+def server_command(topology: Path, sbo: bool, port: int) -> tuple[list[str], dict[str, str]]:
     """The preset's decode command without its PD flags (and without SBO when `sbo` is false), and its env."""
     plan = json.loads(
         subprocess.run(
@@ -101,9 +102,9 @@ def server_command(
         ).stdout
     )
     decode = plan["roles"]["decode"][0]
-    drop_with_value = {"--disaggregation-mode", "--disaggregation-transfer-backend", "--port", "--host"}
-    if mem_fraction is not None:
-        drop_with_value.add("--mem-fraction-static")
+    drop_with_value = {
+        "--disaggregation-mode", "--disaggregation-transfer-backend", "--port", "--host", "--mem-fraction-static",
+    }  # fmt: skip
     argv, skip = [], False
     for a in decode["argv"]:
         if skip:
@@ -114,9 +115,7 @@ def server_command(
             argv.append(a)
     env = {k: str(v) for k, v in decode.get("env", {}).items()}
     env["SGLANG_PD_SBO_MODE"] = "full" if sbo else "off"
-    argv += ["--host", "127.0.0.1", "--port", str(port)]
-    if mem_fraction is not None:
-        argv += ["--mem-fraction-static", str(mem_fraction)]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--mem-fraction-static", str(SERVER_MEM_FRACTION)]
     return [sys.executable, *argv], env
 
 
@@ -190,8 +189,8 @@ def doctor(log: Path, expect_full: bool, probe_hooks: bool = False) -> dict[str,
     return doc
 
 
-def start_server(stack: Stack, topology: Path, name: str, mem_fraction: float | None) -> dict[str, Any]:
-    argv, env = server_command(topology, name == "sbo", SERVER_PORTS[name], mem_fraction)
+def start_server(stack: Stack, topology: Path, name: str) -> dict[str, Any]:
+    argv, env = server_command(topology, name == "sbo", SERVER_PORTS[name])
     stack.start(name, argv, env=env)
     return {"argv": argv[1:], "env": env, "started": time.monotonic()}
 
@@ -254,14 +253,12 @@ def await_pd(stack: Stack, pd: dict[str, Any]) -> None:
         pd["ready_since_start_s"] = round(time.monotonic() - pd.pop("started"), 1)
 
 
-def measure_pd(stack: Stack, pd: dict[str, Any], texts: list[str], ref: list[dict[str, Any]] | None) -> dict[str, Any]:
-    """Once the stack is ready: the prompts through the router against `ref`, and the decode
-    server's engagement (main stops it, once the report is written)."""
+def measure_pd(stack: Stack, pd: dict[str, Any], texts: list[str]) -> dict[str, Any]:
+    """Once the stack is ready: the prompts' outputs through the router, and the decode server's
+    engagement (main stops it, once the report is written)."""
     await_pd(stack, pd)
-    got = asyncio.run(greedy(ROUTER, texts))
-    pd["statuses"] = [g.get("status") for g in got]
-    if ref is not None:
-        pd["vs_sbo_server"] = compare(ref, got)
+    pd["outputs"] = asyncio.run(greedy(ROUTER, texts))
+    pd["statuses"] = [g.get("status") for g in pd["outputs"]]
     decode_logs = sorted((stack.out / "engines").glob("decode*.log"))
     pd["doctor"] = doctor(decode_logs[0], expect_full=True) if decode_logs else "no decode log"
     return pd
@@ -328,10 +325,9 @@ def main() -> int:
     signal.alarm(int(args.deadline_s))
     topology = derived_topology(args.out)
     texts = prompts()
-    mem_fraction = TOGETHER_MEM_FRACTION if args.together else None
 
     def start(stage: str) -> dict[str, Any]:
-        return start_pd(stack, topology) if stage == "pd" else start_server(stack, topology, stage, mem_fraction)
+        return start_pd(stack, topology) if stage == "pd" else start_server(stack, topology, stage)
 
     stack = Stack(args.out)
     try:
@@ -354,8 +350,7 @@ def main() -> int:
                     raise TimeoutError(f"not measured: the run's deadline of {args.deadline_s:g} s had passed")
                 begun = started.pop(stage) if stage in started else start(stage)
                 if stage == "pd":
-                    sbo = sbo_result(report, args.ref)
-                    report["pd"] = measure_pd(stack, begun, texts, sbo["outputs"] if sbo else None)
+                    report["pd"] = measure_pd(stack, begun, texts)
                 else:
                     report[stage] = measure_server(stack, stage, begun, texts)
                     if stage == "sbo":
@@ -369,6 +364,8 @@ def main() -> int:
                 (args.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
                 stop_stage(stack, stage)
             sbo = sbo_result(report, args.ref)
+            if sbo is not None and "outputs" in report.get("pd", {}):
+                report["pd_vs_sbo_server"] = compare(sbo["outputs"], report["pd"]["outputs"])
             if sbo is not None and "outputs" in report.get("nosbo", {}):
                 report["sbo_vs_nosbo"] = compare(sbo["outputs"], report["nosbo"]["outputs"])
             if sbo is not None and "step_times" in report.get("nosbo", {}):

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts/gpu"))
 run = importlib.import_module("gpu_sbo_server")
@@ -29,15 +30,17 @@ def test_the_server_is_the_presets_decode_without_pd(tmp_path: Path, sbo: bool) 
     assert argv[argv.index("--port") + 1] == "31000"
 
 
-def test_servers_started_together_take_a_smaller_share_of_memory(tmp_path: Path) -> None:
+def test_both_servers_take_one_small_share_of_memory_beside_the_pd_stack(tmp_path: Path) -> None:
     topology = run.derived_topology(tmp_path)
-    alone, _ = run.server_command(topology, True, 31000)
-    together, _ = run.server_command(topology, True, 31000, mem_fraction=run.TOGETHER_MEM_FRACTION)
-    assert alone.count("--mem-fraction-static") == together.count("--mem-fraction-static") == 1
-    assert together[together.index("--mem-fraction-static") + 1] == str(run.TOGETHER_MEM_FRACTION)
-    # The pair and the PD stack's two servers (the preset's own share each) fit one GPU.
-    preset = float(alone[alone.index("--mem-fraction-static") + 1])
-    assert 2 * run.TOGETHER_MEM_FRACTION + 2 * preset <= 0.85
+    sbo, _ = run.server_command(topology, True, 31000)
+    nosbo, _ = run.server_command(topology, False, 33000)
+    for argv in (sbo, nosbo):  # the same share, so that their step times compare
+        assert argv.count("--mem-fraction-static") == 1
+        assert argv[argv.index("--mem-fraction-static") + 1] == str(run.SERVER_MEM_FRACTION)
+    # One server and the PD stack's two (the preset's own share each) fit one GPU.
+    plan = yaml.safe_load(topology.read_text())
+    stack = plan["prefill"]["mem_fraction_static"] + plan["decode"]["mem_fraction_static"]
+    assert run.SERVER_MEM_FRACTION + stack <= 0.85
 
 
 def test_servers_started_together_keep_their_nccl_port_ranges_apart() -> None:
@@ -109,10 +112,10 @@ class _Events:
                 for name in sorted(self.running):
                     self.stop(name)
 
-        def start_server(stack: Stack, topology: Path, name: str, mem_fraction: float | None) -> dict[str, Any]:
+        def start_server(stack: Stack, topology: Path, name: str) -> dict[str, Any]:
             stack.running.add(name)
             self.log.append(("start", name))
-            return {"started": 0.0, "mem_fraction": mem_fraction}
+            return {"started": 0.0}
 
         def start_pd(stack: Stack, topology: Path) -> dict[str, Any]:
             stack.running.add("up")
@@ -134,10 +137,10 @@ class _Events:
             step = [{"batch": 1, "step_ms_p50": 2.0 if name == "sbo" else 1.6}]
             return dict(result, outputs=[{"status": 200, "ids": [1, 2], "logprobs": [-0.1, -0.2]}], step_times=step)
 
-        def measure_pd(stack: Stack, pd: dict[str, Any], texts: list[str], ref: Any) -> dict[str, Any]:
+        def measure_pd(stack: Stack, pd: dict[str, Any], texts: list[str]) -> dict[str, Any]:
             await_("pd", pd)
             self.log.append(("measure", "pd"))
-            return dict(pd, compared_with_sbo=ref is not None)
+            return dict(pd, outputs=[{"status": 200, "ids": [1, 3], "logprobs": [-0.1, -0.2]}])
 
         monkeypatch.setattr(run, "Stack", Stack)
         monkeypatch.setattr(run, "start_server", start_server)
@@ -160,14 +163,32 @@ def test_together_starts_every_stage_and_waits_for_all_before_measuring_any(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     events = _Events(monkeypatch)
-    code, report = events.run(monkeypatch, tmp_path, "--stages", "sbo,pd", "--together")
+    code, report = events.run(monkeypatch, tmp_path, "--stages", "pd,sbo", "--together")
     assert code == 0 and "errors" not in report
+    # The stack stops before the SBO server is measured: its step times are taken with the GPU to itself.
     assert events.log == [
-        ("start", "sbo"), ("start", "pd"), ("await", "sbo"), ("await", "pd"),
-        ("measure", "sbo"), ("stop", "sbo"), ("measure", "pd"), ("stop", "up"),
+        ("start", "pd"), ("start", "sbo"), ("await", "pd"), ("await", "sbo"),
+        ("measure", "pd"), ("stop", "up"), ("measure", "sbo"), ("stop", "sbo"),
     ]  # fmt: skip
-    assert report["sbo"]["mem_fraction"] == run.TOGETHER_MEM_FRACTION
-    assert report["pd"]["compared_with_sbo"] is True
+    # Held to the SBO server although that was measured after the stack.
+    assert report["pd_vs_sbo_server"]["identical"] == "0/1"
+    assert report["pd_vs_sbo_server"]["first_divergence_per_prompt"] == [1]
+
+
+def test_a_later_call_compares_with_the_sbo_outputs_an_earlier_one_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    _Events(monkeypatch).run(monkeypatch, first, "--stages", "sbo", "--ref", str(tmp_path / "ref.json"))
+    code, report = _Events(monkeypatch).run(
+        monkeypatch, second, "--stages", "nosbo,pd", "--ref", str(tmp_path / "ref.json")
+    )
+    assert code == 0
+    assert report["sbo_vs_nosbo"]["identical"] == "1/1"
+    assert report["step_time_ratio_sbo_over_nosbo"] == [{"batch": 1, "ratio": 1.25}]
+    assert report["pd_vs_sbo_server"]["identical"] == "0/1"
 
 
 def test_one_stage_at_a_time_without_together(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -178,7 +199,6 @@ def test_one_stage_at_a_time_without_together(tmp_path: Path, monkeypatch: pytes
         ("start", "sbo"), ("await", "sbo"), ("measure", "sbo"), ("stop", "sbo"),
         ("start", "nosbo"), ("await", "nosbo"), ("measure", "nosbo"), ("stop", "nosbo"),
     ]  # fmt: skip
-    assert report["sbo"]["mem_fraction"] is None  # alone, a server keeps the preset's share
     assert report["sbo_vs_nosbo"]["identical"] == "1/1"
     assert report["step_time_ratio_sbo_over_nosbo"] == [{"batch": 1, "ratio": 1.25}]
 
@@ -194,4 +214,4 @@ def test_a_stage_that_never_gets_ready_is_stopped_at_once_and_the_others_are_sti
         ("measure", "pd"), ("stop", "up"),
     ]  # fmt: skip
     assert "sbo exited with code 1 before it was ready" in report["errors"]["sbo"]
-    assert report["pd"]["compared_with_sbo"] is False  # no SBO outputs to hold the stack to
+    assert "pd_vs_sbo_server" not in report  # no SBO outputs to hold the stack to

@@ -95,7 +95,9 @@ def test_one_rank_all_to_all_skips_the_batch_sync() -> None:
     """sglang 0.5.17's batch sync raises for one rank: a one-GPU DeepEP server is told to skip it."""
     one_gpu = render_plan(load_topology(PRESET_DIR / "single-h200-sbo.yaml"))
     assert one_gpu["decode"][0].env["SGLANG_SCHEDULER_SKIP_ALL_GATHER"] == "1"
-    assert "SGLANG_SCHEDULER_SKIP_ALL_GATHER" not in one_gpu["prefill"][0].env  # no all-to-all
+    assert one_gpu["prefill"][0].env["SGLANG_SCHEDULER_SKIP_ALL_GATHER"] == "1"  # the same MoE kernels
+    plain = render_plan(load_topology(PRESET_DIR / "single-h200.yaml"))
+    assert all("SGLANG_SCHEDULER_SKIP_ALL_GATHER" not in c.env for cmds in plain.values() for c in cmds)
     sixteen = render_plan(load_topology(PRESET_DIR / "deepseek-r1-h200-1p1d.yaml"))
     assert all("SGLANG_SCHEDULER_SKIP_ALL_GATHER" not in c.env for cmds in sixteen.values() for c in cmds)
 

@@ -184,6 +184,22 @@ def test_dispatch_budget_covers_cuda_graph_batch(preset_dict) -> None:
     assert any(e.startswith("decode.cuda_graph_max_bs: 256 exceeds decode.dispatch_token_budget=200") for e in errs)
 
 
+@pytest.mark.parametrize("chunk", [None, 256, -1])
+def test_a_low_latency_prefill_chunk_fits_one_dispatch(preset_dict, chunk: int | None) -> None:
+    d = preset_dict("single-h200-sbo")
+    d["prefill"]["chunked_prefill_size"] = chunk
+    msg = only_error(d)
+    assert msg.startswith("prefill.chunked_prefill_size: ")
+    assert "one DeepEP low-latency dispatch of at most 128 tokens a rank" in msg
+    assert "Set prefill.chunked_prefill_size to at most 128, or prefill.deepep_mode: normal." in msg
+
+
+def test_a_normal_mode_prefill_takes_any_chunk(preset_dict) -> None:
+    d = preset_dict("single-h200-sbo")
+    d["prefill"].update(deepep_mode="normal", chunked_prefill_size=4096)
+    assert errors_of(d) == []
+
+
 def test_dispatch_budget_is_not_set_through_env(preset_dict) -> None:
     d = preset_dict()
     d["decode"]["env"] = {"SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK": "64"}
