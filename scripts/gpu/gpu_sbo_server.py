@@ -119,7 +119,8 @@ def server_command(topology: Path, sbo: bool, port: int) -> tuple[list[str], dic
     return [sys.executable, *argv], env
 
 
-async def greedy(base: str, texts: list[str]) -> list[dict[str, Any]]:
+async def greedy(base: str, texts: list[str], together: bool = False) -> list[dict[str, Any]]:
+    """Greedy outputs with logprobs, one request at a time (each its own batch), or all at once."""
     async def one(s: aiohttp.ClientSession, text: str) -> dict[str, Any]:
         body = {
             "text": text,
@@ -139,7 +140,9 @@ async def greedy(base: str, texts: list[str]) -> list[dict[str, Any]]:
             }
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
-        return list(await asyncio.gather(*(one(s, t) for t in texts)))
+        if together:
+            return list(await asyncio.gather(*(one(s, t) for t in texts)))
+        return [await one(s, t) for t in texts]
 
 
 async def step_times(base: str) -> list[dict[str, Any]]:
@@ -209,6 +212,7 @@ def measure_server(stack: Stack, name: str, result: dict[str, Any], texts: list[
     base = f"http://127.0.0.1:{SERVER_PORTS[name]}"
     await_server(stack, name, result)
     result["outputs"] = asyncio.run(greedy(base, texts))
+    result["outputs_together"] = asyncio.run(greedy(base, texts, together=True))
     result["step_times"] = asyncio.run(step_times(base))
     sbo = name == "sbo"
     result["doctor"] = doctor(stack.out / f"{name}.log", expect_full=sbo, probe_hooks=sbo)
@@ -258,6 +262,7 @@ def measure_pd(stack: Stack, pd: dict[str, Any], texts: list[str]) -> dict[str, 
     engagement (main stops it, once the report is written)."""
     await_pd(stack, pd)
     pd["outputs"] = asyncio.run(greedy(ROUTER, texts))
+    pd["outputs_together"] = asyncio.run(greedy(ROUTER, texts, together=True))
     pd["statuses"] = [g.get("status") for g in pd["outputs"]]
     decode_logs = sorted((stack.out / "engines").glob("decode*.log"))
     pd["doctor"] = doctor(decode_logs[0], expect_full=True) if decode_logs else "no decode log"
@@ -366,6 +371,10 @@ def main() -> int:
             sbo = sbo_result(report, args.ref)
             if sbo is not None and "outputs" in report.get("pd", {}):
                 report["pd_vs_sbo_server"] = compare(sbo["outputs"], report["pd"]["outputs"])
+                if "outputs_together" in sbo and "outputs_together" in report["pd"]:
+                    report["pd_vs_sbo_server_all_at_once"] = compare(
+                        sbo["outputs_together"], report["pd"]["outputs_together"]
+                    )
             if sbo is not None and "outputs" in report.get("nosbo", {}):
                 report["sbo_vs_nosbo"] = compare(sbo["outputs"], report["nosbo"]["outputs"])
             if sbo is not None and "step_times" in report.get("nosbo", {}):
