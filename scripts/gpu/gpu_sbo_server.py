@@ -121,6 +121,7 @@ def server_command(topology: Path, sbo: bool, port: int) -> tuple[list[str], dic
 
 async def greedy(base: str, texts: list[str], together: bool = False) -> list[dict[str, Any]]:
     """Greedy outputs with logprobs, one request at a time (each its own batch), or all at once."""
+
     async def one(s: aiohttp.ClientSession, text: str) -> dict[str, Any]:
         body = {
             "text": text,
