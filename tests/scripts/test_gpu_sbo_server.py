@@ -135,12 +135,16 @@ class _Events:
             await_(name, result)
             self.log.append(("measure", name))
             step = [{"batch": 1, "step_ms_p50": 2.0 if name == "sbo" else 1.6}]
-            return dict(result, outputs=[{"status": 200, "ids": [1, 2], "logprobs": [-0.1, -0.2]}], step_times=step)
+            forms = {form: [{"status": 200, "ids": [1, 2], "logprobs": [-0.1, -0.2]}] for form in run.REQUEST_FORMS}
+            return dict(result, **forms, step_times=step)
 
         def measure_pd(stack: Stack, pd: dict[str, Any], texts: list[str]) -> dict[str, Any]:
             await_("pd", pd)
             self.log.append(("measure", "pd"))
-            return dict(pd, outputs=[{"status": 200, "ids": [1, 3], "logprobs": [-0.1, -0.2]}])
+            # Like the server's in every form but the first, which differs at position 1.
+            forms = {form: [{"status": 200, "ids": [1, 2], "logprobs": [-0.1, -0.2]}] for form in run.REQUEST_FORMS}
+            forms["outputs"] = [{"status": 200, "ids": [1, 3], "logprobs": [-0.1, -0.2]}]
+            return dict(pd, **forms)
 
         monkeypatch.setattr(run, "Stack", Stack)
         monkeypatch.setattr(run, "start_server", start_server)
@@ -170,9 +174,11 @@ def test_together_starts_every_stage_and_waits_for_all_before_measuring_any(
         ("start", "pd"), ("start", "sbo"), ("await", "pd"), ("await", "sbo"),
         ("measure", "pd"), ("stop", "up"), ("measure", "sbo"), ("stop", "sbo"),
     ]  # fmt: skip
-    # Held to the SBO server although that was measured after the stack.
-    assert report["pd_vs_sbo_server"]["identical"] == "0/1"
-    assert report["pd_vs_sbo_server"]["first_divergence_per_prompt"] == [1]
+    # Held to the SBO server although that was measured after the stack, in each form on its own.
+    by_form = report["pd_vs_sbo_server"]
+    assert list(by_form) == ["one at a time", "one at a time, again", "all at once"]
+    assert by_form["one at a time"]["first_divergence_per_prompt"] == [1]
+    assert by_form["one at a time, again"]["identical"] == by_form["all at once"]["identical"] == "1/1"
 
 
 def test_a_later_call_compares_with_the_sbo_outputs_an_earlier_one_kept(
@@ -188,7 +194,7 @@ def test_a_later_call_compares_with_the_sbo_outputs_an_earlier_one_kept(
     assert code == 0
     assert report["sbo_vs_nosbo"]["identical"] == "1/1"
     assert report["step_time_ratio_sbo_over_nosbo"] == [{"batch": 1, "ratio": 1.25}]
-    assert report["pd_vs_sbo_server"]["identical"] == "0/1"
+    assert report["pd_vs_sbo_server"]["one at a time"]["identical"] == "0/1"
 
 
 def test_one_stage_at_a_time_without_together(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
