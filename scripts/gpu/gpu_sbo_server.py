@@ -7,7 +7,8 @@ DeepEP antgroup-opt and written unit-scale FP8 weights into the preset's model f
 1. `sbo`: one sglang server with the `single-h200-sbo` decode flags minus PD: `--tp 1
    --moe-a2a-backend deepep --deepep-mode low_latency --moe-runner-backend deep_gemm
    --enable-single-batch-overlap`, our plugin in mode full. Greedy outputs of the prompts with
-   their logprobs, in each of REQUEST_FORMS; decode step times at batch 1-64 (CUDA graphs on); what SBO ran inside it
+   their logprobs, in each of REQUEST_FORMS; decode step times at batch 1-64 (CUDA graphs on), from the
+   streamed tokens and from the server's own decode lines; what SBO ran inside it
    (our kernel's calls and DeepEP's signalled combines, read from its log by `sglang-pd doctor
    --server-log ... --expect full`).
 2. `nosbo`: the same server without `--enable-single-batch-overlap` (plugin mode off): the same
@@ -20,7 +21,9 @@ DeepEP antgroup-opt and written unit-scale FP8 weights into the preset's model f
    hidden 7168 these kernels are not batch-invariant (the server disagreed with itself across
    calls, benchmarks/results/sbo_server_h200_2026-12-03_13eeedc.json).
 
-Stages are measured in the order given. With `--together` their processes start at once, every one
+Stages are measured in the order given; `sbo` may run twice (`sbo,nosbo,sbo`, reported as `sbo`,
+`nosbo`, `sbo_again`), so that one call's step-time A/B has the SBO server on both sides and shows
+its own drift. With `--together` their processes start at once, every one
 is waited for, and only then are they measured one after another; each stops once measured, so
 with `--stages pd,sbo` the SBO server's step times are taken with the GPU to itself. `sbo` and
 `nosbo` do not start together: each DeepEP low-latency server's CUDA graphs took 42.5 GB on this
@@ -43,6 +46,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -63,13 +67,17 @@ PRESET = REPO / "deploy/spec/presets/single-h200-sbo.yaml"
 #: takes it if nothing listens there yet, and a server binds its HTTP port only once loaded: servers
 #: started together keep every HTTP port out of the others' ranges (the preset's are 30000-30001).
 SERVER_PORTS = {"sbo": 31500, "nosbo": 33000}
+AGAIN = "_again"  # the report's name for the second run of a stage: sbo, nosbo, sbo_again
 #: The servers' share of GPU memory, the same for `sbo` and `nosbo` so that their step times compare,
 #: and small enough to start beside the PD stack's two (0.3 each): 0.1 (14 GiB) holds the 1.9 GB
 #: model and an 11 GB KV pool.
 SERVER_MEM_FRACTION = 0.1
 READY_S = 420.0
 MAX_NEW_TOKENS = 32
-STEP_TOKENS = 48  # decode steps timed per request at each batch size
+#: Decode steps per request at each batch size: sglang logs a decode line every 40 steps
+#: (--decode-log-interval), so 168 give about four lines a batch beside the 8-step ramp.
+STEP_TOKENS = 168
+DECODE_LINE = re.compile(r"Decode batch, #running-req: (\d+),.*?gen throughput \(token/s\): ([\d.]+)")
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 TOP_LOGPROBS = 1
 
@@ -159,8 +167,20 @@ def request_forms(base: str, texts: list[str]) -> dict[str, list[dict[str, Any]]
     return {form: asyncio.run(greedy(base, texts, together=form == "outputs_together")) for form in REQUEST_FORMS}
 
 
-async def step_times(base: str) -> list[dict[str, Any]]:
-    """Per batch size: the median gap between streamed tokens while all requests decode together."""
+def server_step_ms(log_text: str, batch: int) -> list[float]:
+    """Step times (ms) from sglang's own decode lines with `batch` requests running: each line's
+    throughput covers the steps since the line before, so one step took batch / throughput."""
+    return [
+        round(1e3 * batch / float(tput), 3)
+        for running, tput in DECODE_LINE.findall(log_text)
+        if int(running) == batch and float(tput) > 0
+    ]
+
+
+async def step_times(base: str, log: Path) -> list[dict[str, Any]]:
+    """Per batch size while all requests decode together: the median gap between streamed tokens
+    (the client's view), and the median step time from the decode lines the server logged meanwhile
+    (`log`, the server's; free of HTTP and streaming)."""
 
     async def one(s: aiohttp.ClientSession, i: int) -> list[float]:
         body = {
@@ -179,7 +199,11 @@ async def step_times(base: str) -> list[dict[str, Any]]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
         await one(s, -1)  # the first request after start compiles what is left
         for batch in BATCHES:
+            seen = log.stat().st_size
             runs = await asyncio.gather(*(one(s, i) for i in range(batch)))
+            with log.open(errors="replace") as f:
+                f.seek(seen)
+                server = server_step_ms(f.read(), batch)
             # Skip the first 8 gaps: requests are still being prefilled and joining the batch.
             gaps = [b - a for arr in runs for a, b in itertools.pairwise(arr[8:])]
             rows.append(
@@ -188,6 +212,8 @@ async def step_times(base: str) -> list[dict[str, Any]]:
                     "step_ms_p50": round(statistics.median(gaps) * 1e3, 3) if gaps else None,
                     "step_ms_p90": round(statistics.quantiles(gaps, n=10)[-1] * 1e3, 3) if len(gaps) > 10 else None,
                     "gaps": len(gaps),
+                    "server_step_ms_p50": round(statistics.median(server), 3) if server else None,
+                    "server_lines": len(server),
                 }
             )
     return rows
@@ -206,8 +232,14 @@ def doctor(log: Path, expect_full: bool, probe_hooks: bool = False) -> dict[str,
     return doc
 
 
+def server_kind(name: str) -> str:
+    """`sbo` or `nosbo`: what a server stage runs (`sbo_again` is a second `sbo` in one run)."""
+    return name.removesuffix(AGAIN)
+
+
 def start_server(stack: Stack, topology: Path, name: str) -> dict[str, Any]:
-    argv, env = server_command(topology, name == "sbo", SERVER_PORTS[name])
+    kind = server_kind(name)
+    argv, env = server_command(topology, kind == "sbo", SERVER_PORTS[kind])
     stack.start(name, argv, env=env)
     return {"argv": argv[1:], "env": env, "started": time.monotonic()}
 
@@ -217,17 +249,17 @@ def await_server(stack: Stack, name: str, result: dict[str, Any]) -> None:
     if "not_ready" in result:
         raise RuntimeError(result["not_ready"])
     if "started" in result:
-        result.update(wait_server(stack, name, f"http://127.0.0.1:{SERVER_PORTS[name]}", READY_S))
+        result.update(wait_server(stack, name, f"http://127.0.0.1:{SERVER_PORTS[server_kind(name)]}", READY_S))
         result["ready_since_start_s"] = round(time.monotonic() - result.pop("started"), 1)
 
 
 def measure_server(stack: Stack, name: str, result: dict[str, Any], texts: list[str]) -> dict[str, Any]:
     """Once `name` is ready: its outputs, step times and engagement (main stops it, once the report is written)."""
-    base = f"http://127.0.0.1:{SERVER_PORTS[name]}"
+    base = f"http://127.0.0.1:{SERVER_PORTS[server_kind(name)]}"
     await_server(stack, name, result)
     result.update(request_forms(base, texts))
-    result["step_times"] = asyncio.run(step_times(base))
-    sbo = name == "sbo"
+    result["step_times"] = asyncio.run(step_times(base, stack.out / f"{name}.log"))
+    sbo = server_kind(name) == "sbo"
     result["doctor"] = doctor(stack.out / f"{name}.log", expect_full=sbo, probe_hooks=sbo)
     return result
 
@@ -281,6 +313,18 @@ def measure_pd(stack: Stack, pd: dict[str, Any], texts: list[str]) -> dict[str, 
     return pd
 
 
+def step_time_ratio(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per batch, a's step time over b's: as the client saw it, and from the servers' decode lines."""
+
+    def over(x: dict[str, Any], y: dict[str, Any], key: str) -> float | None:
+        return round(x[key] / y[key], 3) if x.get(key) and y.get(key) else None
+
+    return [
+        {"batch": x["batch"], "ratio": over(x, y, "step_ms_p50"), "server_ratio": over(x, y, "server_step_ms_p50")}
+        for x, y in zip(a, b, strict=True)
+    ]
+
+
 def stop_stage(stack: Stack, stage: str) -> None:
     """Stop a stage's processes (a no-op once stopped): `up` drains on SIGINT, a server stops on SIGTERM."""
     if stage == "pd":
@@ -314,12 +358,19 @@ def main() -> int:
         help="the SBO server's outputs: written by stage sbo, read by nosbo and pd when run in a later call",
     )
     args = parser.parse_args()
-    stages = args.stages.split(",")
-    unknown = [s for s in stages if s not in ("sbo", "nosbo", "pd")]
+    kinds = args.stages.split(",")
+    unknown = [s for s in kinds if s not in ("sbo", "nosbo", "pd")]
     if unknown:
         parser.error(f"unknown stage(s) {', '.join(unknown)}: use sbo, nosbo, pd")
-    if args.together and {"sbo", "nosbo"} <= set(stages):
+    if args.together and {"sbo", "nosbo"} <= set(kinds):
         parser.error("--together: sbo and nosbo do not fit one GPU at once (CUDA graphs); run nosbo in its own call")
+    repeated = sorted({s for s in kinds if kinds.count(s) > 1})
+    if repeated and (args.together or repeated != ["sbo"] or kinds.count("sbo") > 2):
+        parser.error(
+            f"--stages repeats {', '.join(repeated)}: only sbo may run twice (sbo,nosbo,sbo, for a step-time A/B "
+            "with the SBO server on both sides of the other), and not with --together"
+        )
+    stages = [s + AGAIN if s == "sbo" and kinds[:i].count("sbo") else s for i, s in enumerate(kinds)]
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -390,17 +441,21 @@ def main() -> int:
             if sbo is not None and "outputs" in report.get("nosbo", {}):
                 report["sbo_vs_nosbo"] = compare(sbo["outputs"], report["nosbo"]["outputs"])
             if sbo is not None and "step_times" in report.get("nosbo", {}):
-                report["step_time_ratio_sbo_over_nosbo"] = [
-                    {"batch": s["batch"], "ratio": round(s["step_ms_p50"] / n["step_ms_p50"], 3)}
-                    for s, n in zip(sbo["step_times"], report["nosbo"]["step_times"], strict=True)
-                    if s["step_ms_p50"] and n["step_ms_p50"]
-                ]
+                report["step_time_ratio_sbo_over_nosbo"] = step_time_ratio(
+                    sbo["step_times"], report["nosbo"]["step_times"]
+                )
+            again = report.get("sbo" + AGAIN, {}).get("step_times")
+            for other in ("nosbo", "sbo"):
+                if again and "step_times" in report.get(other, {}):
+                    report[f"step_time_ratio_sbo{AGAIN}_over_{other}"] = step_time_ratio(
+                        again, report[other]["step_times"]
+                    )
             (args.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
     finally:
         signal.alarm(0)
         stack.stop_all()
-    summary = {k: v for k, v in report.items() if k not in ("sbo", "nosbo", "pd")}
-    for stage in ("sbo", "nosbo", "pd"):
+    summary = {k: v for k, v in report.items() if k not in stages}
+    for stage in stages:
         if stage in report:
             summary[stage] = {k: v for k, v in report[stage].items() if k not in ("outputs", "argv", "env")}
     print(json.dumps(summary, indent=2, default=str)[-8000:])

@@ -134,7 +134,8 @@ class _Events:
         def measure_server(stack: Stack, name: str, result: dict[str, Any], texts: list[str]) -> dict[str, Any]:
             await_(name, result)
             self.log.append(("measure", name))
-            step = [{"batch": 1, "step_ms_p50": 2.0 if name == "sbo" else 1.6}]
+            ms = {"sbo": 2.0, "nosbo": 1.6, "sbo_again": 2.2}[name]
+            step = [{"batch": 1, "step_ms_p50": ms, "server_step_ms_p50": ms / 2}]
             forms = {form: [{"status": 200, "ids": [1, 2], "logprobs": [-0.1, -0.2]}] for form in run.REQUEST_FORMS}
             return dict(result, **forms, step_times=step)
 
@@ -193,7 +194,7 @@ def test_a_later_call_compares_with_the_sbo_outputs_an_earlier_one_kept(
     )
     assert code == 0
     assert report["sbo_vs_nosbo"]["identical"] == "1/1"
-    assert report["step_time_ratio_sbo_over_nosbo"] == [{"batch": 1, "ratio": 1.25}]
+    assert report["step_time_ratio_sbo_over_nosbo"] == [{"batch": 1, "ratio": 1.25, "server_ratio": 1.25}]
     assert report["pd_vs_sbo_server"]["one at a time"]["identical"] == "0/1"
 
 
@@ -206,7 +207,54 @@ def test_one_stage_at_a_time_without_together(tmp_path: Path, monkeypatch: pytes
         ("start", "nosbo"), ("await", "nosbo"), ("measure", "nosbo"), ("stop", "nosbo"),
     ]  # fmt: skip
     assert report["sbo_vs_nosbo"]["identical"] == "1/1"
-    assert report["step_time_ratio_sbo_over_nosbo"] == [{"batch": 1, "ratio": 1.25}]
+    assert report["step_time_ratio_sbo_over_nosbo"] == [{"batch": 1, "ratio": 1.25, "server_ratio": 1.25}]
+
+
+def test_sbo_on_both_sides_of_nosbo_in_one_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    events = _Events(monkeypatch)
+    code, report = events.run(monkeypatch, tmp_path, "--stages", "sbo,nosbo,sbo")
+    assert code == 0
+    assert [e for e in events.log if e[0] == "measure"] == [
+        ("measure", "sbo"), ("measure", "nosbo"), ("measure", "sbo_again"),
+    ]  # fmt: skip
+    assert report["step_time_ratio_sbo_again_over_nosbo"] == [{"batch": 1, "ratio": 1.375, "server_ratio": 1.375}]
+    assert report["step_time_ratio_sbo_again_over_sbo"] == [{"batch": 1, "ratio": 1.1, "server_ratio": 1.1}]
+
+
+def test_the_server_step_time_comes_from_sglangs_decode_lines() -> None:
+    # Lines as sglang 0.5.17 logged them on the H200: a plain server's, then a PD decode server's.
+    log = (
+        "[2026-12-03 14:10:02] Decode batch, #running-req: 1, #token: 0, token usage: 0.00, cuda graph: True, "
+        "gen throughput (token/s): 400.00, #queue-req: 0\n"
+        "[2026-12-03 14:10:03] Decode batch, #running-req: 4, #token: 64, token usage: 0.00, cuda graph: True, "
+        "gen throughput (token/s): 2000.00, #queue-req: 0\n"
+        "[2026-12-03 14:09:45] Decode batch, #running-req: 4, #token: 0, token usage: 0.00, pre-allocated usage: "
+        "0.00, #prealloc-req: 0, #transfer-req: 0, #retracted-req: 0, cuda graph: True, gen throughput (token/s): "
+        "1600.00, #queue-req: 0\n"
+        "[2026-12-03 14:09:45] Prefill batch, #new-seq: 1, #new-token: 16, #cached-token: 0, token usage: 0.00\n"
+    )
+    assert run.server_step_ms(log, 4) == [2.0, 2.5]  # 4 requests / 2000 tokens/s, 4 / 1600
+    assert run.server_step_ms(log, 1) == [2.5]
+    assert run.server_step_ms(log, 8) == []  # no line with that batch: no figure, rather than a wrong one
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--stages", "sbo,pd,sbo", "--together"], "not with --together"),
+        (["--stages", "nosbo,sbo,nosbo"], "only sbo may run twice"),
+        (["--stages", "sbo,sbo,sbo"], "only sbo may run twice"),
+    ],
+)
+def test_repeats_other_than_one_more_sbo_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["gpu_sbo_server.py", "--out", str(tmp_path), *args])
+    with pytest.raises(SystemExit) as exit_:
+        run.main()
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
 
 
 def test_a_stage_that_never_gets_ready_is_stopped_at_once_and_the_others_are_still_measured(
