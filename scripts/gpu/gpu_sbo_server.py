@@ -23,9 +23,9 @@ DeepEP antgroup-opt and written unit-scale FP8 weights into the preset's model f
 
 Stages are measured in the order given; `sbo` may run twice (`sbo,nosbo,sbo`, reported as `sbo`,
 `nosbo`, `sbo_again`), so that one call's step-time A/B has the SBO server on both sides and shows
-its own drift. With `--together` their processes start at once, every one
-is waited for, and only then are they measured one after another; each stops once measured, so
-with `--stages pd,sbo` the SBO server's step times are taken with the GPU to itself. `sbo` and
+its own drift. With `--together` their processes start at once, every one is waited for, and only
+then are they measured one after another; each stops once measured, so with `--stages pd,sbo` the
+SBO server's step times are taken with the GPU to itself. `sbo` and
 `nosbo` do not start together: each DeepEP low-latency server's CUDA graphs took 42.5 GB on this
 preset, and sglang sizes a server's KV pool from the memory free before it loads, so with three
 starting at once the last one's pool came out negative
