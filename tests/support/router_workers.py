@@ -588,7 +588,11 @@ class _InProcessBody:
             body, self._body = self._body, b""
             return body
         try:
-            return await asyncio.wait_for(anext(self._body, b""), self._idle_s)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns a chunk that arrives as the
+            # task is cancelled and drops the cancellation (CPython gh-86296), which the router's HTTP
+            # transport never does; a relay cancelled for a client that left then ran to its end.
+            async with asyncio.timeout(self._idle_s):
+                return await anext(self._body, b"")
         except TimeoutError as exc:
             raise UpstreamTimeout(f"streaming from {self._worker.url} timed out", self._worker) from exc
 
@@ -631,7 +635,8 @@ class InProcessClient(WorkerClient):
             "health_generate": self.timeouts.health_generate,
         }.get(purpose, self.timeouts.health)
         try:
-            reply = await asyncio.wait_for(target.handle(method, path, headers, body), limit)
+            async with asyncio.timeout(limit):  # not wait_for (see _InProcessBody.next_chunk)
+                reply = await target.handle(method, path, headers, body)
         except TimeoutError as exc:
             raise UpstreamTimeout(f"{method} {path} to {worker.role} worker {worker.url} timed out", worker) from exc
         return reply.status, reply.content_type, _InProcessBody(self.cluster, worker, reply.body, limit)
