@@ -342,6 +342,26 @@ def sbo_result(report: dict[str, Any], ref: Path) -> dict[str, Any] | None:
     return None
 
 
+def add_comparisons(report: dict[str, Any], ref: Path) -> None:
+    """Into `report`, every comparison that the stages measured so far allow."""
+    sbo = sbo_result(report, ref)
+    if sbo is None:
+        return
+    pd, nosbo = report.get("pd", {}), report.get("nosbo", {})
+    if "outputs" in pd:
+        report["pd_vs_sbo_server"] = {
+            how: compare(sbo[form], pd[form]) for form, how in REQUEST_FORMS.items() if form in sbo and form in pd
+        }
+    if "outputs" in nosbo:
+        report["sbo_vs_nosbo"] = compare(sbo["outputs"], nosbo["outputs"])
+    if "step_times" in nosbo:
+        report["step_time_ratio_sbo_over_nosbo"] = step_time_ratio(sbo["step_times"], nosbo["step_times"])
+    again = report.get("sbo" + AGAIN, {}).get("step_times")
+    for other in ("nosbo", "sbo"):
+        if again and "step_times" in report.get(other, {}):
+            report[f"step_time_ratio_sbo{AGAIN}_over_{other}"] = step_time_ratio(again, report[other]["step_times"])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -427,37 +447,18 @@ def main() -> int:
                 report.setdefault("errors", {})[stage] = traceback.format_exc()[-6000:]
             finally:
                 report.setdefault("stage_seconds", {})[stage] = round(time.monotonic() - t0, 1)
+                add_comparisons(report, args.ref)
                 # What the stage measured is on disk before its processes stop: stopping a PD stack
                 # can take its drain time, and a call's limit may end this run meanwhile.
                 (args.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
                 stop_stage(stack, stage)
-            sbo = sbo_result(report, args.ref)
-            if sbo is not None and "outputs" in report.get("pd", {}):
-                report["pd_vs_sbo_server"] = {
-                    how: compare(sbo[form], report["pd"][form])
-                    for form, how in REQUEST_FORMS.items()
-                    if form in sbo and form in report["pd"]
-                }
-            if sbo is not None and "outputs" in report.get("nosbo", {}):
-                report["sbo_vs_nosbo"] = compare(sbo["outputs"], report["nosbo"]["outputs"])
-            if sbo is not None and "step_times" in report.get("nosbo", {}):
-                report["step_time_ratio_sbo_over_nosbo"] = step_time_ratio(
-                    sbo["step_times"], report["nosbo"]["step_times"]
-                )
-            again = report.get("sbo" + AGAIN, {}).get("step_times")
-            for other in ("nosbo", "sbo"):
-                if again and "step_times" in report.get(other, {}):
-                    report[f"step_time_ratio_sbo{AGAIN}_over_{other}"] = step_time_ratio(
-                        again, report[other]["step_times"]
-                    )
-            (args.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
     finally:
         signal.alarm(0)
         stack.stop_all()
     summary = {k: v for k, v in report.items() if k not in stages}
     for stage in stages:
         if stage in report:
-            summary[stage] = {k: v for k, v in report[stage].items() if k not in ("outputs", "argv", "env")}
+            summary[stage] = {k: v for k, v in report[stage].items() if k not in (*REQUEST_FORMS, "argv", "env")}
     print(json.dumps(summary, indent=2, default=str)[-8000:])
     os.sync()
     return 1 if report.get("errors") else 0
