@@ -158,7 +158,8 @@ async def _victims(base: str, result: AttackResult, stop: asyncio.Event) -> None
         result.victim_latencies_s.append(time.monotonic() - t0)
         n += 1
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), VICTIM_INTERVAL_S)
+            async with asyncio.timeout(VICTIM_INTERVAL_S):
+                await stop.wait()
 
 
 async def _until_answered(reader: asyncio.StreamReader, t0: float, result: AttackResult) -> None:
@@ -190,7 +191,8 @@ async def _run(
             peak["rss"] = max(peak["rss"], router.rss_mb())
             peak["fds"] = max(peak["fds"], router.descriptors())
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 0.2)
+                async with asyncio.timeout(0.2):
+                    await stop.wait()
 
     t0 = time.monotonic()
     tasks = [asyncio.ensure_future(_victims(base, result, stop)), asyncio.ensure_future(sample())]

@@ -509,7 +509,8 @@ class RefEngine:
                     504,
                 )
             try:
-                return await asyncio.wait_for(asyncio.shield(room.result), c.waiting_timeout_s + c.kv.timeout_s)
+                async with asyncio.timeout(c.waiting_timeout_s + c.kv.timeout_s):
+                    return await asyncio.shield(room.result)
             except TimeoutError:
                 raise ClaimRejected(
                     f"The prefill request for bootstrap room {claim.room} arrived but sent no KV within "

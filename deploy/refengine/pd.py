@@ -168,7 +168,8 @@ class RoomTable:
 
     async def wait_claim(self, room: Room, timeout_s: float) -> Claim:
         try:
-            claim = await asyncio.wait_for(asyncio.shield(room.claim), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                claim = await asyncio.shield(room.claim)
         except TimeoutError:
             raise ClaimRejected(
                 f"No decode engine claimed bootstrap room {room.id} within {timeout_s:.0f} s; is the decode engine "

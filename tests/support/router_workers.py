@@ -429,7 +429,8 @@ class FakeWorker:
         """The prefill's bootstrap side: wait until `room` was prefilled, then hand it over."""
         fut = self._room(room)
         try:
-            return 200, await asyncio.wait_for(asyncio.shield(fut), self.handshake_timeout)
+            async with asyncio.timeout(self.handshake_timeout):
+                return 200, await asyncio.shield(fut)
         except TimeoutError:
             return 404, {"error": f"room {room} was never prefilled"}
         finally:

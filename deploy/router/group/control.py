@@ -167,7 +167,8 @@ class ControlLink:
         self._first = asyncio.get_running_loop().create_future()
         self._reader_task = asyncio.create_task(self._read(reader))
         self._heartbeat = asyncio.create_task(self._beat(writer))
-        await asyncio.wait_for(asyncio.shield(self._first), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await asyncio.shield(self._first)
 
     async def aclose(self) -> None:
         self._closing = True
@@ -195,7 +196,8 @@ class ControlLink:
         future = self._pending[request_id] = asyncio.get_running_loop().create_future()
         self._writer.write(_line({"type": "request", "id": request_id, "op": op, "args": args}))
         try:
-            return await asyncio.wait_for(future, timeout_s)
+            async with asyncio.timeout(timeout_s):
+                return await future
         except TimeoutError:
             raise ControlLost(f"The router's control process did not answer within {timeout_s:g} s.") from None
         finally:

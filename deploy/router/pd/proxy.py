@@ -279,7 +279,8 @@ class PDProxy:
         self, prefill_t: asyncio.Task[Reply], body: bytes, merge: Callable[[bytes, bytes], bytes]
     ) -> bytes:
         try:
-            prefill = await asyncio.wait_for(asyncio.shield(prefill_t), self.config.request_timeout_s)
+            async with asyncio.timeout(self.config.request_timeout_s):
+                prefill = await asyncio.shield(prefill_t)
             return merge(prefill.body, body)
         except (UpstreamError, TimeoutError, ValueError) as exc:
             logger.warning("could not merge prefill input logprobs", extra={"error": str(exc)})

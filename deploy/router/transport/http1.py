@@ -318,16 +318,14 @@ class _Origin:
 
     async def connect(self, timeout: float) -> _Connection:
         loop = asyncio.get_running_loop()
-        _, conn = await asyncio.wait_for(
-            loop.create_connection(
+        async with asyncio.timeout(timeout):
+            _, conn = await loop.create_connection(
                 lambda: _Connection(self),
                 self.host,
                 self.port,
                 ssl=self.ssl_context,
                 server_hostname=self.host if self.tls else None,
-            ),
-            timeout,
-        )
+            )
         return conn
 
     def unused(self, now: float) -> bool:

@@ -84,7 +84,8 @@ class AdmissionMiddleware:
         self._waiters.append(waiter)
         self.metrics.queue_depth.inc()
         try:
-            await asyncio.wait_for(asyncio.shield(waiter), self.queue_timeout_s)
+            async with asyncio.timeout(self.queue_timeout_s):
+                await asyncio.shield(waiter)
             return True
         except TimeoutError:
             if waiter.done() and not waiter.cancelled():
