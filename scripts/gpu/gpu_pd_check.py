@@ -343,7 +343,8 @@ async def kill_mid_stream(base: str, victim_pgid: int, n: int = 8) -> list[str]:
                 outcomes.append(f"connection error: {type(exc).__name__}")
 
     tasks = [asyncio.create_task(one(i)) for i in range(n)]
-    await asyncio.wait_for(started.wait(), 60)
+    async with asyncio.timeout(60):
+        await started.wait()
     await asyncio.sleep(0.5)
     os.killpg(victim_pgid, signal.SIGKILL)
     await asyncio.gather(*tasks)
@@ -449,13 +450,25 @@ def wait_server(stack: Stack, name: str, base: str, timeout_s: float) -> dict[st
     raise NotReady(f"{name} was not ready within {timeout_s:g} s: {diagnose(stack)}")
 
 
+#: What `up` prints last in its start-up, after its smoke request through the router (deploy/ops/up.py;
+#: tests/deploy/ops/test_up_smoke.py reads it after the smoke line). Until then that request shares the
+#: engines with whatever is measured: on the H200 its streamed chat shared decode batches with the
+#: first measured prompt, whose tokens then came out as those of a batch of two.
+UP_STARTED = "try: curl "
+
+
 def wait_stack(stack: Stack, timeout_s: float) -> dict[str, Any]:
-    """Wait until the router has a healthy prefill and decode (its /readiness is 200 as soon as it
-    serves, with or without workers: the workers' health is in GET /workers)."""
+    """Wait until `up` has finished starting (its smoke request included) and the router has a
+    healthy prefill and decode (its /readiness is 200 as soon as it serves, with or without workers:
+    the workers' health is in GET /workers)."""
     t0 = time.monotonic()
+    up_log = stack.out / "up.log"
     while time.monotonic() - t0 < timeout_s:
         if not stack.children["up"].alive():
             raise NotReady(f"`sglang-pd up` exited with code {stack.children['up'].proc.returncode}: {diagnose(stack)}")
+        if UP_STARTED not in up_log.read_text(errors="replace"):
+            time.sleep(0.2)
+            continue
         with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
             workers = httpx.get(f"{ROUTER}/workers", timeout=5).json()
             if all(any(w["healthy"] for w in workers[role]) for role in ("prefill", "decode")):

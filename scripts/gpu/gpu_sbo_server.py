@@ -162,9 +162,29 @@ async def greedy(base: str, texts: list[str], together: bool = False) -> list[di
 REQUEST_FORMS = {"outputs": "one at a time", "outputs_again": "one at a time, again", "outputs_together": "all at once"}
 
 
-def request_forms(base: str, texts: list[str]) -> dict[str, list[dict[str, Any]]]:
-    """The prompts' greedy outputs in each of REQUEST_FORMS."""
-    return {form: asyncio.run(greedy(base, texts, together=form == "outputs_together")) for form in REQUEST_FORMS}
+def request_forms(base: str, texts: list[str]) -> tuple[dict[str, Any], dict[str, tuple[float, float]]]:
+    """The prompts' greedy outputs in each of REQUEST_FORMS, and when each form ran (epoch seconds)."""
+    outputs, windows = {}, {}
+    for form in REQUEST_FORMS:
+        t0 = time.time()
+        outputs[form] = asyncio.run(greedy(base, texts, together=form == "outputs_together"))
+        windows[form] = (t0, time.time())
+    return outputs, windows
+
+
+#: sglang's access-log line of a passed `GET /health`, stamped to the second in local time (a 503
+#: while starting or stopping generates nothing).
+HEALTH_ANSWER = re.compile(r'^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\] INFO: .*"GET /health HTTP/1\.1" 200', re.MULTILINE)
+
+
+def health_probes_during(log_text: str, windows: dict[str, tuple[float, float]]) -> dict[str, int]:
+    """Per request form, the `GET /health` probes an engine passed while the form ran. Each is a
+    one-token generation that may share a batch with the form's requests; sglang submits it at once
+    and answers at its first check a second later (`health_generate` in
+    srt/entrypoints/http_server.py), so answers up to two seconds past the form's end count (the
+    log's stamps are whole seconds)."""
+    answered = [time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")) for stamp in HEALTH_ANSWER.findall(log_text)]
+    return {form: sum(int(t0) <= t <= t1 + 2 for t in answered) for form, (t0, t1) in windows.items()}
 
 
 def server_step_ms(log_text: str, batch: int) -> list[float]:
@@ -257,7 +277,8 @@ def measure_server(stack: Stack, name: str, result: dict[str, Any], texts: list[
     """Once `name` is ready: its outputs, step times and engagement (main stops it, once the report is written)."""
     base = f"http://127.0.0.1:{SERVER_PORTS[server_kind(name)]}"
     await_server(stack, name, result)
-    result.update(request_forms(base, texts))
+    outputs, result["form_windows"] = request_forms(base, texts)
+    result.update(outputs)
     result["step_times"] = asyncio.run(step_times(base, stack.out / f"{name}.log"))
     sbo = server_kind(name) == "sbo"
     result["doctor"] = doctor(stack.out / f"{name}.log", expect_full=sbo, probe_hooks=sbo)
@@ -306,9 +327,16 @@ def measure_pd(stack: Stack, pd: dict[str, Any], texts: list[str]) -> dict[str, 
     """Once the stack is ready: the prompts' outputs through the router, and the decode server's
     engagement (main stops it, once the report is written)."""
     await_pd(stack, pd)
-    pd.update(request_forms(ROUTER, texts))
+    outputs, pd["form_windows"] = request_forms(ROUTER, texts)
+    pd.update(outputs)
     pd["statuses"] = [g.get("status") for g in pd["outputs"]]
-    decode_logs = sorted((stack.out / "engines").glob("decode*.log"))
+    # The router's generation probes of its workers (deploy/router/workers/health.py) share their
+    # batches: a form that one reached does not show the stack's own tokens.
+    engine_logs = sorted((stack.out / "engines").glob("*.log"))
+    pd["health_probes_during_forms"] = {
+        log.stem: health_probes_during(log.read_text(errors="replace"), pd["form_windows"]) for log in engine_logs
+    }
+    decode_logs = [log for log in engine_logs if log.name.startswith("decode")]
     pd["doctor"] = doctor(decode_logs[0], expect_full=True) if decode_logs else "no decode log"
     return pd
 

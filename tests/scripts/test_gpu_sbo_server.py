@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import sys
+import time
 import types
 from pathlib import Path
 from typing import Any
@@ -269,3 +270,24 @@ def test_a_stage_that_never_gets_ready_is_stopped_at_once_and_the_others_are_sti
     ]  # fmt: skip
     assert "sbo exited with code 1 before it was ready" in report["errors"]["sbo"]
     assert "pd_vs_sbo_server" not in report  # no SBO outputs to hold the stack to
+
+
+def test_the_routers_generation_probes_are_counted_per_request_form() -> None:
+    # Access lines as sglang 0.5.17 logged them on the H200 (decode-0.log of the PD stack).
+    log = (
+        '[2026-12-03 14:09:40] INFO:     127.0.0.1:47062 - "GET /health HTTP/1.1" 503 Service Unavailable\n'
+        '[2026-12-03 14:09:44] INFO:     127.0.0.1:47088 - "GET /health HTTP/1.1" 200 OK\n'
+        '[2026-12-03 14:09:46] INFO:     127.0.0.1:47110 - "GET /v1/models HTTP/1.1" 200 OK\n'
+        '[2026-12-03 14:10:14] INFO:     127.0.0.1:47120 - "GET /health HTTP/1.1" 200 OK\n'
+    )
+
+    def at(stamp: str) -> float:
+        return time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S"))
+
+    windows = {
+        "outputs": (at("2026-12-03 14:09:40") + 0.5, at("2026-12-03 14:09:42") + 0.1),  # answered 1.9 s after
+        "outputs_again": (at("2026-12-03 14:09:45") + 0.2, at("2026-12-03 14:09:50")),  # none: /v1/models is no probe
+        "outputs_together": (at("2026-12-03 14:10:14") + 0.7, at("2026-12-03 14:10:16")),  # within its stamp's second
+    }
+    got = run.health_probes_during(log, windows)
+    assert got == {"outputs": 1, "outputs_again": 0, "outputs_together": 1}  # the 503 generated nothing
