@@ -60,4 +60,3 @@ def test_a_queued_request_cancelled_as_its_slot_arrives_never_runs_and_passes_th
     assert got["outcomes"] == {"first": "ok", "queued": "CancelledError", "next": "ok"}, got
     assert got["ran"] == ["first", "next"], got  # the departed client's request never reached the app
     assert got["active"] == 0 and got["waiters"] == 0, got
-
