@@ -25,12 +25,11 @@ Stages are measured in the order given; `sbo` may run twice (`sbo,nosbo,sbo`, re
 `nosbo`, `sbo_again`), so that one call's step-time A/B has the SBO server on both sides and shows
 its own drift. With `--together` their processes start at once, every one is waited for, and only
 then are they measured one after another; each stops once measured, so with `--stages pd,sbo` the
-SBO server's step times are taken with the GPU to itself. `sbo` and
-`nosbo` do not start together: each DeepEP low-latency server's CUDA graphs took 42.5 GB on this
-preset, and sglang sizes a server's KV pool from the memory free before it loads, so with three
-starting at once the last one's pool came out negative
-(benchmarks/results/sbo_server_h200_2026-12-03_5fb0e4d.json). A stage measured in a later call
-compares with the SBO server's outputs kept in `--ref`.
+SBO server's step times are taken with the GPU to itself. `sbo` and `nosbo` do not start
+together: each DeepEP low-latency server's CUDA graphs took 42.5 GB on this preset, and sglang
+sizes a server's KV pool from the memory free before it loads, so with three starting at once the
+last one's pool came out negative (benchmarks/results/sbo_server_h200_2026-12-03_5fb0e4d.json).
+A stage measured in a later call compares with the SBO server's outputs kept in `--ref`.
 
 One GPU has no network for the overlap to hide, so the step-time ratio is SBO's overhead here,
 not its gain. Writes `report.json` and each server's log under --out.
@@ -158,7 +157,7 @@ async def greedy(base: str, texts: list[str], together: bool = False) -> list[di
 
 
 #: How the prompts are sent, each form in turn: one request at a time (each its own batch), the same
-#: again (so that a first request after start shows whether it differs for being first), all at once.
+#: again (the prompts longer than a KV page then start from sglang's radix cache), all at once.
 REQUEST_FORMS = {"outputs": "one at a time", "outputs_again": "one at a time, again", "outputs_together": "all at once"}
 
 

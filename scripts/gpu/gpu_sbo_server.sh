@@ -9,10 +9,10 @@
 # unpacks sglang 0.5.17, writes unit-scale FP8 weights into the `single-h200-sbo` preset's model
 # folder (scripts/gpu/fp8_checkpoint.py) and runs scripts/gpu/gpu_sbo_server.py: a decode server with
 # and without full SBO, then the preset's PD stack through our router (STAGES: sbo,nosbo,pd).
-# Stages are measured in the order given (sbo,nosbo,sbo: a step-time A/B in one call). SBO_TOGETHER=1 starts their servers at once and measures
-# them once all are ready (pd,sbo in one call: the stack stops before the SBO server's step times are
-# taken; nosbo does not fit beside them). SBO_COMMIT names the commit checked; SBO_DEADLINE_S bounds
-# the run.
+# Stages are measured in the order given (sbo,nosbo,sbo: a step-time A/B in one call).
+# SBO_TOGETHER=1 starts their servers at once and measures them once all are ready (pd,sbo in one
+# call: the stack stops before the SBO server's step times are taken; nosbo does not fit beside
+# them). SBO_COMMIT names the commit checked; SBO_DEADLINE_S bounds the run.
 set -euo pipefail
 out=${1:?usage: gpu_sbo_server.sh OUT_DIR [STAGES]}
 stages=${2:-sbo,nosbo,pd}

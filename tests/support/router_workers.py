@@ -589,9 +589,8 @@ class _InProcessBody:
             body, self._body = self._body, b""
             return body
         try:
-            # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns a chunk that arrives as the
-            # task is cancelled and drops the cancellation (CPython gh-86296), which the router's HTTP
-            # transport never does; a relay cancelled for a client that left then ran to its end.
+            # Not wait_for (banned in pyproject.toml): it dropped the cancellation of a relay whose
+            # client left, and the relay streamed to its end.
             async with asyncio.timeout(self._idle_s):
                 return await anext(self._body, b"")
         except TimeoutError as exc:
@@ -636,7 +635,7 @@ class InProcessClient(WorkerClient):
             "health_generate": self.timeouts.health_generate,
         }.get(purpose, self.timeouts.health)
         try:
-            async with asyncio.timeout(limit):  # not wait_for (see _InProcessBody.next_chunk)
+            async with asyncio.timeout(limit):
                 reply = await target.handle(method, path, headers, body)
         except TimeoutError as exc:
             raise UpstreamTimeout(f"{method} {path} to {worker.role} worker {worker.url} timed out", worker) from exc
