@@ -1,7 +1,9 @@
 """Render a topology into the exact sglang 0.5.23 command and environment of every node.
 
-This is the one place that knows sglang's flag names; `plan`, `up`, `launch` and the Helm chart
-all go through `render_plan` / `render_node` (DESIGN.md "One source of truth").
+`plan`, `up`, `launch` and the Helm chart all go through `render_plan` / `render_node` (DESIGN.md
+"One source of truth"). It writes only the options and environment variables that
+deploy/spec/rendered.py declares with the topology field each comes from; the rules read the same
+declarations to keep `extra_args` and `env` from overriding them.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from sglang_pd.deploy.common.contract import Role
-from sglang_pd.deploy.spec.topology import DISPATCH_BUDGET_ENV, DecodeSpec, SBOMode, Topology
+from sglang_pd.deploy.spec.rendered import DISPATCH_BUDGET_ENV, RENDERED_ENV, RENDERED_FLAGS
+from sglang_pd.deploy.spec.topology import DecodeSpec, SBOMode, Topology
 from sglang_pd.sglang_patches.status import SBO_MODE_ENV
 
 __all__ = [
@@ -76,94 +79,106 @@ def render_node(
     m = t.model
     endpoint = t.instance_endpoints(role)[instance]
 
-    a = [*SGLANG_ENTRY, "--model-path", t.model_path()]
+    a = [*SGLANG_ENTRY, *_opt("--model-path", t.model_path())]
     if m.served_name:
-        a += ["--served-model-name", m.served_name]
+        a += _opt("--served-model-name", m.served_name)
     if m.trust_remote_code:
-        a.append("--trust-remote-code")
+        a += _opt("--trust-remote-code")
     if m.quantization:
-        a += ["--quantization", m.quantization]
+        a += _opt("--quantization", m.quantization)
     if m.context_length:
-        a += ["--context-length", str(m.context_length)]
-    a += ["--page-size", str(m.page_size)]
+        a += _opt("--context-length", str(m.context_length))
+    a += _opt("--page-size", str(m.page_size))
     if m.kv_cache_dtype != "auto":
-        a += ["--kv-cache-dtype", m.kv_cache_dtype]
-    a += ["--host", "127.0.0.1" if t.is_local else "0.0.0.0", "--port", str(endpoint.port)]
+        a += _opt("--kv-cache-dtype", m.kv_cache_dtype)
+    a += _opt("--host", "127.0.0.1" if t.is_local else "0.0.0.0") + _opt("--port", str(endpoint.port))
     # Prometheus metrics (TTFT, ITL, queues, KV transfer) for the chart's PodMonitor and dashboard.
-    a.append("--enable-metrics")
+    a += _opt("--enable-metrics")
 
-    a += ["--disaggregation-mode", role, "--disaggregation-transfer-backend", t.transfer.backend]
+    a += _opt("--disaggregation-mode", role) + _opt("--disaggregation-transfer-backend", t.transfer.backend)
     if role == "prefill":
-        a += ["--disaggregation-bootstrap-port", str(endpoint.bootstrap_port)]
+        a += _opt("--disaggregation-bootstrap-port", str(endpoint.bootstrap_port))
     if t.transfer.protocol == "rdma" and t.transfer.ib_devices:
-        a += ["--disaggregation-ib-device", ib_device_arg(t.transfer.ib_devices)]
+        a += _opt("--disaggregation-ib-device", ib_device_arg(t.transfer.ib_devices))
 
     # Full option names: sglang's parser would take `--tp` only as an abbreviation of `--tp-size`.
-    a += ["--tp-size", str(spec.tp)]
+    a += _opt("--tp-size", str(spec.tp))
     if spec.attn_dp_size > 1:
         # DP attention with DeepSeek's MLA: the dense MLP layers run data-parallel too. The LM head
         # stays sglang's choice unless the topology asks for a replicated one (dp_lm_head).
-        a += ["--attn-dp-size", str(spec.attn_dp_size), "--moe-dense-tp-size", "1"]
+        a += _opt("--attn-dp-size", str(spec.attn_dp_size)) + _opt("--moe-dense-tp-size", "1")
         if spec.dp_lm_head:
-            a.append("--enable-dp-lm-head")
+            a += _opt("--enable-dp-lm-head")
     if spec.ep > 1:
-        a += ["--ep-size", str(spec.ep)]
+        a += _opt("--ep-size", str(spec.ep))
     if spec.moe_a2a_backend != "none":
-        a += ["--moe-a2a-backend", spec.moe_a2a_backend, "--deepep-mode", spec.deepep_mode]
+        a += _opt("--moe-a2a-backend", spec.moe_a2a_backend) + _opt("--deepep-mode", spec.deepep_mode)
     if spec.moe_runner_backend != "auto":
-        a += ["--moe-runner-backend", spec.moe_runner_backend]
+        a += _opt("--moe-runner-backend", spec.moe_runner_backend)
     if spec.attention_backend is not None:
-        a += ["--attention-backend", spec.attention_backend]
+        a += _opt("--attention-backend", spec.attention_backend)
     if spec.nodes > 1:
-        a += [
-            "--nnodes", str(spec.nodes),
-            "--node-rank", str(node_rank),
-            "--dist-init-addr", f"{leader_host}:{DIST_INIT_PORT}",
-        ]  # fmt: skip
+        a += _opt("--nnodes", str(spec.nodes)) + _opt("--node-rank", str(node_rank))
+        a += _opt("--dist-init-addr", f"{leader_host}:{DIST_INIT_PORT}")
     if spec.tbo.enabled:
-        a += [
-            "--enable-two-batch-overlap",
-            "--tbo-token-distribution-threshold", str(spec.tbo.token_distribution_threshold),
-        ]  # fmt: skip
+        a += _opt("--enable-two-batch-overlap")
+        a += _opt("--tbo-token-distribution-threshold", str(spec.tbo.token_distribution_threshold))
     if spec.mem_fraction_static is not None:
-        a += ["--mem-fraction-static", str(spec.mem_fraction_static)]
+        a += _opt("--mem-fraction-static", str(spec.mem_fraction_static))
     if spec.max_running_requests is not None:
-        a += ["--max-running-requests", str(spec.max_running_requests)]
+        a += _opt("--max-running-requests", str(spec.max_running_requests))
     if spec.chunked_prefill_size is not None:
-        a += ["--chunked-prefill-size", str(spec.chunked_prefill_size)]
+        a += _opt("--chunked-prefill-size", str(spec.chunked_prefill_size))
     if spec.max_prefill_tokens is not None:
-        a += ["--max-prefill-tokens", str(spec.max_prefill_tokens)]
+        a += _opt("--max-prefill-tokens", str(spec.max_prefill_tokens))
 
     env: dict[str, str] = {}
     if isinstance(spec, DecodeSpec):
         if spec.sbo is not SBOMode.OFF:
-            a.append("--enable-single-batch-overlap")
+            a += _opt("--enable-single-batch-overlap")
             # Read by the sglang-pd plugin (sglang_patches), which sglang loads from its entry point in
             # every process. SGLANG_PLUGINS is left unset: it is a whitelist and would switch off any
             # other plugin installed in the image.
-            env[SBO_MODE_ENV] = spec.sbo.value
+            _export(env, SBO_MODE_ENV, spec.sbo.value)
             if t.hardware.gpu.upper() == "H20" and spec.sbo is SBOMode.FULL:
                 # Read only by sglang's DeepGEMM runner when the down GEMM overlaps combine: it narrows
                 # the GEMM's N blocks (160) for the H20's fewer SMs.
-                env["SGLANG_DEEPGEMM_ON_H20"] = "1"
+                _export(env, "SGLANG_DEEPGEMM_ON_H20", "1")
         if spec.cuda_graph_max_bs is not None:
-            a += ["--cuda-graph-max-bs-decode", str(spec.cuda_graph_max_bs)]
+            a += _opt("--cuda-graph-max-bs-decode", str(spec.cuda_graph_max_bs))
         if spec.moe_a2a_backend == "deepep":
-            env[DISPATCH_BUDGET_ENV] = str(spec.dispatch_token_budget)
+            _export(env, DISPATCH_BUDGET_ENV, str(spec.dispatch_token_budget))
     if spec.moe_a2a_backend != "none" and spec.tp == 1:
         # A server with an MoE all-to-all syncs each batch's shape across its ranks, also when it has
         # one. sglang 0.5.17's sync then writes into a buffer that aliases its own fallback row and
         # raises at the first idle step (`MLPSyncBatchInfo.all_gather`,
         # srt/managers/scheduler_components/dp_attn.py); 0.5.23 skips the sync for one rank by itself.
         # This is sglang's own switch for that skip.
-        env["SGLANG_SCHEDULER_SKIP_ALL_GATHER"] = "1"
+        _export(env, "SGLANG_SCHEDULER_SKIP_ALL_GATHER", "1")
+    # The role's own extra_args and env come last; the rules refuse any that would replace a value above
+    # (deploy/spec/rendered.py).
     a += spec.extra_args
 
     if t.transfer.backend == "mooncake" and t.transfer.protocol == "tcp":
         # sglang and Mooncake compare the value with "1" (mooncake_transfer_engine.py).
-        env["MC_FORCE_TCP"] = "1"
+        _export(env, "MC_FORCE_TCP", "1")
     env.update(spec.env)
     return NodeCommand(role=role, instance=instance, node_rank=node_rank, argv=a, env=env)
+
+
+def _opt(name: str, *values: str) -> list[str]:
+    """`name` and its values. The renderer writes only options that RENDERED_FLAGS declares with the field
+    they come from, so that the rules know each one and refuse it in extra_args."""
+    if name not in RENDERED_FLAGS:
+        raise KeyError(f"{name} is not in RENDERED_FLAGS (deploy/spec/rendered.py); declare it with its field")
+    return [name, *values]
+
+
+def _export(env: dict[str, str], key: str, value: str) -> None:
+    """Set `key`, which RENDERED_ENV must declare with the field it comes from (as `_opt` for options)."""
+    if key not in RENDERED_ENV:
+        raise KeyError(f"{key} is not in RENDERED_ENV (deploy/spec/rendered.py); declare it with its field")
+    env[key] = value
 
 
 def ib_device_arg(ib_devices: Mapping[int, str]) -> str:

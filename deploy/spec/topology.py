@@ -29,6 +29,7 @@ from sglang_pd.deploy.common.contract import (
 )
 from sglang_pd.deploy.spec.model_shape import ShapeError, checkpoint_bytes
 from sglang_pd.deploy.spec.presets import PRESETS_DIR
+from sglang_pd.deploy.spec.rendered import DISPATCH_BUDGET_ENV, env_problems, extra_args_problems
 
 __all__ = [
     "GPU_CAPABILITY",
@@ -519,40 +520,6 @@ class RuleReport:
         return not self.errors
 
 
-# Flags the renderer sets from topology fields; repeating one in extra_args would silently
-# override (or contradict) the field, so it is an error pointing at the field to use instead.
-RENDERED_FLAGS: dict[str, str] = {
-    "--model-path": "model.path",
-    "--served-model-name": "model.served_name",
-    "--page-size": "model.page_size",
-    "--kv-cache-dtype": "model.kv_cache_dtype",
-    "--tp": "<role>.tp",
-    "--tp-size": "<role>.tp",
-    "--dp": "<role>.attn_dp_size",
-    "--dp-size": "<role>.attn_dp_size",
-    "--attn-dp-size": "<role>.attn_dp_size",
-    "--ep": "<role>.ep",
-    "--ep-size": "<role>.ep",
-    "--nnodes": "<role>.nodes",
-    "--node-rank": "(set per node by the launcher)",
-    "--port": "<role>.port",
-    "--disaggregation-mode": "(the role)",
-    "--disaggregation-bootstrap-port": "prefill.bootstrap_port",
-    "--disaggregation-transfer-backend": "transfer.backend",
-    "--disaggregation-ib-device": "transfer.ib_devices",
-    "--moe-a2a-backend": "<role>.moe_a2a_backend",
-    "--deepep-mode": "<role>.deepep_mode",
-    "--moe-runner-backend": "<role>.moe_runner_backend",
-    "--attention-backend": "<role>.attention_backend",
-    "--enable-dp-lm-head": "<role>.dp_lm_head",
-    "--enable-two-batch-overlap": "<role>.tbo.enabled",
-    "--enable-single-batch-overlap": "decode.sbo",
-    "--cuda-graph-max-bs-decode": "decode.cuda_graph_max_bs",
-    "--max-running-requests": "<role>.max_running_requests",
-    "--mem-fraction-static": "<role>.mem_fraction_static",
-}
-
-DISPATCH_BUDGET_ENV = "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK"
 # NVSHMEM's NIC selection (https://docs.nvidia.com/nvshmem/api/gen/env.html): by default each PE takes the
 # NIC closest to its GPU. NVSHMEM_HCA_PE_MAPPING (`hca_name:port:count`, comma-separated; PE0, PE1, ... of a
 # node in turn) and NVSHMEM_HCA_LIST take effect only with NVSHMEM_ENABLE_NIC_PE_MAPPING=1, and NVSHMEM
@@ -586,25 +553,9 @@ def _role_rules(t: Topology, role: str, spec: _RoleSpec, errors: list[str]) -> N
         )
     if spec.ep > 1 and spec.tp % spec.ep:
         errors.append(f"{role}.ep: {spec.ep} must divide {role}.tp={spec.tp}.")
-    for i, arg in enumerate(spec.extra_args):
-        flag = arg.split("=", 1)[0]
-        if flag in ("--page-size", "--kv-cache-dtype"):
-            field = RENDERED_FLAGS[flag]
-            errors.append(
-                f"{role}.extra_args[{i}]: {flag} must be equal on prefill and decode (KV pages are copied "
-                f"byte for byte between them); set it once in {field} and remove it from extra_args."
-            )
-        elif flag in RENDERED_FLAGS:
-            field = RENDERED_FLAGS[flag].replace("<role>", role)
-            errors.append(
-                f"{role}.extra_args[{i}]: {flag} is rendered from {field}; set that field instead of "
-                "repeating the flag (two values would disagree)."
-            )
-    if DISPATCH_BUDGET_ENV in spec.env:
-        errors.append(
-            f"{role}.env.{DISPATCH_BUDGET_ENV}: set decode.dispatch_token_budget instead; "
-            "the renderer exports it and the rules check it against the decode batch."
-        )
+    # What extra_args and env would override (deploy/spec/rendered.py): the values these rules check.
+    errors += extra_args_problems(role, spec.extra_args)
+    errors += env_problems(role, spec.env)
     if NVSHMEM_MAPPING_ENV in spec.env:
         _nic_mapping_rules(t, role, spec, errors)
 
@@ -721,14 +672,18 @@ def check_rules(t: Topology, pod: PodSettings | None = None) -> RuleReport:
     if p.moe_a2a_backend == "deepep" and p.deepep_mode == "low_latency":
         # Every prefill forward goes through the low-latency buffers, which hold sglang's default budget
         # (the renderer exports decode.dispatch_token_budget to the decode only); a chunk is one forward.
-        chunk = p.chunked_prefill_size
-        if chunk is None or chunk <= 0 or chunk > DEFAULT_DISPATCH_TOKEN_BUDGET:
+        # Under DP attention sglang gives each rank chunked_prefill_size // attn_dp_size tokens
+        # (srt/arg_groups/parallel_hook.py:314-336, `_handle_data_parallelism`).
+        chunk, ranks = p.chunked_prefill_size, p.attn_dp_size
+        if chunk is None or chunk <= 0 or chunk // ranks > DEFAULT_DISPATCH_TOKEN_BUDGET:
             shown = "unset (sglang then picks thousands)" if chunk is None else str(chunk)
+            if chunk is not None and chunk > 0 and ranks > 1:
+                shown += f", {chunk // ranks} tokens a rank once sglang divides it by prefill.attn_dp_size={ranks}"
             errors.append(
                 f"prefill.chunked_prefill_size: {shown}, but with prefill.deepep_mode: low_latency each prefill chunk "
                 f"is one DeepEP low-latency dispatch of at most {DEFAULT_DISPATCH_TOKEN_BUDGET} tokens a rank "
-                f"(sglang's SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK); a larger one overflows at run time. "
-                f"Set prefill.chunked_prefill_size to at most {DEFAULT_DISPATCH_TOKEN_BUDGET}, or "
+                f"(sglang's {DISPATCH_BUDGET_ENV}); a larger one fails DeepEP's host assert at run time. "
+                f"Set prefill.chunked_prefill_size to at most {DEFAULT_DISPATCH_TOKEN_BUDGET * ranks}, or "
                 "prefill.deepep_mode: normal."
             )
     if d.cuda_graph_max_bs is not None and per_rank is not None and d.cuda_graph_max_bs > per_rank:
