@@ -122,7 +122,9 @@ ASSUMED_FAMILIES: dict[str, Setting] = {
         note="explicit capture sizes; the rules hold the largest captured batch to decode.dispatch_token_budget",
     ),
     "--speculative-": Setting(
-        "", note="draft tokens multiply the tokens a decode rank dispatches a step, which the rules do not count"
+        "",
+        ("--no-speculative-",),  # the negation of its boolean options
+        note="draft tokens multiply the tokens a decode rank dispatches a step, which the rules do not count",
     ),
 }
 
@@ -155,6 +157,7 @@ def _spellings(table: Mapping[str, Setting]) -> list[tuple[str, str, Setting]]:
 
 _RENDERED_SPELLINGS = _spellings(RENDERED_FLAGS)
 _ASSUMED_SPELLINGS = _spellings(ASSUMED_FLAGS)
+_FAMILY_PREFIXES = _spellings(ASSUMED_FAMILIES)
 
 
 def match_option(arg: str) -> OptionMatch | None:
@@ -171,14 +174,14 @@ def match_option(arg: str) -> OptionMatch | None:
         for spelling, option, setting in spellings:
             if name == spelling:
                 return OptionMatch(option, setting, rendered, "" if spelling == option else "alias")
-    for prefix, setting in ASSUMED_FAMILIES.items():
+    for prefix, family, setting in _FAMILY_PREFIXES:
         if name.startswith(prefix):
-            return OptionMatch(name, setting, False, "")
+            return OptionMatch(name, setting, False, "" if prefix == family else "alias")
     for spellings, rendered in ((_RENDERED_SPELLINGS, True), (_ASSUMED_SPELLINGS, False)):
         for spelling, option, setting in spellings:
             if spelling.startswith(name):
                 return OptionMatch(option, setting, rendered, "abbreviation")
-    for prefix, setting in ASSUMED_FAMILIES.items():
+    for prefix, _, setting in _FAMILY_PREFIXES:
         if prefix.startswith(name):
             return OptionMatch(prefix + "*", setting, False, "abbreviation")
     return None

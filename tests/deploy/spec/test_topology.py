@@ -219,8 +219,8 @@ def test_bootstrap_port_is_set_once(preset_dict) -> None:
 
 def test_bootstrap_port_differs_from_http_port(preset_dict) -> None:
     d = preset_dict()
-    d["prefill"]["bootstrap_port"] = d["prefill"]["port"]
-    assert only_error(d).startswith("prefill.bootstrap_port: 30000 equals prefill.port")
+    d["prefill"]["bootstrap_port"] = port = d["prefill"]["port"]
+    assert only_error(d).startswith(f"prefill.bootstrap_port: {port} equals prefill.port")
 
 
 def test_local_ports_must_not_collide(preset_dict) -> None:
