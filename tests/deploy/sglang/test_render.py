@@ -6,8 +6,10 @@ import json
 
 import pytest
 
+from sglang_pd.deploy.sglang import render
 from sglang_pd.deploy.sglang.render import DIST_INIT_PORT, LEADER_HOST_FROM_ENV, render_node, render_plan
-from sglang_pd.deploy.spec.topology import PRESETS_DIR, check_rules, load_topology, parse_topology
+from sglang_pd.deploy.spec.rendered import RENDERED_ENV, RENDERED_FLAGS
+from sglang_pd.deploy.spec.topology import PRESETS_DIR, Topology, check_rules, load_topology, parse_topology
 
 PRESET_DIR = PRESETS_DIR
 
@@ -176,3 +178,51 @@ def test_shell_line_quotes_values_and_expands_leader(r1) -> None:
         "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK=128 SGLANG_PD_SBO_MODE=full python3 -m sglang.launch_server"
     )
     assert f'--dist-init-addr "{LEADER_HOST_FROM_ENV}:5000"' in line
+
+
+# --- what the renderer writes is what deploy/spec/rendered.py declares ----------------------------------
+
+
+def _written(t: Topology) -> tuple[set[str], set[str]]:
+    """The option names and env keys the renderer writes for `t` on its own (its roles' extra_args and env aside)."""
+    options: set[str] = set()
+    env: set[str] = set()
+    for commands in render_plan(t).values():
+        for c in commands:
+            spec = t.prefill if c.role == "prefill" else t.decode
+            own = c.argv[2 : len(c.argv) - len(spec.extra_args)]
+            options |= {a for a in own if a.startswith("--")}
+            env |= set(c.env) - set(spec.env)
+    return options, env
+
+
+def _every_field_set(preset_dict) -> list[Topology]:
+    """Topologies that between them set every field the renderer reads, each way it renders."""
+    r1 = preset_dict()
+    r1["model"].update(quantization="fp8", kv_cache_dtype="fp8_e4m3")
+    for role in ("prefill", "decode"):
+        r1[role].update(attention_backend="fa3", dp_lm_head=True, chunked_prefill_size=4096, max_prefill_tokens=4096)
+    h20 = preset_dict("deepseek-v3-h20-3p2d")
+    h20["decode"]["sbo"] = "full"  # SGLANG_DEEPGEMM_ON_H20
+    local = preset_dict("local-cpu")  # --host 127.0.0.1, MC_FORCE_TCP
+    one_gpu = preset_dict("single-h200-sbo")  # an MoE all-to-all on one GPU
+    return [parse_topology(d, source_dir=PRESET_DIR) for d in (r1, h20, local, one_gpu)]
+
+
+def test_the_declared_options_and_env_are_exactly_what_the_renderer_writes(preset_dict) -> None:
+    options: set[str] = set()
+    env: set[str] = set()
+    for t in _every_field_set(preset_dict):
+        o, e = _written(t)
+        options |= o
+        env |= e
+    assert options == set(RENDERED_FLAGS)
+    assert env == set(RENDERED_ENV)
+
+
+def test_the_renderer_cannot_write_an_undeclared_option_or_env_key() -> None:
+    with pytest.raises(KeyError, match=r"--not-declared is not in RENDERED_FLAGS \(deploy/spec/rendered.py\)"):
+        render._opt("--not-declared", "1")
+    with pytest.raises(KeyError, match=r"NOT_DECLARED is not in RENDERED_ENV"):
+        render._export({}, "NOT_DECLARED", "1")
+    assert render._opt("--page-size", "64") == ["--page-size", "64"]
