@@ -8,28 +8,49 @@ top-8 of 256 with sigmoid scores and correction bias), DeepEP low-latency dispat
 scales), the up/gate grouped GEMM (FP8, 128x128 weight scales), SiLU-and-mul with FP8
 re-quantization (a small Triton kernel here; sglang fuses the same step), the down grouped GEMM
 (our `sglang_pd.kernels.signal_gemm.fp8_m_grouped_gemm_nt_masked`), DeepEP low-latency combine,
-and one shared expert (moe_intermediate 2048). Three variants:
+and one shared expert (moe_intermediate 2048). The activation scales of the down GEMM are
+MN-major, as sglang's fused SiLU-and-mul hands them to DeepGEMM. Variants:
 
-- ``none``: dispatch, experts, combine, shared expert, one after the other;
+- ``none``: sglang's DeepEP path without SBO (`DeepseekV2MoE.forward_deepep` in sglang 0.5.17,
+  `srt/models/deepseek_v2.py` lines 1263-1280 and 1457-1465): after the router GEMM the shared
+  expert runs on the alternate stream while dispatch, the routed experts and combine run on the
+  compute stream, which waits for it before the sum. Down GEMM: ours on all SMs, no signals.
+- ``deepgemm``: the same with DeepGEMM's masked grouped GEMM as the down GEMM
+  (`deep_gemm.fp8_m_grouped_gemm_nt_masked` of sgl-deep-gemm 0.1.5.post1, sglang 0.5.17's pin),
+  called as sglang's `deep_gemm_wrapper.grouped_gemm_nt_f8f8bf16_masked` calls it without overlap
+  (no ``max_block_n``, scales through `get_mn_major_tma_aligned_tensor`): sglang's real baseline
+  for the down GEMM. Skipped, with the reason in the report, when `deep_gemm` does not import.
 - ``shared``: SBO's first half as sglang runs it on Hopper (`SboFlags.enable_dispatch_shared_one_
   stream_overlap`): dispatch-send, the shared expert on the same stream while the tokens travel,
   then dispatch-receive (DeepEP's receive hook);
-- ``full``: the shared half plus the down GEMM signalling DeepEP's combine-send per finished row
+- ``full@S``: the shared half plus the down GEMM signalling DeepEP's combine-send per finished row
   block (sglang's sm_90 contract, `low_latency_combine(..., overlap=True, packed_recv_count,
   comp_signal, block_m, threshold, num_sms)`, DeepEP PR #483): the GEMM on the compute stream
-  with all SMs but ``--combine-sms``, the combine on a second stream that waits for the GEMM's
-  start, exactly as sglang's `compute_overlap_args` and `_combine_core` arrange it.
+  with all SMs but ``S`` (``--combine-sms``, a list: sglang's `SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS`,
+  default 3 on Hopper), the combine on a second stream that waits for the GEMM's start, as
+  sglang's `compute_overlap_args` and `_combine_core` arrange it. ``--max-block-n 160`` applies
+  sglang's H20 rule (`SGLANG_DEEPGEMM_ON_H20`, `srt/layers/moe/moe_runner/deep_gemm.py` lines
+  652-654 in 0.5.17): 160 at ``expected_m <= 64``, else 256; only overlapped calls pass it.
 
 Each variant is captured in a CUDA graph (as sglang's decode runs) and timed over its replays with
-CUDA events (median over ``--repeats`` of ``--iters`` replays; the slowest rank's median is the
-layer time). If capture fails, the variant is timed eagerly and the table says so.
+CUDA events, the variants interleaved round by round (median over ``--repeats`` rounds of
+``--iters`` replays; the slowest rank's median is the layer time). If capture fails, the variant
+is timed eagerly and the table says so. Per ``full@S`` the report also holds the GEMM's and the
+combine-send's waves, derived from the tile and SM counts (`benchmarks/sbo_waves.py`).
 
-Correctness: every rank checks its layer output (after the eager warm-up and again after the
-timed graph replays) against a single-GPU torch reference of the same layer: float32 math on the
-dequantized FP8 weights, with the activations quantized the way the layer quantizes them (1x128,
-amax / 448) and the GEMM outputs rounded to bf16 like the kernels'. Pass: relative L2 error
-``||out - ref|| / ||ref|| <= --tol`` (default 2e-2) and all finite. The variants are also compared
-with ``none`` (same kernels, so the difference should be 0 or a few bf16 ulps).
+Correctness: every rank checks its layer output after the eager warm-up against a single-GPU
+torch reference of the same layer: float32 math on the dequantized FP8 weights, with the
+activations quantized the way the layer quantizes them (1x128, amax / 448) and the GEMM outputs
+rounded to bf16 like the kernels'. Pass: relative L2 error ``||out - ref|| / ||ref|| <= --tol``
+(default 2e-2) and all finite. With ``--replay-check N``, N replays each get a fresh random input
+copied into the graphs' static input and NaN in every output buffer (the down GEMM's, the
+combine's, the layer's); ``none`` runs on it, then every checked variant, each compared bit for
+bit with ``none`` after every replay (`benchmarks/replay_check.py`); the last input is also held
+to the torch reference. Two more variants run there only: ``full_split@S`` (the down GEMM in two
+launches, the first expert with tokens last, the combine waiting for every signal: must equal
+``none``) and the must-fail control ``full_skip_wait@S`` (the same split, but that expert's
+signals handed to the combine already at the threshold, so it sends those rows before the GEMM
+writes them): the control must differ from ``none`` in at least one replay, or the run fails.
 
 ``--mode tbo``: prefill two-batch overlap. Per layer: an attention stand-in (two bf16 GEMMs,
 [T, 7168] x [7168, W] x [W, 7168], W = ``--attn-width``; about the FLOPs of DeepSeek-V3's MLA at
@@ -59,7 +80,8 @@ With 256 experts on 2 GPUs each GPU holds 128 experts; ``--num-experts 32`` give
 With one GPU (``--gpus 1``) DeepEP copies every token to its own rank (no peer, no NIC): the
 ``full`` variant then runs the real chain, our down GEMM signalling DeepEP's combine, and its
 output and hang-freedom are checked, but there is no traffic to hide, so its time against
-``none`` is SBO's overhead, not its gain.
+``none`` is SBO's overhead, not its gain. The send SMs copy every row themselves there, so
+their number sets the combine-send's speed (docs/sbo.md).
 
 Run (one process per GPU is spawned; from the repository root)::
 
@@ -92,6 +114,7 @@ os.environ.setdefault("PYTHONUNBUFFERED", "1")
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import math
 import statistics
@@ -129,6 +152,10 @@ def _import_from_tree() -> str:
 KERNELS_FROM = _import_from_tree()
 from sglang_pd.kernels import signal_gemm as sg  # noqa: E402
 from sglang_pd.sglang_patches import status  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the helper modules beside this script
+import replay_check  # noqa: E402
+import sbo_waves  # noqa: E402
 
 # %%
 # DeepSeek-V3's MoE layer
@@ -230,8 +257,17 @@ class Weights:
 
 
 def route(x: torch.Tensor, w: Weights, idx_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    t, e = x.shape[0], w.num_experts
-    scores = (x @ w.router.t()).float().sigmoid()
+    return top_k(router_logits(x, w), w, idx_dtype)
+
+
+def router_logits(x: torch.Tensor, w: Weights) -> torch.Tensor:
+    """The router GEMM (sglang's `self.gate`): the shared expert forks off after it."""
+    return x @ w.router.t()
+
+
+def top_k(logits: torch.Tensor, w: Weights, idx_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    t, e = logits.shape[0], w.num_experts
+    scores = logits.float().sigmoid()
     choice = scores + w.router_bias
     groups = choice.view(t, N_GROUP, e // N_GROUP).topk(2, dim=-1).values.sum(-1)
     keep = torch.zeros_like(groups).scatter_(1, groups.topk(TOPK_GROUP, dim=-1).indices, 1.0).bool()
@@ -251,7 +287,7 @@ def route(x: torch.Tensor, w: Weights, idx_dtype: torch.dtype) -> tuple[torch.Te
 def _silu_mul_quant_kernel(
     h_ptr, q_ptr, s_ptr, masked_m_ptr,
     INTER,
-    stride_he, stride_hm, stride_qe, stride_qm, stride_se, stride_sm,
+    stride_he, stride_hm, stride_qe, stride_qm, stride_se, stride_sm, stride_sk,
     BLOCK_ROWS: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     """act = silu(gate) * up for rows < masked_m[e]; FP8 with one scale per row per GROUP columns."""
@@ -266,18 +302,22 @@ def _silu_mul_quant_kernel(
     amax = tl.maximum(tl.max(tl.abs(act), axis=1), 1e-4)
     q = (act * (448.0 / amax)[:, None]).to(tl.float8e4nv)
     tl.store(q_ptr + e * stride_qe + rows[:, None] * stride_qm + cols[None, :], q, mask=ok[:, None])
-    tl.store(s_ptr + e * stride_se + rows * stride_sm + tl.program_id(2), amax / 448.0, mask=ok)
+    tl.store(s_ptr + e * stride_se + rows * stride_sm + tl.program_id(2) * stride_sk, amax / 448.0, mask=ok)
 
 
 def silu_mul_quant(h: torch.Tensor, masked_m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[E, M, 2I] bf16 -> ([E, M, I] FP8, [E, M, I/128] float32); rows >= masked_m[e] are left unwritten."""
+    """[E, M, 2I] bf16 -> ([E, M, I] FP8, [E, M, I/128] float32); rows >= masked_m[e] are left unwritten.
+
+    The scales come out MN-major (rows adjacent), the layout sglang's fused SiLU-and-mul hands the
+    down GEMM and DeepGEMM's TMA wants, so that no variant pays a transpose."""
     e, m, two_i = h.shape
     inter = two_i // 2
     q = torch.empty(e, m, inter, dtype=FP8, device=h.device)
-    s = torch.empty(e, m, inter // BLOCK, dtype=torch.float32, device=h.device)
+    s = torch.empty(e, inter // BLOCK, m, dtype=torch.float32, device=h.device).transpose(1, 2)
     grid = (e, triton.cdiv(m, 16), inter // BLOCK)
     _silu_mul_quant_kernel[grid](
-        h, q, s, masked_m, inter, h.stride(0), h.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
+        h, q, s, masked_m, inter, h.stride(0), h.stride(1), q.stride(0), q.stride(1),
+        s.stride(0), s.stride(1), s.stride(2),
         BLOCK_ROWS=16, GROUP=BLOCK,
     )  # fmt: skip
     return q, s
@@ -297,15 +337,36 @@ def act_quant(h: torch.Tensor, masked_m: torch.Tensor) -> tuple[torch.Tensor, to
     return silu_mul_quant(h, masked_m) if ACT_IMPL["name"] == "triton" else silu_mul_quant_torch(h)
 
 
-#: The down GEMM's widest N tile (`--max-block-n`): sglang passes 160 on H20 at expected_m <= 64, else 256.
-DOWN_MAX_BLOCK_N = [256]
+def full_max_block_n(rule: int, expected_m: int) -> int:
+    """``max_block_n`` of an overlapped down GEMM under ``--max-block-n`` (sglang's runner, see the
+    docstring): 160 is sglang's H20 rule, which applies at ``expected_m <= 64`` only."""
+    return 160 if rule == 160 and expected_m <= 64 else 256
+
+
+def load_deep_gemm() -> tuple[Any, str | None]:
+    """DeepGEMM (sgl-deep-gemm) for the ``deepgemm`` variant, or None and why it cannot run."""
+    try:
+        import deep_gemm
+    except Exception as exc:  # the baseline is optional; the report says why it is missing
+        return None, f"deep_gemm does not import: {type(exc).__name__}: {exc}"
+    if not hasattr(deep_gemm, "fp8_m_grouped_gemm_nt_masked"):
+        return None, f"deep_gemm {getattr(deep_gemm, '__version__', '?')} has no fp8_m_grouped_gemm_nt_masked"
+    return deep_gemm, None
+
+
+def mn_major_scales(deep_gemm: Any, sf: torch.Tensor) -> torch.Tensor:
+    """sglang's `get_mn_major_tma_aligned_tensor` wrapper (`srt/layers/deep_gemm_wrapper/entrypoint.py`
+    in 0.5.17): keep ``sf`` itself when DeepGEMM would only alias it."""
+    out = deep_gemm.get_mn_major_tma_aligned_tensor(sf)
+    return sf if out.data_ptr() == sf.data_ptr() else out
 
 
 class Experts:
-    """The grouped GEMMs of one rank: ours (default) or torch on dequantized weights (``--up-gemm torch``)."""
+    """The grouped GEMMs of one rank: ours (default) or torch on dequantized weights (``--up-gemm torch``)
+    for the up/gate GEMM; ours, with or without signals, or DeepGEMM's for the down GEMM."""
 
-    def __init__(self, w: Weights, up_impl: str, num_sms: int) -> None:
-        self.w, self.up_impl, self.num_sms = w, up_impl, num_sms
+    def __init__(self, w: Weights, up_impl: str, num_sms: int, deep_gemm: Any = None) -> None:
+        self.w, self.up_impl, self.num_sms, self.deep_gemm = w, up_impl, num_sms, deep_gemm
         self._up_bf16: torch.Tensor | None = None
 
     def up(self, a: torch.Tensor, a_s: torch.Tensor, masked_m: torch.Tensor, expected_m: int) -> torch.Tensor:
@@ -322,14 +383,23 @@ class Experts:
         return out
 
     def down(
-        self, a: torch.Tensor, a_s: torch.Tensor, masked_m: torch.Tensor, expected_m: int,
-        signal: torch.Tensor | None = None, num_sms: int | None = None,
+        self, a: torch.Tensor, a_s: torch.Tensor, masked_m: torch.Tensor, expected_m: int, *,
+        out: torch.Tensor | None = None, signal: torch.Tensor | None = None, num_sms: int | None = None,
+        max_block_n: int = 256, impl: str = "ours",
     ) -> tuple[torch.Tensor, tuple[int | None, int | None]]:  # fmt: skip
         e, m, _ = a.shape
-        out = torch.empty(e, m, HIDDEN, dtype=torch.bfloat16, device=a.device)
+        if out is None:
+            out = torch.empty(e, m, HIDDEN, dtype=torch.bfloat16, device=a.device)
+        if impl == "deepgemm":
+            if self.deep_gemm is None:
+                raise RuntimeError("the deepgemm variant needs deep_gemm (see the report's deepgemm_skipped)")
+            self.deep_gemm.fp8_m_grouped_gemm_nt_masked(
+                (a, mn_major_scales(self.deep_gemm, a_s)), (self.w.down_q, self.w.down_s), out, masked_m, expected_m
+            )
+            return out, (None, None)
         ret = sg.fp8_m_grouped_gemm_nt_masked(
             (a, a_s), (self.w.down_q, self.w.down_s), out, masked_m, expected_m,
-            max_block_n=DOWN_MAX_BLOCK_N[0], enable_overlap=signal is not None, signal=signal,
+            max_block_n=max_block_n, enable_overlap=signal is not None, signal=signal,
             signal_layout="sglang", num_sms=num_sms,
         )  # fmt: skip
         return out, ret
@@ -393,7 +463,7 @@ def compare(out: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
 # ------
 
 
-def time_replays(fn: Callable[[], None], iters: int, repeats: int) -> list[float]:
+def time_replays(fn: Callable[[], Any], iters: int, repeats: int) -> list[float]:
     """Median-ready list of microseconds per call: ``repeats`` times ``iters`` calls between two events."""
     times = []
     for _ in range(repeats):
@@ -404,6 +474,16 @@ def time_replays(fn: Callable[[], None], iters: int, repeats: int) -> list[float
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000.0 / iters)
+    return times
+
+
+def time_interleaved(fns: dict[str, Callable[[], Any]], iters: int, repeats: int) -> dict[str, list[float]]:
+    """``time_replays`` of several variants, one round of each in turn: drift of the clocks over
+    the run spreads over all of them instead of favouring the one timed first."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name] += time_replays(fn, iters, 1)
     return times
 
 
@@ -445,73 +525,135 @@ def read_on_side_stream(t: torch.Tensor, timeout_s: float = 5.0) -> torch.Tensor
 
 
 # %%
-# Decode: DeepEP low-latency, three variants
-# ------------------------------------------
+# Decode: DeepEP low-latency
+# --------------------------
+
+#: Timed and checked: sglang without SBO (ours, DeepGEMM's down GEMM), SBO's first half; ``full@S``
+#: follow, one per ``--combine-sms``.
+BASELINES = ("none", "deepgemm", "shared")
+#: Replay check only: the down GEMM in two launches with every wait (must equal ``none``), and the
+#: same with one expert's waits skipped (the must-fail control).
+SPLIT, SKIP_WAIT = "full_split", "full_skip_wait"
+OVERLAPPED = ("full", SPLIT, SKIP_WAIT)
+
+
+def parse_variant(name: str) -> tuple[str, int | None]:
+    """``"full@16"`` -> ``("full", 16)``; ``"none"`` -> ``("none", None)``."""
+    base, _, sms = name.partition("@")
+    if base not in (*BASELINES, *OVERLAPPED) or bool(sms) != (base in OVERLAPPED):
+        raise ValueError(f"unknown decode variant {name!r}: use one of {BASELINES} or full@S, {SPLIT}@S, {SKIP_WAIT}@S")
+    return base, int(sms) if sms else None
 
 
 class DecodeLayer:
-    """One decode MoE layer on one rank; ``__call__(x, variant)`` enqueues it (capturable in a CUDA graph)."""
+    """One decode MoE layer on one rank; ``__call__(x, variant)`` enqueues it (capturable in a CUDA graph).
 
-    VARIANTS = ("none", "shared", "full")
+    The down GEMM's, the combine's and the layer's outputs live in buffers kept across calls, as in
+    sglang's captured graphs, so that the replay check can fill them with NaN before each replay."""
 
     def __init__(
-        self, buffer: Any, w: Weights, experts: Experts, world: int, combine_sms: int, idx_dtype: torch.dtype
+        self, buffer: Any, w: Weights, experts: Experts, world: int, idx_dtype: torch.dtype, max_block_n_rule: int
     ) -> None:
         self.buffer, self.w, self.experts, self.world = buffer, w, experts, world
-        self.combine_sms = combine_sms
-        self.idx_dtype = idx_dtype
+        self.idx_dtype, self.max_block_n_rule = idx_dtype, max_block_n_rule
         self.num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         self.alt = torch.cuda.Stream()
         self.m_max = world * MAX_DISPATCH_TOKENS
         # sglang's sm_90 allocation: int32[E_local * ceil(M_max / 64)] (DeepEP asserts exactly this size)
         self.signal = torch.zeros(w.num_local * triton.cdiv(self.m_max, 64), dtype=torch.int32, device="cuda")
+        self.unread_signal = torch.zeros_like(self.signal)  # the control's late launch signals here
+        self.down_out = torch.empty(w.num_local, self.m_max, HIDDEN, dtype=torch.bfloat16, device="cuda")
+        self.combined = self.final = torch.empty(0, HIDDEN, dtype=torch.bfloat16, device="cuda")
         self.last: dict[str, Any] = {}
+
+    def set_tokens(self, t: int) -> None:
+        self.combined = torch.empty(t, HIDDEN, dtype=torch.bfloat16, device="cuda")
+        self.final = torch.empty_like(self.combined)
+
+    def poison(self) -> None:
+        """NaN in every output buffer: a row read before it is written shows."""
+        for buf in (self.down_out, self.combined, self.final):
+            buf.fill_(float("nan"))
 
     def expected_m(self, t: int) -> int:
         return max(1, min(self.m_max, triton.cdiv(t * self.world * TOP_K, self.w.num_experts)))
 
     def __call__(self, x: torch.Tensor, variant: str) -> torch.Tensor:
+        base, sms = parse_variant(variant)
         w, ex = self.w, self.experts
-        topk_idx, topk_w = route(x, w, self.idx_dtype)
+        cur = torch.cuda.current_stream()
+        logits = router_logits(x, w)
+        shared: torch.Tensor | None = None
+        if base in ("none", "deepgemm"):  # sglang without SBO: the shared expert on the alternate stream
+            self.alt.wait_stream(cur)
+            with torch.cuda.stream(self.alt):
+                shared = ex.shared(x)
+                shared_done = self.alt.record_event()
+        topk_idx, topk_w = top_k(logits, w, self.idx_dtype)
         (recv_q, recv_s), recv_count, handle, _, hook = self.buffer.low_latency_dispatch(
             x, topk_idx, MAX_DISPATCH_TOKENS, w.num_experts, use_fp8=True, async_finish=False, return_recv_hook=True
         )
-        if variant == "none":
-            hook()
+        if shared is None:  # SBO's first half: the shared expert while the dispatched tokens travel
             shared = ex.shared(x)
-        else:  # the shared expert runs while the dispatched tokens travel (sglang's one-stream overlap)
-            shared = ex.shared(x)
-            hook()
+        hook()
         em = self.expected_m(x.shape[0])
         h = ex.up(recv_q, recv_s, recv_count, em)
         aq, as_ = act_quant(h, recv_count)
-        if variant in ("none", "shared"):
-            down, _ = ex.down(aq, as_, recv_count, em)
-            combined, _, hook = self.buffer.low_latency_combine(
-                down, topk_idx, topk_w, handle, async_finish=False, return_recv_hook=True
+        if sms is None:
+            ex.down(aq, as_, recv_count, em, out=self.down_out, impl="deepgemm" if base == "deepgemm" else "ours")
+            _, _, hook = self.buffer.low_latency_combine(
+                self.down_out, topk_idx, topk_w, handle, async_finish=False, return_recv_hook=True, out=self.combined
             )
             hook()
         else:
-            self.signal.zero_()
-            start = torch.cuda.Event()
-            start.record()
-            down, (block_m, threshold) = ex.down(
-                aq, as_, recv_count, em, signal=self.signal, num_sms=self.num_sms - self.combine_sms
-            )
-            # allocated on the compute stream, which reads it after joining: no cross-stream reuse of the block
-            combined = torch.empty(x.shape[0], HIDDEN, dtype=torch.bfloat16, device=x.device)
-            self.alt.wait_event(start)
-            with torch.cuda.stream(self.alt):
-                combined, _, hook = self.buffer.low_latency_combine(
-                    down, topk_idx, topk_w, handle, overlap=True, packed_recv_count=recv_count,
-                    comp_signal=self.signal, block_m=block_m, threshold=threshold, num_sms=self.combine_sms,
-                    async_finish=False, return_recv_hook=True, out=combined,
-                )  # fmt: skip
-                hook()
-            torch.cuda.current_stream().wait_stream(self.alt)
-            self.last.update(block_m=block_m, threshold=threshold)
+            self._overlapped(base, sms, aq, as_, recv_count, em, topk_idx, topk_w, handle)
+        if base in ("none", "deepgemm"):
+            cur.wait_event(shared_done)
+            if not torch.cuda.is_current_stream_capturing():
+                shared.record_stream(cur)  # allocated on the alternate stream, read on this one
+        torch.add(self.combined, shared, out=self.final)
         self.last.update(topk_idx=topk_idx, topk_w=topk_w, recv_count=recv_count)
-        return combined + shared
+        return self.final
+
+    def _overlapped(
+        self, base: str, sms: int, aq: torch.Tensor, as_: torch.Tensor, recv_count: torch.Tensor, em: int,
+        topk_idx: torch.Tensor, topk_w: torch.Tensor, handle: Any,
+    ) -> None:  # fmt: skip
+        """The down GEMM on ``num_sms - sms`` SMs signalling DeepEP's combine-send on the alternate
+        stream, which starts with the GEMM (sglang's `compute_overlap_args` and `_combine_core`).
+
+        ``full_split`` and ``full_skip_wait`` launch the GEMM twice: first for every expert but the
+        first one with tokens (``late``), then for ``late`` alone, with the same tile and programs, so
+        every row is computed as in ``full``. In ``full_skip_wait`` the late launch signals a buffer
+        the combine never reads and ``late``'s counters are handed to the combine already at the
+        threshold: it sends those rows before the late launch writes them."""
+        gemm = functools.partial(
+            self.experts.down, aq, as_, out=self.down_out, num_sms=self.num_sms - sms,
+            max_block_n=full_max_block_n(self.max_block_n_rule, em),
+        )  # fmt: skip
+        experts = torch.arange(recv_count.numel(), device=recv_count.device)
+        # The first expert with tokens (argmax gives the first maximum); no expert in `full`.
+        late = experts == (torch.argmax((recv_count > 0).to(torch.int32)) if base != "full" else -1)
+        self.signal.zero_()
+        start = torch.cuda.Event()
+        start.record()
+        _, (block_m, threshold) = gemm(torch.where(late, 0, recv_count), em, signal=self.signal)
+        assert block_m is not None and threshold is not None
+        self.alt.wait_event(start)
+        with torch.cuda.stream(self.alt):
+            if base == SKIP_WAIT:
+                blocks = triton.cdiv(self.m_max, block_m)
+                self.signal[: self.w.num_local * blocks].view(-1, blocks).masked_fill_(late[:, None], threshold)
+            _, _, hook = self.buffer.low_latency_combine(
+                self.down_out, topk_idx, topk_w, handle, overlap=True, packed_recv_count=recv_count,
+                comp_signal=self.signal, block_m=block_m, threshold=threshold, num_sms=sms,
+                async_finish=False, return_recv_hook=True, out=self.combined,
+            )  # fmt: skip
+            hook()
+        if base != "full":
+            gemm(torch.where(late, recv_count, 0), em, signal=self.signal if base == SPLIT else self.unread_signal)
+        torch.cuda.current_stream().wait_stream(self.alt)
+        self.last.update(block_m=block_m, threshold=threshold)
 
     def diagnose(self) -> str:
         sig = read_on_side_stream(self.signal)
@@ -527,12 +669,12 @@ class DecodeLayer:
         )
 
 
-def run_decode(rank: int, world: int, args: argparse.Namespace, report: dict[str, Any]) -> None:
+def run_decode(rank: int, world: int, args: argparse.Namespace, report: dict[str, Any], deep_gemm: Any) -> None:
     import deep_ep
 
     dev = torch.device("cuda", rank)
     w = Weights(args.num_experts, rank, world, args.seed, dev)
-    ex = Experts(w, args.up_gemm, torch.cuda.get_device_properties(dev).multi_processor_count)
+    ex = Experts(w, args.up_gemm, torch.cuda.get_device_properties(dev).multi_processor_count, deep_gemm)
     idx_dtype = getattr(deep_ep, "topk_idx_t", torch.int64)
     group = dist.new_group(list(range(world)))
     num_rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_DISPATCH_TOKENS, HIDDEN, world, args.num_experts)
@@ -545,13 +687,12 @@ def run_decode(rank: int, world: int, args: argparse.Namespace, report: dict[str
     rows: list[dict[str, Any]] = []
     report["decode"] = rows
     with destroyed_at_exit(buffer, rank):
-        for combine_sms in args.combine_sms:
-            layer = DecodeLayer(buffer, w, ex, world, combine_sms, idx_dtype)
-            for t in args.tokens:
-                rows.append(decode_one(rank, world, layer, t, args))
-                if rank == 0:
-                    print_decode_row(rows[-1])
-                    write_report(args.json, report)
+        layer = DecodeLayer(buffer, w, ex, world, idx_dtype, args.max_block_n)
+        for t in args.tokens:
+            rows.append(decode_one(rank, world, layer, t, args))
+            if rank == 0:
+                print_decode_row(rows[-1])
+                write_report(args.json, report)
 
 
 @contextlib.contextmanager
@@ -576,60 +717,158 @@ def peers_ok(ok: bool) -> bool:
     return bool(flag.item())
 
 
+def decode_variants(args: argparse.Namespace, deepgemm: bool) -> tuple[list[str], list[str]]:
+    """(timed variants, replay-check-only variants) in run order."""
+    timed = [v for v in BASELINES if v != "deepgemm" or deepgemm] + [f"full@{s}" for s in args.combine_sms]
+    extra = [f"{SPLIT}@{args.combine_sms[0]}", f"{SKIP_WAIT}@{args.combine_sms[0]}"] if args.replay_check else []
+    return timed, extra
+
+
 def decode_one(rank: int, world: int, layer: DecodeLayer, t: int, args: argparse.Namespace) -> dict[str, Any]:
-    """One batch size: eager warm-up and check, graph capture, timing, check after replays."""
+    """One batch size: eager warm-up and check, graph capture, interleaved timing, the replay check."""
     gen = torch.Generator(device="cuda")
     gen.manual_seed(args.seed + 17 * t + rank)
-    x = torch.randn(t, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
-    row: dict[str, Any] = {"tokens_per_rank": t, "combine_sms": layer.combine_sms, "variants": {}}
-    outputs: dict[str, torch.Tensor] = {}
+    x = torch.randn(t, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)  # the graphs' static input
+    layer.set_tokens(t)
+    em = layer.expected_m(t)
+    row: dict[str, Any] = {
+        "tokens_per_rank": t, "expected_m": em, "combine_sms": list(args.combine_sms),
+        "max_block_n_full": full_max_block_n(args.max_block_n, em), "variants": {}, "waves": {},
+    }  # fmt: skip
+    timed, extra = decode_variants(args, layer.experts.deep_gemm is not None)
+    runners: dict[str, Callable[[], Any]] = {}
+    graphs: list[Any] = []
+    none_out: torch.Tensor | None = None
     ref = None
-    for variant in DecodeLayer.VARIANTS:
+    for variant in timed + extra:
+        base, sms = parse_variant(variant)
         res: dict[str, Any] = {}
         row["variants"][variant] = res
         warm = False
         try:
-            for _ in range(2):  # warm-up: compiles, module loads, DeepEP buffer parity
+            started = time.perf_counter()
+            for i in range(2):  # warm-up: compiles, module loads, DeepEP buffer parity
                 out = layer(x, variant)
                 wait_or_die(rank, f"decode T={t} {variant} (eager)", args.hang_s, layer.diagnose)
+                if i == 0:
+                    res["first_call_s"] = round(time.perf_counter() - started, 3)
             if ref is None:
                 ref = reference_layer(x, layer.last["topk_idx"], layer.last["topk_w"], layer.w)
                 row["recv_tokens"] = int(layer.last["recv_count"].sum())
                 row["experts_without_tokens"] = int((layer.last["recv_count"] == 0).sum())
             res["eager_check"] = compare(out, ref)
-            outputs[variant] = out.clone()
-            if "none" in outputs and variant != "none":
-                res["max_abs_diff_vs_none"] = float((out.float() - outputs["none"].float()).abs().max())
-            if variant == "full":
+            if variant == "none":
+                none_out = out.clone()
+            elif none_out is not None:
+                res["max_abs_diff_vs_none"] = float((out.float() - none_out.float()).abs().max())
+                res["bit_equal_vs_none"] = bool(torch.equal(replay_check.bits(out), replay_check.bits(none_out)))
+            if base in OVERLAPPED and sms is not None:
                 res["block_m"], res["threshold"] = layer.last["block_m"], layer.last["threshold"]
+                if base == "full":
+                    row["waves"][str(sms)] = derived_waves(layer, em, sms)
             warm = True
         except Exception as exc:
             res["error"] = f"{type(exc).__name__}: {exc}"
             log(rank, f"decode T={t} {variant} FAILED: {res['error']}\n{traceback.format_exc()}")
         if not peers_ok(warm):
             res.setdefault("error", "skipped: a peer rank failed this variant's warm-up")
+            continue
+        try:
+            graph, _, how = capture(rank, lambda v=variant: layer(x, v), args)  # type: ignore[misc]
+            res["timing"] = how
+            if graph is not None:
+                graphs.append(graph)
+            runners[variant] = graph.replay if graph is not None else functools.partial(layer, x, variant)
+        except Exception as exc:
+            res["error"] = f"{type(exc).__name__}: {exc}"
+            log(rank, f"decode T={t} {variant} FAILED: {res['error']}\n{traceback.format_exc()}")
+    # Every rank must replay the same graphs in the same order (DeepEP's kernels wait for their peers).
+    captured: list[list[str]] = [[] for _ in range(world)]
+    dist.all_gather_object(captured, sorted(runners))
+    for variant in [v for v in runners if not all(v in names for names in captured)]:
+        del runners[variant]
+        row["variants"][variant].setdefault("error", "skipped: not captured on every rank")
+    timing = {v: runners[v] for v in timed if v in runners}
+    if timing:
+        dist.barrier()
+        samples = time_interleaved(timing, args.iters, args.repeats)
+        wait_or_die(rank, f"decode T={t} (timed)", args.hang_s, layer.diagnose)
+        for variant, times in samples.items():
+            res = row["variants"][variant]
+            res["us"], res["us_min"], res["us_rounds"] = statistics.median(times), min(times), times
+    if args.replay_check and "none" in runners:
+        row["replay_check"] = run_replay_check(rank, layer, runners, x, t, args)
+    for variant, res in row["variants"].items():
+        c = res.get("eager_check")
+        if parse_variant(variant)[0] == SKIP_WAIT:  # a control: judged by whether the replay check caught it
+            tally = row.get("replay_check", {}).get("tallies", {}).get(variant)
+            res["ok"] = "error" not in res and bool(tally) and tally["ok"]
         else:
-            try:
-                graph, static_out, how = capture(rank, lambda v=variant: layer(x, v), args)  # type: ignore[misc]
-                res["timing"] = how
-                run = graph.replay if graph is not None else (lambda v=variant: layer(x, v))  # type: ignore[misc]
-                dist.barrier()
-                times = time_replays(run, args.iters, args.repeats)
-                wait_or_die(rank, f"decode T={t} {variant} (timed)", args.hang_s, layer.diagnose)
-                res["us"] = statistics.median(times)
-                res["us_min"] = min(times)
-                if graph is not None and static_out is not None:
-                    res["replay_check"] = compare(static_out, ref)
-                del graph, static_out
-            except Exception as exc:
-                res["error"] = f"{type(exc).__name__}: {exc}"
-                log(rank, f"decode T={t} {variant} FAILED: {res['error']}\n{traceback.format_exc()}")
-        checks = [res.get(k) for k in ("eager_check", "replay_check") if res.get(k)]
-        res["ok"] = (
-            "error" not in res and bool(checks) and all(c["finite"] and c["rel_err"] <= args.tol for c in checks)
-        )
+            res["ok"] = "error" not in res and bool(c) and c["finite"] and c["rel_err"] <= args.tol
+    del graphs, runners
     torch.cuda.empty_cache()
     return gather_row(rank, world, row)
+
+
+def derived_waves(layer: DecodeLayer, em: int, sms: int) -> dict[str, Any]:
+    """The GEMM's and the combine-send's waves for the last call's token counts (`sbo_waves`)."""
+    max_block_n = full_max_block_n(layer.max_block_n_rule, em)
+    config = sg.pick_config(
+        em, max_block_n, sg.SIGNAL_SGLANG, warp_specialized=sg.ws_usable(torch.cuda.current_device())
+    )
+    block_m, threshold = layer.last["block_m"], layer.last["threshold"]
+    waves = sbo_waves.describe(
+        layer.last["recv_count"].tolist(), block_m=block_m, n_blocks=threshold, programs=layer.num_sms - sms,
+        expected_m=em, m_max=layer.m_max, warp_specialized=isinstance(config, sg.WsConfig), send_sms=sms,
+    )  # fmt: skip
+    waves["config"] = repr(config)
+    if config.block_m != block_m:
+        waves["warning"] = f"pick_config gives block_m {config.block_m}, the GEMM returned {block_m}"
+    return waves
+
+
+def run_replay_check(
+    rank: int, layer: DecodeLayer, runners: dict[str, Callable[[], Any]], x: torch.Tensor, t: int,
+    args: argparse.Namespace,
+) -> dict[str, Any]:  # fmt: skip
+    """``--replay-check`` replays, each on a fresh random input copied into the graphs' static input
+    and with NaN in every output buffer: ``none``, then each checked variant, compared bit for bit
+    with ``none`` after every replay (counted on the GPU, read back at the end)."""
+    checked = [v for v in runners if parse_variant(v)[0] not in ("none", "deepgemm")]  # same kernels as none
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(args.seed + 7919 + 31 * t + rank)
+    replays = args.replay_check
+    mismatched = torch.zeros(replays, len(checked), dtype=torch.int64, device="cuda")
+    nonfinite = torch.zeros(replays, dtype=torch.int64, device="cuda")
+    baseline = torch.empty_like(layer.final)
+    started = time.monotonic()
+    for i in range(replays):
+        x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))
+        layer.poison()
+        runners["none"]()
+        baseline.copy_(layer.final)
+        nonfinite[i] = (~torch.isfinite(baseline)).sum()
+        for j, variant in enumerate(checked):
+            layer.poison()
+            runners[variant]()
+            mismatched[i, j] = replay_check.mismatched_elements(layer.final, baseline)
+        if (i + 1) % 100 == 0:
+            wait_or_die(rank, f"decode T={t} replay check, replay {i + 1}", args.hang_s, layer.diagnose)
+    wait_or_die(rank, f"decode T={t} replay check", args.hang_s, layer.diagnose)
+    counts, bad = mismatched.cpu().tolist(), nonfinite.cpu().tolist()
+    tallies = {v: replay_check.ReplayTally(v, must_fail=parse_variant(v)[0] == SKIP_WAIT) for v in checked}
+    for i in range(replays):
+        for j, variant in enumerate(checked):
+            tallies[variant].add(i, counts[i][j], bad[i])
+    topk_idx, topk_w = route(x, layer.w, layer.idx_dtype)  # the last input's routing (deterministic)
+    return {
+        "replays": replays,
+        "seconds": round(time.monotonic() - started, 2),
+        "inputs": "fresh random input per replay, copied into the graphs' static input",
+        "poisoned": "NaN in the down GEMM's, the combine's and the layer's output before every replay",
+        "tallies": {v: tally.as_dict() for v, tally in tallies.items()},
+        "last_input_none_vs_torch": compare(baseline, reference_layer(x, topk_idx, topk_w, layer.w)),
+    }
 
 
 def capture(rank: int, fn: Callable[[], torch.Tensor], args: argparse.Namespace) -> tuple[Any, Any, str]:
@@ -653,7 +892,7 @@ def gather_row(rank: int, world: int, row: dict[str, Any]) -> dict[str, Any]:
     """Every rank's row on rank 0: times are the slowest rank's, checks must pass on all ranks."""
     rows: list[dict[str, Any]] = [{} for _ in range(world)]
     dist.all_gather_object(rows, row)
-    merged: dict[str, Any] = {k: v for k, v in rows[0].items() if k != "variants"}
+    merged: dict[str, Any] = {k: v for k, v in rows[0].items() if k not in ("variants", "replay_check")}
     merged["recv_tokens_per_rank"] = [r.get("recv_tokens") for r in rows]
     merged["variants"] = {}
     for variant in rows[0]["variants"]:
@@ -662,9 +901,7 @@ def gather_row(rank: int, world: int, row: dict[str, Any]) -> dict[str, Any]:
         if all("us" in p for p in per_rank):
             v["us"] = max(p["us"] for p in per_rank)
         v["timing"] = per_rank[0].get("timing", "-")
-        errs = [
-            c["rel_err"] for p in per_rank for c in (p.get(k) for k in ("eager_check", "replay_check", "check")) if c
-        ]
+        errs = [c["rel_err"] for p in per_rank for c in (p.get(k) for k in ("eager_check", "check")) if c]
         v["rel_err"] = max(errs) if errs else None
         diffs = [p["max_abs_diff_vs_none"] for p in per_rank if "max_abs_diff_vs_none" in p]
         v["max_abs_diff_vs_none"] = max(diffs) if diffs else None
@@ -672,32 +909,47 @@ def gather_row(rank: int, world: int, row: dict[str, Any]) -> dict[str, Any]:
         if errors:
             v["error"] = "; ".join(errors)
         merged["variants"][variant] = v
-    base = merged["variants"].get("none", {}).get("us")
-    merged["saving_pct"] = {
-        k: round(100.0 * (base - v["us"]) / base, 2)
-        for k, v in merged["variants"].items()
-        if k != "none" and base and "us" in v
-    }
+    for key, base_name in (("saving_pct", "none"), ("saving_pct_vs_deepgemm", "deepgemm")):
+        base = merged["variants"].get(base_name, {}).get("us")
+        merged[key] = {
+            k: round(100.0 * (base - v["us"]) / base, 2)
+            for k, v in merged["variants"].items()
+            if k != base_name and base and "us" in v
+        }
+    checks = [r["replay_check"] for r in rows if "replay_check" in r]
+    if len(checks) == world:
+        tallies = replay_check.merge_tallies([c["tallies"] for c in checks])
+        merged["replay_check"] = {
+            k: v for k, v in checks[0].items() if k not in ("tallies", "last_input_none_vs_torch")
+        }
+        merged["replay_check"]["tallies"] = tallies
+        merged["replay_check"]["last_input_none_vs_torch"] = [c["last_input_none_vs_torch"] for c in checks]
+        merged["replay_check"]["verdict"] = replay_check.summarize(tallies)
     return merged
 
 
 def print_decode_row(r: dict[str, Any]) -> None:
-    if r["tokens_per_rank"] == DECODE_TOKENS[0] or not getattr(print_decode_row, "header", False):
-        print(f"\n{'T/rank':>6} {'csms':>4} | {'none us':>9} {'shared us':>9} {'full us':>9} | "
-              f"{'shared %':>8} {'full %':>7} | {'rel err (max)':>13} {'full-none':>9} | ok  timing")  # fmt: skip
-        print_decode_row.header = True  # type: ignore[attr-defined]
+    """One line per token count: the times, full SBO against none, the checks."""
     v = r["variants"]
+    timed = [k for k in v if parse_variant(k)[0] in ("none", "deepgemm", "shared", "full")]
+    if not getattr(print_decode_row, "header", False):
+        cols = " ".join(f"{k:>9}" for k in timed)
+        fulls = " ".join(f"{k:>8}" for k in timed if k.startswith("full@"))
+        print(f"\n{'T/rank':>6} {'em':>4} {'bn':>4} | {cols} (us) | {fulls} (% slower than none) | ok  replays")
+        print_decode_row.header = True  # type: ignore[attr-defined]
 
     def us(k: str) -> str:
         return f"{v[k]['us']:9.1f}" if "us" in v.get(k, {}) else f"{'-':>9}"
 
-    errs = [x["rel_err"] for x in v.values() if x.get("rel_err") is not None]
-    diff = v.get("full", {}).get("max_abs_diff_vs_none")
+    slower = " ".join(
+        f"{-r['saving_pct'][k]:8.1f}" if k in r["saving_pct"] else f"{'-':>8}" for k in timed if k.startswith("full@")
+    )
+    check = r.get("replay_check", {}).get("verdict")
+    replays = "-" if check is None else ("ok" if check["ok"] else "FAILED: " + "; ".join(check["problems"]))
     print(
-        f"{r['tokens_per_rank']:>6} {r['combine_sms']:>4} | {us('none')} {us('shared')} {us('full')} | "
-        f"{r['saving_pct'].get('shared', float('nan')):8.1f} {r['saving_pct'].get('full', float('nan')):7.1f} | "
-        f"{max(errs) if errs else float('nan'):13.2e} {diff if diff is not None else float('nan'):9.2e} | "
-        f"{'yes' if all(x['ok'] for x in v.values()) else 'NO '} {v['none'].get('timing', '-')}",
+        f"{r['tokens_per_rank']:>6} {r['expected_m']:>4} {r['max_block_n_full']:>4} | "
+        f"{' '.join(us(k) for k in timed)} | {slower} | {'yes' if all(x['ok'] for x in v.values()) else 'NO '} "
+        f"{replays}",
         flush=True,
     )
     for k, x in v.items():
@@ -1019,6 +1271,23 @@ def deepep_info() -> dict[str, Any]:
     return info
 
 
+def deepgemm_baseline(rank: int, args: argparse.Namespace, report: dict[str, Any]) -> Any:
+    """DeepGEMM for the ``deepgemm`` variant on every rank, or on none (the report says why)."""
+    deep_gemm, why = (None, "--no-deepgemm") if args.no_deepgemm else load_deep_gemm()
+    flag = torch.tensor([int(deep_gemm is not None)], dtype=torch.int32, device="cuda")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # every rank runs the same variants
+    if deep_gemm is not None and not int(flag.item()):
+        deep_gemm, why = None, "deep_gemm does not import on another rank"
+    info: dict[str, Any] = {"skipped": why} if deep_gemm is None else {
+        "version": getattr(deep_gemm, "__version__", "?"), "file": deep_gemm.__file__,
+        "num_sms": deep_gemm.get_num_sms(), "jit_cache": os.environ.get("DG_JIT_CACHE_DIR", "~/.deep_gemm"),
+    }  # fmt: skip
+    report["deepgemm"] = info
+    if rank == 0:
+        log(rank, f"DeepGEMM baseline: {info}")
+    return deep_gemm
+
+
 # %%
 # Processes
 # ---------
@@ -1026,7 +1295,6 @@ def deepep_info() -> dict[str, Any]:
 
 def worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
     torch.cuda.set_device(rank)
-    DOWN_MAX_BLOCK_N[0] = args.max_block_n
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))  # fmt: skip
     report: dict[str, Any] = {
@@ -1064,7 +1332,8 @@ def worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
             ACT_IMPL["name"] = "torch"
         report["up_gemm"], report["silu_mul_quant"] = args.up_gemm, ACT_IMPL["name"]
         if args.mode == "decode":
-            run_decode(rank, world, args, report)
+            deep_gemm = deepgemm_baseline(rank, args, report)
+            run_decode(rank, world, args, report, deep_gemm)
         else:
             run_tbo(rank, world, args, report)
         report["complete"] = True
@@ -1089,13 +1358,15 @@ def main() -> None:
     p.add_argument("--num-experts", type=int, default=256)
     p.add_argument("--gpus", type=int, default=0, help="processes, one per GPU (default: all visible)")
     p.add_argument("--combine-sms", type=lambda s: [int(v) for v in s.split(",")], default=[3],
-                   help="SMs for DeepEP's combine-send in full SBO (sglang's Hopper default: 3)")  # fmt: skip
+                   help="SMs for DeepEP's combine-send in full SBO, comma-separated: one full@S variant each "
+                   "(sglang's Hopper default: 3); the first is the one the replay check's controls use")  # fmt: skip
     p.add_argument(
         "--max-block-n",
         type=int,
         choices=(160, 256),
         default=256,
-        help="the down GEMM's widest N tile, as sglang's runner passes it (160: H20 at m <= 64)",
+        help="the overlapped down GEMM's widest N tile rule: 256, or 160 = sglang's H20 rule (160 at "
+        "expected_m <= 64, else 256)",
     )
     p.add_argument("--up-gemm", choices=("ours", "torch"), default="ours",
                    help="up/gate GEMM: our masked FP8 kernel, or torch on dequantized bf16 weights")  # fmt: skip
@@ -1107,6 +1378,10 @@ def main() -> None:
     p.add_argument("--ref-tokens", type=int, default=64, help="tbo: tokens per rank checked against the reference")
     p.add_argument("--tol", type=float, default=2e-2)
     p.add_argument("--no-graph", action="store_true", help="decode: time eagerly")
+    p.add_argument("--replay-check", type=int, default=0, metavar="N",
+                   help="decode: N replays on fresh inputs with poisoned outputs, every variant compared bit for bit "
+                   "with none after each, plus the must-fail control (0: off)")  # fmt: skip
+    p.add_argument("--no-deepgemm", action="store_true", help="decode: leave out the deepgemm variant")
     p.add_argument("--hang-s", type=float, default=60.0, help="a step not done after this long is reported as hung")
     p.add_argument("--deadline-s", type=float, default=0, help="stop all ranks after this many seconds (0: none)")
     p.add_argument("--port", type=int, default=27311)
@@ -1120,6 +1395,10 @@ def main() -> None:
     if args.num_experts % world or args.num_experts % N_GROUP or args.num_experts // N_GROUP * TOPK_GROUP < TOP_K:
         raise SystemExit(f"--num-experts {args.num_experts}: must divide by {world} GPUs and {N_GROUP} groups, "
                          f"with at least {TOP_K} experts in the top {TOPK_GROUP} groups")  # fmt: skip
+    if len(set(args.combine_sms)) != len(args.combine_sms) or min(args.combine_sms) < 1:
+        raise SystemExit(f"--combine-sms {args.combine_sms}: give distinct positive SM counts, e.g. 3,8,16,24,32")
+    if args.replay_check < 0:
+        raise SystemExit(f"--replay-check {args.replay_check}: give a number of replays, or 0 to leave the check out")
     if args.mode == "decode" and max(args.tokens) > MAX_DISPATCH_TOKENS:
         raise SystemExit(f"decode tokens per rank must be <= {MAX_DISPATCH_TOKENS} (DeepEP's dispatch budget)")
     if world % 8:
