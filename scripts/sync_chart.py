@@ -2,8 +2,10 @@
 
 - `helm/sglang-pd/values.schema.json`: the chart's own keys are written by hand; `$defs` and the
   `topology` property come from `sglang_pd.deploy.spec.topology.Topology`, so `helm install` rejects a
-  bad topology with the same field rules as `sglang-pd plan`; `preset` lists the shipped presets.
-- `helm/sglang-pd/files/presets/*.yaml`: copies of `deploy/spec/presets/*.yaml` the chart can load.
+  bad topology with the same field rules as `sglang-pd plan`; `preset` lists the presets the chart runs.
+- `helm/sglang-pd/files/presets/*.yaml`: copies of the `deploy/spec/presets/*.yaml` the chart runs: all but
+  the colocated ones (`hardware.colocated: true`, e.g. `single-h200`), whose prefill and decode share one
+  node's GPUs as `sglang-pd up` runs them; the chart gives each instance and group pods of its own.
 - `helm/sglang-pd/files/topology-defaults.yaml`: the models' defaults for the keys templates read
   (ports, counts), so a topology that omits them renders as `sglang-pd launch` will run it.
 - `helm/sglang-pd/files/topology-fields.yaml`: the topology's keys, nested as its models are, so that the
@@ -42,8 +44,8 @@ REQUIRED = CHART / "files" / "topology-required.yaml"
 # The topology keys the chart's templates read; their defaults come from the pydantic models.
 READ_BY_TEMPLATES = {
     "model": ["served_name", "page_size", "context_length"],
-    "prefill": ["instances", "nodes", "port", "bootstrap_port", "max_running_requests"],
-    "decode": ["groups", "nodes", "port", "max_running_requests"],
+    "prefill": ["instances", "nodes", "port", "bootstrap_port", "attn_dp_size", "max_running_requests"],
+    "decode": ["groups", "nodes", "port", "attn_dp_size", "max_running_requests"],
     "transfer": ["backend", "protocol", "ib_devices"],
     "router": ["port"],
 }
@@ -58,6 +60,11 @@ def _strip_titles(node: Any) -> Any:
     return node
 
 
+def chart_presets() -> list[Path]:
+    """The shipped presets the chart offers: every one but those whose roles share one node's GPUs."""
+    return [p for p in sorted(PRESETS.glob("*.yaml")) if not yaml.safe_load(p.read_text())["hardware"].get("colocated")]
+
+
 def wanted_schema(current: dict[str, Any]) -> dict[str, Any]:
     topo = _strip_titles(Topology.model_json_schema())
     defs = topo.pop("$defs")
@@ -65,8 +72,9 @@ def wanted_schema(current: dict[str, Any]) -> dict[str, Any]:
     props = dict(current["properties"])
     props["preset"] = {
         "type": "string",
-        "description": "Shipped topology used when `topology` is empty",
-        "enum": sorted(p.stem for p in PRESETS.glob("*.yaml")),
+        "description": "Shipped topology used when `topology` is empty (the colocated one-node presets, "
+        "such as single-h200, are for `sglang-pd up` and not offered here)",
+        "enum": sorted(p.stem for p in chart_presets()),
     }
     # if/then rather than anyOf: Helm then reports only the topology's own problem (the bad key or type),
     # not one line per alternative that did not match.
@@ -118,7 +126,7 @@ def wanted_model_sizes() -> str:
 
 
 def wanted_presets() -> dict[str, str]:
-    return {p.name: p.read_text() for p in sorted(PRESETS.glob("*.yaml"))}
+    return {p.name: p.read_text() for p in chart_presets()}
 
 
 def main(argv: list[str]) -> int:

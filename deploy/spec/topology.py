@@ -440,9 +440,11 @@ def load_checked_topology(name: str | Path) -> tuple[Topology, RuleReport]:
 
 # What a GPU pod does before its /health answers, for the startup budget a pod needs (the chart's
 # defaults are the same numbers): download the checkpoint (hub only), read it into GPU memory, then
-# sglang's warm-up (DeepGEMM JIT compiles its kernels there, 10-20 minutes on a cold cache).
+# sglang's warm-up (DeepGEMM JIT compiles its kernels there, 10-20 minutes on a cold cache). The read
+# rate is what network filesystems (NFS, Lustre) often give one node, 0.5-1 GB/s: a probe that kills a
+# slow loader recreates its whole LeaderWorkerSet group, so the budget errs long.
 DEFAULT_DOWNLOAD_BYTES_PER_S = 500_000_000
-DEFAULT_LOAD_BYTES_PER_S = 2_000_000_000
+DEFAULT_LOAD_BYTES_PER_S = 1_000_000_000
 DEFAULT_WARMUP_S = 1200
 
 

@@ -162,9 +162,9 @@ def test_ports_agree_between_router_and_workers(render) -> None:
     docs = render({"topology": topology})
     prefill = one(docs, "LeaderWorkerSet", "-prefill")["spec"]["leaderWorkerTemplate"]["workerTemplate"]
     ann = prefill["metadata"]["annotations"]
-    assert (ann["sglang-pd/port"], ann["sglang-pd/bootstrap-port"]) == ("30000", "9100")
+    assert (ann["sglang-pd/port"], ann["sglang-pd/bootstrap-port"]) == ("8100", "9100")
     ports = {p["name"]: p["containerPort"] for p in prefill["spec"]["containers"][0]["ports"]}
-    assert ports == {"http": 30000, "bootstrap": 9100}
+    assert ports == {"http": 8100, "bootstrap": 9100}
     router = one(docs, "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]
     args = router["command"]
     assert args[args.index("--port") + 1] == "8080"
@@ -303,7 +303,8 @@ def test_too_small_startup_budget_is_refused(chart) -> None:
         chart.render(values, name="demo", namespace="llm")
     message = str(info.value)
     assert "decode.startupProbe: a startup budget of 1800s (failureThreshold x periodSeconds) cannot cover" in message
-    assert "At periodSeconds 10 that is failureThreshold >= 292." in message
+    # 684 GB: 1368 s download at 500 MB/s + 684 s read at 1 GB/s + 1200 s warm-up = 3252 s.
+    assert "At periodSeconds 10 that is failureThreshold >= 326." in message
 
 
 def test_unknown_model_needs_its_size_for_the_budget(chart, render) -> None:
@@ -312,8 +313,8 @@ def test_unknown_model_needs_its_size_for_the_budget(chart, render) -> None:
     with pytest.raises(helm_python.HelmError, match=r"model\.sizeBytes: the startup budget is derived"):
         chart.render({"topology": topology}, name="demo", namespace="llm")
     spec = _decode_leader(render({"topology": topology, "model": {"sizeBytes": 100_000_000_000}}))
-    # 100 GB: 200 s download + 50 s load + 1200 s warm-up in 10 s periods.
-    assert spec["containers"][0]["startupProbe"]["failureThreshold"] == 145
+    # 100 GB: 200 s download + 100 s read at 1 GB/s + 1200 s warm-up in 10 s periods.
+    assert spec["containers"][0]["startupProbe"]["failureThreshold"] == 150
 
 
 @pytest.mark.parametrize(

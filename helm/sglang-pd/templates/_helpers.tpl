@@ -169,7 +169,11 @@ Templates read it through "sglang-pd.topologyView"; the ConfigMap holds it verba
 {{- $file := printf "files/presets/%s.yaml" .Values.preset -}}
 {{- $text := .Files.Get $file -}}
 {{- if not $text -}}
-{{- fail (printf "\nVALUES VALIDATION:\npreset: %q is not a shipped preset (files/presets/*.yaml). Choose deepseek-r1-h200-1p1d, deepseek-v3-h20-3p2d, local-cpu, local-cpu-mla or single-h200, or set topology." .Values.preset) -}}
+{{- $offered := list -}}
+{{- range $path, $_ := .Files.Glob "files/presets/*.yaml" -}}
+{{- $offered = append $offered (base $path | trimSuffix ".yaml") -}}
+{{- end -}}
+{{- fail (printf "\nVALUES VALIDATION:\npreset: %q is not a preset the chart runs (files/presets/*.yaml). Choose %s, or set topology." .Values.preset (join ", " (sortAlpha $offered))) -}}
 {{- end -}}
 {{- $text | fromYaml | toYaml -}}
 {{- end -}}
@@ -347,11 +351,102 @@ Collect every values problem the schema cannot express, then fail once with each
 {{- $messages = append $messages (printf "topology.transfer.protocol: the reference engine's pods carry no RDMA NIC, but the protocol is %s. Set topology.transfer.protocol=tcp." (toString $t.transfer.protocol)) -}}
 {{- end -}}
 {{- end -}}
+{{- if and (eq .Values.rdma.mode "hostNetwork") (ne (include "sglang-pd.engine" .) "reference") (not .Values.allowNodePortRange) -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- range splitList "\n" (include "sglang-pd.nodePortProblems" (dict "role" $role "spec" (index $t $role))) -}}
+{{- if . -}}
+{{- $messages = append $messages . -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- $existing := include "sglang-pd.existingLeaderWorkerSet" (dict "role" $role "context" $) | fromJson -}}
+{{- with include "sglang-pd.resizeProblem" (dict "role" $role "existing" $existing "size" (index $t $role).nodes "context" $) -}}
+{{- $messages = append $messages . -}}
+{{- end -}}
+{{- end -}}
 {{- if and .Values.router.ingress.enabled (not .Values.router.ingress.host) -}}
 {{- $messages = append $messages "router.ingress.host: the Ingress needs a host name. Set --set router.ingress.host=llm.example.com." -}}
 {{- end -}}
 {{- if $messages -}}
 {{- printf "\nVALUES VALIDATION:\n%s" (join "\n" $messages) | fail -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Return one line per listening port of a host-network engine role that lies in Kubernetes' default NodePort
+range (30000-32767), where kube-proxy hands the port on every node to a NodePort Service allocated it: the
+role's HTTP port, the prefill's bootstrap port, and on a one-node instance with attention DP the ports sglang
+derives from its HTTP port (sglang 0.5.23 srt/server_args.py PortArgs.init_new, lines 817-848: port+233 and
+port+234..port+239; srt/managers/data_parallel_controller.py lines 501-509: port+13). A group of several nodes
+rendezvouses on --dist-init-addr's port 5000 and derives from it instead, outside the range.
+Call with (dict "role" "prefill" "spec" <the role's topology>).
+*/}}
+{{- define "sglang-pd.nodePortProblems" -}}
+{{- $inRange := dict -}}
+{{- $port := int .spec.port -}}
+{{- $fix := "or set allowNodePortRange=true if your cluster's --service-node-port-range leaves it out" -}}
+{{- $own := dict (printf "%s.port" .role) $port -}}
+{{- if eq .role "prefill" -}}
+{{- $_ := set $own "prefill.bootstrap_port" (int .spec.bootstrap_port) -}}
+{{- end -}}
+{{- range $key, $p := $own -}}
+{{- if and (ge $p 30000) (le $p 32767) }}
+{{ $key }}: {{ $p }} lies in Kubernetes' NodePort range 30000-32767, and with rdma.mode hostNetwork the engine listens on the node itself, where a NodePort Service given that port takes its traffic. Set topology {{ $key }} outside the range (the GPU presets use prefill.port 8100, prefill.bootstrap_port 8998, decode.port 8200), {{ $fix }}.
+{{- end -}}
+{{- end -}}
+{{- if and (gt (int .spec.attn_dp_size) 1) (eq (int .spec.nodes) 1) (or (lt $port 30000) (gt $port 32767)) -}}
+{{- $derived := list (add $port 13) -}}
+{{- range $i := until 7 -}}
+{{- $derived = append $derived (add $port 233 $i) -}}
+{{- end -}}
+{{- $hit := list -}}
+{{- range $derived -}}
+{{- if and (ge (int .) 30000) (le (int .) 32767) -}}
+{{- $hit = append $hit (toString .) -}}
+{{- end -}}
+{{- end -}}
+{{- if $hit }}
+{{ .role }}.port: {{ $port }} makes sglang also listen on {{ add $port 13 }} and {{ add $port 233 }}-{{ add $port 239 }} (attention DP on one node derives them from the HTTP port), and {{ join ", " $hit }} lie in Kubernetes' NodePort range 30000-32767, where a NodePort Service given one takes its traffic on a host-network node. Set topology {{ .role }}.port so that port+239 stays below 30000 or port+13 above 32767, {{ $fix }}.
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Return a role's LeaderWorkerSet as the cluster holds it now, as JSON: {} when there is none, when the cluster
+serves no LeaderWorkerSet API, and in offline rendering (`helm template`, --dry-run=client), where `lookup`
+reads nothing. Call with (dict "role" "decode" "context" $).
+*/}}
+{{- define "sglang-pd.existingLeaderWorkerSet" -}}
+{{- $ := .context -}}
+{{- if $.Capabilities.APIVersions.Has "leaderworkerset.x-k8s.io/v1/LeaderWorkerSet" -}}
+{{- lookup "leaderworkerset.x-k8s.io/v1" "LeaderWorkerSet" $.Release.Namespace (printf "%s-%s" (include "sglang-pd.fullname" $) .role) | toJson -}}
+{{- else -}}
+{}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Return why an upgrade cannot change the group size of a role's existing LeaderWorkerSet (.existing, as
+"sglang-pd.existingLeaderWorkerSet" returns it) to .size, or nothing. LeaderWorkerSet before 0.7.0 keeps
+spec.leaderWorkerTemplate.size immutable (lws v0.6.2 pkg/webhooks/leaderworkerset_webhook.go line 106);
+0.7.0 lets it change and rolls every group to the new size (lws PRs 576 and 601). An object served by 0.7.0
+or later always carries spec.rolloutStrategy.rollingUpdateConfiguration.partition, a field 0.7.0 added with a
+default of 0 (lws PR 563), which the API server fills in on every read; before 0.7.0 the CRD has no such field.
+Without this check the upgrade would stop half-applied: the topology ConfigMap changed, the LeaderWorkerSet
+refused, and the old groups would start on the new topology at their next restart.
+Call with (dict "role" "decode" "existing" <object> "size" <nodes> "context" $).
+*/}}
+{{- define "sglang-pd.resizeProblem" -}}
+{{- $spec := get (default dict .existing) "spec" | default dict -}}
+{{- $old := dig "leaderWorkerTemplate" "size" 0 $spec | int -}}
+{{- $new := int .size -}}
+{{- if and (gt $old 0) (ne $old $new) -}}
+{{- if not (hasKey (dig "rolloutStrategy" "rollingUpdateConfiguration" dict $spec) "partition") -}}
+{{- $name := printf "%s-%s" (include "sglang-pd.fullname" .context) .role -}}
+{{ .role }}.nodes: the LeaderWorkerSet {{ $name }} runs groups of {{ $old }} pods and this upgrade makes them {{ $new }}, but the cluster's LeaderWorkerSet is older than 0.7.0, which cannot change a group's size (its objects lack rolloutStrategy.rollingUpdateConfiguration.partition, which 0.7.0 added). Delete the LeaderWorkerSet first (kubectl -n {{ .context.Release.Namespace }} delete leaderworkerset {{ $name }}; its groups stop), then upgrade; or upgrade LeaderWorkerSet to 0.7.0 or later, which rolls the groups to the new size.
+{{- end -}}
 {{- end -}}
 {{- end -}}
 
