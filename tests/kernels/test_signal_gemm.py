@@ -225,15 +225,11 @@ def test_deepgemm_compatible_entry():
 # -------------------------------------------------------------------
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("layout", ["sglang", "deepep"])
-def test_signal_ordering_with_polling_consumer(layout):
-    """Over 1000 randomized runs, a consumer that copies each unit as soon as its signal completes
-    copies exactly the final output: no unit is ever announced before its rows are stored.
-    Only the shipped signal path (inline-PTX release) is held to this; Triton's own atomic path,
-    kept for comparison, is never picked (it costs +120 % in the flattened loop, kernels/README.md)."""
-    runs = int(os.environ.get("SIGNAL_ORDERING_RUNS", "1000"))
+def _ordering_runs(layout: str, runs: int, target_offset: int = 0) -> dict:
+    """``runs`` randomized runs of the GEMM with a consumer on another stream that copies each unit
+    as soon as its counter reaches the target (+ ``target_offset``: a negative offset makes the
+    consumer skip the last wait, a must-fail control). Counts the runs whose copy differs from the
+    final output, the units copied while the GEMM still ran, and the units the consumer gave up on."""
     E, M_max, N, K = 8, 256, 7168, 2048
     consumer_programs = 3
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count - consumer_programs
@@ -241,7 +237,7 @@ def test_signal_ordering_with_polling_consumer(layout):
     out = torch.empty(E, M_max, N, dtype=torch.bfloat16, device="cuda")
     copy = torch.empty_like(out)
     side = torch.cuda.Stream()
-    gen = torch.Generator().manual_seed(7 if layout == "sglang" else 8)
+    gen = torch.Generator().manual_seed((7 if layout == "sglang" else 8) + 100 * abs(target_offset))
 
     # One run of each kernel before the loop, so that no module load happens while a consumer spins:
     # with CUDA's lazy loading, a kernel's first launch loads its module, and that waits for the
@@ -277,7 +273,7 @@ def test_signal_ordering_with_polling_consumer(layout):
         copy.fill_(float("-inf"))
         cfg = pick(int(masked_m.float().mean().item()) or 1, (256, 256, 160, 160)[run % 4])
         signal = torch.zeros(E if per_expert else E * -(-M_max // cfg.block_m), dtype=torch.int32, device="cuda")
-        target = num_sms if per_expert else -(-N // cfg.block_n)
+        target = (num_sms if per_expert else -(-N // cfg.block_n)) + target_offset
         torch.cuda.synchronize()
         delay_consumer, delay_gemm = torch.randint(0, 20000, (2,), generator=gen).tolist()
         with torch.cuda.stream(side):
@@ -309,12 +305,41 @@ def test_signal_ordering_with_polling_consumer(layout):
             stuck.append((run, round(launch_s, 4), cfg, masked_m.tolist(), signal.tolist(), waited.tolist()))
         gave_up += int((waited == 2).sum().item())
         units += waited.numel()
-    assert gave_up == 0, f"the consumer gave up on {gave_up} units (target {target}): {stuck[:3]}"
-    assert mismatches == 0, f"{mismatches} of {runs} runs copied a unit before its rows were stored"
+    return {"runs": runs, "mismatches": mismatches, "waited_units": waited_units, "units": units,
+            "gave_up": gave_up, "stuck": stuck[:3], "target": target, "slowest_launch": slowest_launch}  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layout", ["sglang", "deepep"])
+def test_signal_ordering_with_polling_consumer(layout):
+    """Over 1000 randomized runs, a consumer that copies each unit as soon as its signal completes
+    copies exactly the final output: no unit is ever announced before its rows are stored.
+    Only the shipped signal path (inline-PTX release) is held to this; Triton's own atomic path,
+    kept for comparison, is never picked (it costs +120 % in the flattened loop, kernels/README.md)."""
+    r = _ordering_runs(layout, int(os.environ.get("SIGNAL_ORDERING_RUNS", "1000")))
+    assert r["gave_up"] == 0, f"the consumer gave up on {r['gave_up']} units (target {r['target']}): {r['stuck']}"
+    assert r["mismatches"] == 0, f"{r['mismatches']} of {r['runs']} runs copied a unit before its rows were stored"
     # The test only has teeth if the consumer really polled while the GEMM ran.
-    assert waited_units > 0, "the consumer never found an unfinished unit: no overlap happened"
-    print(f"{layout}: {runs} runs, {waited_units}/{units} units copied while the GEMM was running;"
-          f" slowest GEMM launch {slowest_launch[0] * 1e3:.1f} ms (run {slowest_launch[1]})")  # fmt: skip
+    assert r["waited_units"] > 0, "the consumer never found an unfinished unit: no overlap happened"
+    print(f"{layout}: {r['runs']} runs, {r['waited_units']}/{r['units']} units copied while the GEMM was running;"
+          f" slowest GEMM launch {r['slowest_launch'][0] * 1e3:.1f} ms (run {r['slowest_launch'][1]})")  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layout", ["sglang", "deepep"])
+def test_signal_ordering_control_a_consumer_that_skips_the_last_wait_is_caught(layout):
+    """The ordering test's must-fail control: the same runs with the consumer's target one below the
+    complete value (it copies a unit one tile or one program too early). The comparison must see
+    torn units; if it does not, the ordering test above could not see them either."""
+    r = _ordering_runs(layout, int(os.environ.get("SIGNAL_ORDERING_CONTROL_RUNS", "200")), target_offset=-1)
+    assert r["gave_up"] == 0, f"the consumer gave up on {r['gave_up']} units: {r['stuck']}"
+    assert r["mismatches"] > 0, (
+        f"control not caught: none of {r['runs']} runs with the wait skipped copied a torn unit "
+        f"({r['waited_units']}/{r['units']} units copied while the GEMM ran)"
+    )
+    print(f"{layout} control: {r['mismatches']} of {r['runs']} runs with the last wait skipped caught as torn")
 
 
 # %%
