@@ -1,26 +1,34 @@
 """Real sglang on one GPU: PD through our router, checked token for token against one plain server.
 
 Runs on a CUDA machine where sglang, its kernel package and Mooncake's CUDA build import (see
-`scripts/gpu/gpu_bundle.py` for a machine without internet). In order:
+`scripts/gpu/gpu_bundle.py` for a machine without internet). First it reads the commit from the
+tree (`tree_commit.py verify`: refused when the tree is not the recorded commit, unless
+--allow-dirty) and writes the preset's seeded weights (`seeded_checkpoint.py`) into the model folder
+sglang loads. Then, in order:
 
-1. `single`: one plain (non-PD) sglang server; greedy outputs of the prompts in five forms
-   (`/generate` plain and streamed, chat plain and streamed, the `openai` client); TTFT/ITL at
-   concurrency 1, 8 and 32; what it answers at the HTTP level (`record_sglang_http.py`), written
-   to `sglang-<version>-http.json` for the tests' stand-ins.
+1. `single`: one plain (non-PD) sglang server; greedy token ids of the prompts in five forms
+   (`/generate` plain and streamed, chat plain and streamed, the `openai` client); the same for the
+   control prompts and the context pair; TTFT/ITL at concurrency 1, 8 and 32; what it answers at
+   the HTTP level (`record_sglang_http.py`), written to `sglang-<version>-http.json`.
 2. `pd`: `sglang-pd up single-h200` with the router's default settings (prefill + decode sglang on
-   GPU 0, KV over Mooncake TCP); the same prompts must give the same tokens in all five forms;
-   usage counts; client disconnects abort both servers; 200 aborted requests leave KV usage at
-   idle; `sglang-pd eval gsm8k` end to end; TTFT/ITL through the router and straight to the two
-   servers (the latency the router adds); the decode server killed mid-stream.
+   GPU 0, KV over Mooncake TCP), with the check's KV-page fault armed but off
+   (`faults/pd_check_kv_fault.py`); the same prompts must give the same token ids in all five forms;
+   then the fault is switched on for the control prompts, whose outputs must differ; usage counts;
+   client disconnects abort both servers; 200 aborted requests leave KV usage at idle;
+   `sglang-pd eval gsm8k` end to end; TTFT/ITL through the router and straight to the two servers,
+   interleaved (the latency the router adds); the decode server killed mid-stream.
 3. `doctor`: `sglang-pd doctor` on this machine.
 
-Every wait has a stated limit: a server not ready within READY_S, or a stack whose router has no
-healthy prefill and decode within READY_S, fails the stage with each component's state (process
-alive, `/health`, the router's view of its workers, the log's last lines); the whole run stops
-after --deadline-s. Writes `report.json` (every check with its numbers, the commit checked) and the
+What must hold is in `pd_verdicts.py`: identity by token ids in every form, the context control
+(two prompts that end alike answer differently) and the fault control (a corrupted page shows).
+Each is a verdict in the report, and the run exits 1 when one fails. Every wait has a stated
+limit: a server not ready within READY_S, or a stack whose router has no healthy prefill and decode
+within READY_S, fails the stage with each component's state (process alive, `/health`, the
+router's view of its workers, the log's last lines); the whole run stops after --deadline-s.
+Writes `report.json` (every check with its numbers and evidence, the commit from the tree) and the
 servers' logs under --out.
 
-    python scripts/gpu/gpu_pd_check.py --out $OUT --gsm8k-data gsm8k-test.jsonl --commit SHA
+    python scripts/gpu/gpu_pd_check.py --out $OUT --gsm8k-data gsm8k-test.jsonl [--allow-dirty]
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -42,12 +51,16 @@ from typing import Any
 
 import aiohttp
 import httpx
+import pd_verdicts
+import seeded_checkpoint
+import tree_commit
 from record_sglang_http import record
 
 from sglang_pd.deploy.common.procs import Child, spawn
 
 REPO = Path(__file__).resolve().parents[2]
 TOPOLOGY = "single-h200"
+MODEL = "tiny-deepseek-v3"  # the preset's served name
 SINGLE_PORT = 31000
 ROUTER = "http://127.0.0.1:8000"
 PREFILL = "http://127.0.0.1:30000"
@@ -58,6 +71,17 @@ CONCURRENCIES = (1, 8, 32)
 # A cold start compiles FlashInfer's and sglang's JIT kernels (about 160 s on an H200); a second
 # server of the same model reuses the cache.
 READY_S = 420.0
+#: On the PYTHONPATH of the PD stack only (`fault_env`): its sitecustomize arms the KV-page fault.
+FAULTS_DIR = REPO / "scripts" / "gpu" / "faults"
+FAULT_FLAG_ENV, FAULT_LOG_ENV = "PD_CHECK_KV_FAULT_FLAG", "PD_CHECK_KV_FAULT_LOG"
+FORMS = ("generate", "generate_stream", "chat", "chat_stream", "openai")
+#: Two prompts with different contexts that end in the same 23 tokens, more than a KV page (context control).
+CONTEXT_PAIR = (
+    "The river runs cold under the bridge at night. Now say it once again:",
+    "Seven wise owls count the stars above a hill. Now say it once again:",
+)
+#: The router-overhead measurement alternates its arms over this many rounds.
+LATENCY_ROUNDS = 2
 
 
 def prompts() -> list[str]:
@@ -90,6 +114,21 @@ def prompts() -> list[str]:
             text += " " + words[k % len(words)]
             k += 3
         out.append(text[:n] if n > 12 else text)
+    return out
+
+
+def control_prompts() -> list[str]:
+    """The fault control's prompts: each spans 6 to 15 KV pages of 16 tokens and fits one prefill
+    chunk of 256, so the fault (one page a chunk) corrupts exactly one page of each; they share no
+    page with the 20 prompts or with each other."""
+    words = ["amber", "river", "stone", "seven", "lanterns", "drift", "north", "past", "quiet", "mills"]
+    out = []
+    for i, n in enumerate((96, 130, 170, 240)):
+        text, k = f"Control {i}:", i
+        while len(text) < n:
+            text += " " + words[k % len(words)]
+            k += 7
+        out.append(text[:n])
     return out
 
 
@@ -126,10 +165,44 @@ class Stack:
 
 
 # --------------------------------------------------------------------------------------------
-# Requests
+# Requests: each returns an output `{"status", "ids", "text"}` (pd_verdicts.py compares the ids)
+
+
+def token_table(model_dir: Path) -> dict[str, int]:
+    """Each token's text, as sglang decodes it for logprobs (one id at a time, with the model's own
+    tokenizer), to its id. The chat routes return no ids when streamed (char_tokenizer.py says
+    where), so their ids come from this; the preset's tokenizer gives every id a text of its own."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    table = {text: i for i, text in enumerate(texts)}
+    if len(table) != len(texts):
+        raise RuntimeError(
+            f"{model_dir}: {len(texts) - len(table)} token ids share their text with another, so the chat "
+            "forms cannot be compared by id; use the tokenizer scripts/gpu/char_tokenizer.py writes"
+        )
+    return table
+
+
+def _ids_from_logprobs(entries: list[dict[str, Any]], table: dict[str, int]) -> tuple[list[int] | None, str | None]:
+    try:
+        return [table[e["token"]] for e in entries], None
+    except KeyError as exc:
+        return None, f"a logprob token's text names no id: {exc}"
+
+
+def _sse(raw: bytes) -> dict[str, Any] | None:
+    line = raw.decode().strip()
+    if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+        return None
+    doc: dict[str, Any] = json.loads(line[5:])
+    return doc
 
 
 async def generate(s: aiohttp.ClientSession, base: str, text: str, *, stream: bool) -> dict[str, Any]:
+    """`/generate`: sglang's `output_ids`. Streamed, each chunk carries every id so far (sglang's
+    default; with --incremental-streaming-output only the new ones, which this also reads)."""
     body = {
         "text": text,
         "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True},
@@ -137,72 +210,98 @@ async def generate(s: aiohttp.ClientSession, base: str, text: str, *, stream: bo
     }
     async with s.post(f"{base}/generate", json=body) as r:
         if not stream:
-            return {"status": r.status, **(await r.json())}
-        last: dict[str, Any] = {}
-        async for raw in r.content:
-            line = raw.decode().strip()
-            if line.startswith("data:") and line[5:].strip() != "[DONE]":
-                last = json.loads(line[5:])
-        return {"status": r.status, **last}
+            doc = await r.json(content_type=None)
+            if r.status != 200:
+                return {"status": r.status, "ids": None, "error": str(doc)[:300]}
+            return {"status": r.status, "ids": doc.get("output_ids"), "text": doc.get("text")}
+        chunks = [c async for raw in r.content if (c := _sse(raw)) is not None]
+    if r.status != 200 or not chunks:
+        return {"status": r.status, "ids": None, "error": "no stream chunks"}
+    lists = [c.get("output_ids") or [] for c in chunks]
+    cumulative = all(b[: len(a)] == a for a, b in itertools.pairwise(lists))
+    ids = lists[-1] if cumulative else [i for part in lists for i in part]
+    return {"status": r.status, "ids": ids, "text": chunks[-1].get("text")}
 
 
-async def chat(s: aiohttp.ClientSession, base: str, text: str, *, stream: bool) -> dict[str, Any]:
+async def chat(
+    s: aiohttp.ClientSession, base: str, text: str, table: dict[str, int], *, stream: bool
+) -> dict[str, Any]:
+    """`/v1/chat/completions` with `logprobs`: each token's text, turned into its id by `table`."""
     body = {
-        "model": "tiny-deepseek-v3",
+        "model": MODEL,
         "messages": [{"role": "user", "content": text}],
         "temperature": 0,
         "max_tokens": MAX_NEW_TOKENS,
+        "ignore_eos": True,
+        "logprobs": True,
         "stream": stream,
     }
     async with s.post(f"{base}/v1/chat/completions", json=body) as r:
         if not stream:
-            data = await r.json()
-            return {"status": r.status, "text": data["choices"][0]["message"]["content"], "usage": data.get("usage")}
-        parts = []
+            doc = await r.json(content_type=None)
+            if r.status != 200:
+                return {"status": r.status, "ids": None, "error": str(doc)[:300]}
+            choice = doc["choices"][0]
+            ids, error = _ids_from_logprobs((choice.get("logprobs") or {}).get("content") or [], table)
+            return {"status": r.status, "ids": ids, "text": choice["message"]["content"], "error": error}
+        parts, entries = [], []
         async for raw in r.content:
-            line = raw.decode().strip()
-            if line.startswith("data:") and line[5:].strip() != "[DONE]":
-                chunk = json.loads(line[5:])
-                for c in chunk.get("choices", []):
-                    parts.append(c.get("delta", {}).get("content") or "")
-        return {"status": r.status, "text": "".join(parts)}
+            chunk = _sse(raw)
+            for c in (chunk or {}).get("choices", []):
+                parts.append(c.get("delta", {}).get("content") or "")
+                entries += (c.get("logprobs") or {}).get("content") or []
+    ids, error = _ids_from_logprobs(entries, table)
+    return {"status": r.status, "ids": ids, "text": "".join(parts), "error": error}
 
 
-async def outputs(base: str) -> dict[str, list[Any]]:
-    """Greedy outputs of every prompt: /generate plain and streamed, chat plain and streamed."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
-        ps = prompts()
-        gen = await asyncio.gather(*(generate(s, base, p, stream=False) for p in ps))
-        gen_s = await asyncio.gather(*(generate(s, base, p, stream=True) for p in ps))
-        ch = await asyncio.gather(*(chat(s, base, p, stream=False) for p in ps))
-        ch_s = await asyncio.gather(*(chat(s, base, p, stream=True) for p in ps))
-    oa = await asyncio.to_thread(openai_texts, base, ps)
-    return {
-        "generate_ids": [g.get("output_ids") for g in gen],
-        "generate_text": [g.get("text") for g in gen],
-        "generate_stream_text": [g.get("text") for g in gen_s],
-        "chat_text": [c["text"] for c in ch],
-        "chat_stream_text": [c["text"] for c in ch_s],
-        "openai_text": oa,
-        "statuses": sorted({g["status"] for g in [*gen, *gen_s, *ch, *ch_s]}),
-    }
-
-
-def openai_texts(base: str, ps: list[str]) -> list[str | None]:
-    """Greedy chat answers through the official `openai` client, one prompt at a time."""
-    from openai import OpenAI
+def openai_outputs(base: str, ps: list[str], table: dict[str, int]) -> list[dict[str, Any]]:
+    """Greedy chat answers through the official `openai` client, one prompt at a time, ids from logprobs."""
+    from openai import APIStatusError, OpenAI
 
     client = OpenAI(base_url=f"{base}/v1", api_key="none", timeout=120, max_retries=0)
-    texts = []
+    results: list[dict[str, Any]] = []
     for p in ps:
-        r = client.chat.completions.create(
-            model="tiny-deepseek-v3",
-            messages=[{"role": "user", "content": p}],
-            max_tokens=MAX_NEW_TOKENS,
-            temperature=0,
-        )
-        texts.append(r.choices[0].message.content)
-    return texts
+        try:
+            r = client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": p}],
+                max_tokens=MAX_NEW_TOKENS,
+                temperature=0,
+                logprobs=True,
+                extra_body={"ignore_eos": True},
+            )
+        except APIStatusError as exc:
+            results.append({"status": exc.status_code, "ids": None, "error": str(exc)[:300]})
+            continue
+        content = r.choices[0].logprobs.content if r.choices[0].logprobs else None
+        ids, error = _ids_from_logprobs([{"token": t.token} for t in content or []], table)
+        results.append({"status": 200, "ids": ids, "text": r.choices[0].message.content, "error": error})
+    return results
+
+
+async def generate_all(base: str, texts: list[str]) -> list[dict[str, Any]]:
+    """`/generate` outputs of `texts`, sent together."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
+        return list(await asyncio.gather(*(generate(s, base, t, stream=False) for t in texts)))
+
+
+async def outputs(base: str, table: dict[str, int]) -> dict[str, list[dict[str, Any]]]:
+    """Greedy outputs of every prompt in each of FORMS; each form's prompts are sent together."""
+    ps = prompts()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
+        got = {
+            "generate": await asyncio.gather(*(generate(s, base, p, stream=False) for p in ps)),
+            "generate_stream": await asyncio.gather(*(generate(s, base, p, stream=True) for p in ps)),
+            "chat": await asyncio.gather(*(chat(s, base, p, table, stream=False) for p in ps)),
+            "chat_stream": await asyncio.gather(*(chat(s, base, p, table, stream=True) for p in ps)),
+        }
+    got["openai"] = await asyncio.to_thread(openai_outputs, base, ps, table)
+    return {form: list(got[form]) for form in FORMS}
+
+
+def statuses(outs: dict[str, list[dict[str, Any]]]) -> dict[str, list[int]]:
+    """Per form, the HTTP status of each prompt."""
+    return {form: [o.get("status") for o in rows] for form, rows in outs.items()}
 
 
 async def _direct_pd_stream(s: aiohttp.ClientSession, body: dict[str, Any]) -> aiohttp.ClientResponse:
@@ -224,13 +323,24 @@ async def _direct_pd_stream(s: aiohttp.ClientSession, body: dict[str, Any]) -> a
 _BACKGROUND: set[asyncio.Task[None]] = set()
 
 
-async def latency(
-    base: str, concurrency: int, *, prompt_len: int = 512, max_tokens: int = 64, direct_pd: bool = False
-) -> dict[str, float]:
-    """Streamed completions in a closed loop: TTFT (includes the KV hand-off in PD) and ITL, in ms.
-    `direct_pd`: to the two PD servers without the router (`base` unused)."""
+def latency_requests(concurrency: int) -> int:
+    return max(2 * concurrency, 16)
+
+
+async def latency_samples(
+    base: str,
+    concurrency: int,
+    n_requests: int,
+    tag: str,
+    *,
+    prompt_len: int = 512,
+    max_tokens: int = 64,
+    direct_pd: bool = False,
+) -> dict[str, Any]:
+    """Streamed completions in a closed loop: each TTFT (includes the KV hand-off in PD) and ITL, in ms.
+    Every prompt starts with `tag` and its number, so no request reads another's prefix from the
+    radix cache. `direct_pd`: to the two PD servers without the router (`base` unused)."""
     prompt = ("benchmark text " * 200)[:prompt_len]
-    n_requests = max(2 * concurrency, 16)
     ttft: list[float] = []
     itl: list[float] = []
     queue = list(range(n_requests))
@@ -239,8 +349,8 @@ async def latency(
         while queue:
             i = queue.pop()
             body = {
-                "model": "tiny-deepseek-v3",
-                "prompt": f"{i} {prompt}",
+                "model": MODEL,
+                "prompt": f"{tag} {i} {prompt}",
                 "max_tokens": max_tokens,
                 "temperature": 0,
                 "ignore_eos": True,
@@ -251,8 +361,7 @@ async def latency(
             opened = _direct_pd_stream(s, body) if direct_pd else s.post(f"{base}/v1/completions", json=body)
             async with await opened as r:
                 async for raw in r.content:
-                    line = raw.decode().strip()
-                    if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                    if _sse(raw) is None:
                         continue
                     now = time.perf_counter()
                     if last is None:
@@ -266,16 +375,47 @@ async def latency(
         await asyncio.gather(*(worker(s) for _ in range(concurrency)))
         if _BACKGROUND:
             await asyncio.wait(list(_BACKGROUND), timeout=30)
-    wall = time.perf_counter() - t0
+    return {"ttft": ttft, "itl": itl, "wall_s": time.perf_counter() - t0, "tokens": n_requests * max_tokens}
+
+
+def summarize(concurrency: int, samples: list[dict[str, Any]]) -> dict[str, float]:
+    """TTFT and ITL medians and means over every sample of one arm, and its output rate."""
+    ttft = [t for one in samples for t in one["ttft"]]
+    itl = [t for one in samples for t in one["itl"]]
     return {
         "concurrency": concurrency,
-        "requests": n_requests,
+        "requests": len(ttft),
         "ttft_p50_ms": statistics.median(ttft),
         "ttft_mean_ms": statistics.fmean(ttft),
         "itl_p50_ms": statistics.median(itl),
         "itl_mean_ms": statistics.fmean(itl),
-        "output_tok_per_s": n_requests * max_tokens / wall,
+        "output_tok_per_s": sum(one["tokens"] for one in samples) / sum(one["wall_s"] for one in samples),
     }
+
+
+def latency(base: str, concurrency: int) -> dict[str, float]:
+    """One server's TTFT/ITL at `concurrency`."""
+    n = latency_requests(concurrency)
+    return summarize(concurrency, [asyncio.run(latency_samples(base, concurrency, n, "single"))])
+
+
+def arm_order(rounds: int) -> list[tuple[int, str]]:
+    """(round, arm) in the order measured: the arms alternate which goes first, so that neither
+    always runs on a warmer or a busier machine."""
+    return [(r, arm) for r in range(rounds) for arm in (("router", "direct") if r % 2 == 0 else ("direct", "router"))]
+
+
+def router_overhead(concurrency: int, rounds: int = LATENCY_ROUNDS) -> dict[str, Any]:
+    """TTFT/ITL through the router and straight to the two PD servers, interleaved round by round,
+    each arm and round with prompts of its own (prefixed by both); as many requests in all as one
+    arm measured before the two were interleaved."""
+    per_round = max(latency_requests(concurrency) // rounds, concurrency)
+    samples: dict[str, list[dict[str, Any]]] = {"router": [], "direct": []}
+    for r, arm in arm_order(rounds):
+        tag = f"{arm} r{r}"
+        one = latency_samples(ROUTER, concurrency, per_round, tag, direct_pd=arm == "direct")
+        samples[arm].append(asyncio.run(one))
+    return {arm: summarize(concurrency, got) for arm, got in samples.items()}
 
 
 def metric(base: str, name: str) -> float | None:
@@ -294,7 +434,7 @@ async def disconnect_after_first_chunk(base: str, n: int, concurrency: int = 50)
         nonlocal got
         async with sem:
             body = {
-                "model": "tiny-deepseek-v3",
+                "model": MODEL,
                 "prompt": f"abort {i} " + "x" * 300,
                 "max_tokens": 2000,
                 "ignore_eos": True,
@@ -322,7 +462,7 @@ async def kill_mid_stream(base: str, victim_pgid: int, n: int = 8) -> list[str]:
 
     async def one(i: int) -> None:
         body = {
-            "model": "tiny-deepseek-v3",
+            "model": MODEL,
             "prompt": f"kill {i}",
             "max_tokens": 4000,
             "ignore_eos": True,
@@ -478,29 +618,81 @@ def wait_stack(stack: Stack, timeout_s: float) -> dict[str, Any]:
     raise NotReady(f"the PD stack was not ready within {timeout_s:g} s: {diagnose(stack)}")
 
 
-def stage_single(stack: Stack, report: dict[str, Any], recording: dict[str, Any]) -> dict[str, list[Any]]:
+def stage_single(
+    stack: Stack, report: dict[str, Any], recording: dict[str, Any], table: dict[str, int]
+) -> dict[str, Any]:
+    """The single server's outputs (the reference), its controls' outputs, latency and HTTP recording."""
     argv = single_server_argv(rendered_commands())
-    report["single"] = {"argv": argv}
+    single: dict[str, Any] = {"argv": argv}
+    report["single"] = single
     base = f"http://127.0.0.1:{SINGLE_PORT}"
     stack.start("single", argv)
     start = wait_server(stack, "single", base, READY_S)
-    report["single"].update(start)
-    ref = asyncio.run(outputs(base))
-    report["single"]["latency"] = [asyncio.run(latency(base, c)) for c in CONCURRENCIES]
+    single.update(start)
+    ref: dict[str, Any] = {"forms": asyncio.run(outputs(base, table))}
+    ref["controls"] = asyncio.run(generate_all(base, control_prompts()))
+    ref["context_pair"] = asyncio.run(generate_all(base, list(CONTEXT_PAIR)))
+    single["statuses"] = statuses(ref["forms"])
+    context = pd_verdicts.context_verdict(*ref["context_pair"], MAX_NEW_TOKENS)
+    single["context_control"] = {
+        "prompts": list(CONTEXT_PAIR),
+        "ids": [o.get("ids") for o in ref["context_pair"]],
+        "verdict": context or "passed",
+    }
+    verdict(report, "context_control", context)
+    single["latency"] = [latency(base, c) for c in CONCURRENCIES]
     recording["servers"]["single"] = {"start": start, **asyncio.run(record(base, "single"))}
     stack.stop("single")
     return ref
 
 
-FORMS = ("generate_ids", "generate_text", "generate_stream_text", "chat_text", "chat_stream_text", "openai_text")
+def verdict(report: dict[str, Any], name: str, failure: str | None) -> None:
+    """Record one requirement's outcome; a failure makes the run exit 1."""
+    report.setdefault("verdicts", {})[name] = failure or "passed"
+    if failure:
+        report.setdefault("failures", []).append(failure)
+
+
+def fault_env(out: Path) -> dict[str, str]:
+    """What the PD stack's processes get, and no other process: the folder whose sitecustomize arms
+    the KV-page fault, the flag file that turns it on (absent) and the log it writes."""
+    inherited = os.environ.get("PYTHONPATH")
+    return {
+        "PYTHONPATH": os.pathsep.join([str(FAULTS_DIR), *([inherited] if inherited else [])]),
+        FAULT_FLAG_ENV: str(out / "kv-fault.on"),
+        FAULT_LOG_ENV: str(out / "kv-fault.log"),
+    }
+
+
+def fault_control(env: dict[str, str], ref: list[dict[str, Any]]) -> dict[str, Any]:
+    """The control prompts through the router with the fault on; their outputs must differ from `ref`."""
+    flag, log = Path(env[FAULT_FLAG_ENV]), Path(env[FAULT_LOG_ENV])
+    before = len(pd_verdicts.read_fault_log(log))
+    flag.touch()
+    try:
+        got = asyncio.run(generate_all(ROUTER, control_prompts()))
+    finally:
+        flag.unlink()
+    events = pd_verdicts.read_fault_log(log)
+    failure = pd_verdicts.fault_verdict(ref, got, events[before:], MAX_NEW_TOKENS)
+    return {
+        "verdict": failure or "passed",
+        "armed_in_pids": sorted({e["pid"] for e in events if e.get("event") == "armed"}),
+        "faults": events[before:],
+        "controls": [
+            {"prompt": i, "single": r.get("ids"), "pd_with_fault": g.get("ids"), "pd_status": g.get("status")}
+            for i, (r, g) in enumerate(zip(ref, got, strict=True))
+        ],
+    }
 
 
 def stage_pd(
     stack: Stack,
     report: dict[str, Any],
-    ref: dict[str, list[Any]] | None,
+    ref: dict[str, Any] | None,
     gsm8k: Path | None,
     recording: dict[str, Any],
+    table: dict[str, int],
 ) -> None:
     pd: dict[str, Any] = {}
     report["pd"] = pd
@@ -517,37 +709,44 @@ def stage_pd(
         str(engine_logs),
     ]
     pd["argv"] = up[1:]
-    stack.start("up", up)
+    env = fault_env(stack.out)
+    Path(env[FAULT_FLAG_ENV]).unlink(missing_ok=True)
+    pd["fault_env"] = env
+    stack.start("up", up, env=env)
     pd.update(wait_stack(stack, READY_S))
     pd["router_workers_at_ready"] = httpx.get(f"{ROUTER}/workers", timeout=5).json()
 
-    got = asyncio.run(outputs(ROUTER))
-    pd["statuses"] = got["statuses"]
-    if ref is not None:
-        for key in FORMS:
-            same = [a == b for a, b in zip(ref[key], got[key], strict=True)]
-            pd[f"identical_{key}"] = f"{sum(same)}/{len(same)}"
-        pd["first_mismatch"] = next(
-            (
-                {"form": key, "prompt": i, "single": ref[key][i], "pd": got[key][i]}
-                for key in FORMS
-                for i in range(len(got[key]))
-                if ref[key][i] != got[key][i]
-            ),
-            None,
+    got = asyncio.run(outputs(ROUTER, table))
+    pd["statuses"] = statuses(got)
+    if ref is None:
+        verdict(report, "identity", "identity: no single-server reference in this run; run the single stage first")
+    else:
+        pd["forms"] = {form: pd_verdicts.compare_form(ref["forms"][form], got[form], MAX_NEW_TOKENS) for form in FORMS}
+        pd["identical"] = {form: pd["forms"][form]["identical"] for form in FORMS}
+        wrong = [f"{form} {pd['identical'][form]}" for form in FORMS if not pd["forms"][form]["all_identical"]]
+        verdict(
+            report,
+            "identity",
+            f"identity: not every output is the single server's ({', '.join(wrong)})" if wrong else None,
+        )
+        pd["fault_control"] = fault_control(env, ref["controls"])
+        verdict(
+            report,
+            "fault_control",
+            None if pd["fault_control"]["verdict"] == "passed" else pd["fault_control"]["verdict"],
         )
     pd["openai"] = check_openai_client()
-    routed = [asyncio.run(latency(ROUTER, c)) for c in CONCURRENCIES]
-    direct = [asyncio.run(latency(ROUTER, c, direct_pd=True)) for c in CONCURRENCIES]
-    pd["latency"] = routed
-    pd["latency_direct_pd"] = direct
+    overhead = [router_overhead(c) for c in CONCURRENCIES]
+    pd["latency"] = [o["router"] for o in overhead]
+    pd["latency_direct_pd"] = [o["direct"] for o in overhead]
+    pd["latency_order"] = [f"round {r}: {arm}" for r, arm in arm_order(LATENCY_ROUNDS)]
     pd["router_adds_ms"] = [
         {
-            "concurrency": r["concurrency"],
-            "ttft_p50": r["ttft_p50_ms"] - d["ttft_p50_ms"],
-            "itl_p50": r["itl_p50_ms"] - d["itl_p50_ms"],
+            "concurrency": o["router"]["concurrency"],
+            "ttft_p50": o["router"]["ttft_p50_ms"] - o["direct"]["ttft_p50_ms"],
+            "itl_p50": o["router"]["itl_p50_ms"] - o["direct"]["itl_p50_ms"],
         }
-        for r, d in zip(routed, direct, strict=True)
+        for o in overhead
     ]
     recording["servers"]["prefill"] = asyncio.run(record(PREFILL, "prefill"))
     recording["servers"]["decode"] = asyncio.run(record(DECODE, "decode"))
@@ -666,18 +865,54 @@ def gpu_description() -> str | None:
     return None
 
 
+def prepare_model() -> dict[str, Any]:
+    """Write the preset's seeded weights into the model folder that sglang loads (the installed
+    preset's, as `plan` and `up` resolve it), and say which weights they are."""
+    from sglang_pd.deploy.spec.topology import load_topology
+
+    model_dir = Path(load_topology(TOPOLOGY).model_path)
+    t0 = time.monotonic()
+    weights = seeded_checkpoint.write(model_dir)
+    return {
+        "model_dir": str(model_dir),
+        "weights": str(weights),
+        "weights_sha256": seeded_checkpoint.sha256(weights),
+        "written_in_s": round(time.monotonic() - t0, 1),
+    }
+
+
+def summary(report: dict[str, Any]) -> dict[str, Any]:
+    """The report without its evidence (each prompt's ids), for the console."""
+    short = {k: v for k, v in report.items() if k not in ("single", "pd")}
+    for stage in ("single", "pd"):
+        if stage in report:
+            short[stage] = {k: v for k, v in report[stage].items() if k not in ("forms", "fault_env", "argv")}
+            if "fault_control" in short[stage]:
+                short[stage]["fault_control"] = {
+                    k: v for k, v in short[stage]["fault_control"].items() if k in ("verdict", "armed_in_pids")
+                }
+    return short
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--gsm8k-data", type=Path, default=None)
     parser.add_argument("--stages", default="single,pd,doctor")
-    parser.add_argument("--commit", default="unknown", help="the commit of the checkout being checked")
+    parser.add_argument(
+        "--allow-dirty", action="store_true", help="run on a tree that is not the recorded commit, and say so"
+    )
     parser.add_argument("--deadline-s", type=float, default=560.0, help="stop every stage after this long")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        tree = tree_commit.verify(REPO, allow_dirty=args.allow_dirty)
+    except tree_commit.TreeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     stages = args.stages.split(",")
     date = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    report: dict[str, Any] = {"date": date, "commit": args.commit, "argv": sys.argv}
+    report: dict[str, Any] = {"date": date, "commit": tree.label(), "tree": tree.as_dict(), "argv": sys.argv}
     report["gpu"] = gpu_description()
     import sglang
 
@@ -686,7 +921,7 @@ def main() -> int:
         "source": "recorded from live servers by scripts/gpu/gpu_pd_check.py (scripts/gpu/record_sglang_http.py)",
         "gpu": report.get("gpu"),
         "date": date,
-        "commit": args.commit,
+        "commit": tree.label(),
         "servers": {},
     }
 
@@ -698,13 +933,15 @@ def main() -> int:
     stack = Stack(args.out)
     ref = None
     try:
+        report["model"] = prepare_model()
+        table = token_table(Path(report["model"]["model_dir"]))
         for stage in stages:
             t0 = time.monotonic()
             try:
                 if stage == "single":
-                    ref = stage_single(stack, report, recording)
+                    ref = stage_single(stack, report, recording, table)
                 elif stage == "pd":
-                    stage_pd(stack, report, ref, args.gsm8k_data, recording)
+                    stage_pd(stack, report, ref, args.gsm8k_data, recording, table)
                 elif stage == "doctor":
                     p = subprocess.run(
                         [sys.executable, "-m", "sglang_pd.deploy.cli", "doctor"],
@@ -725,11 +962,14 @@ def main() -> int:
             if recording["servers"]:
                 name = f"sglang-{recording['sglang']}-http.json"
                 (args.out / name).write_text(json.dumps(recording, indent=2, default=str))
+    except Exception:
+        report.setdefault("errors", {})["setup"] = traceback.format_exc()
     finally:
         signal.alarm(0)
         stack.stop_all()
-    print(json.dumps(report, indent=2, default=str)[-6000:])
-    return 1 if report.get("errors") else 0
+        (args.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    print(json.dumps(summary(report), indent=2, default=str)[-8000:])
+    return 1 if report.get("errors") or report.get("failures") else 0
 
 
 if __name__ == "__main__":
