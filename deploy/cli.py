@@ -35,7 +35,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.check:
         from sglang_pd.deploy.ops.plan import check_plan
 
-        plan, status, note = check_plan(plan)
+        plan, status, note = check_plan(plan, local_deepep=args.local_deepep)
         if note:
             print(f"note: {note}", file=sys.stderr)
     print(format_plan(plan, args.format))
@@ -69,6 +69,11 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         "--check",
         action="store_true",
         help="also run sglang's own argument resolver on every command (needs the `validate` extra)",
+    )
+    p.add_argument(
+        "--local-deepep",
+        action="store_true",
+        help="with --check, judge SBO with the DeepEP installed here rather than the one the image builds",
     )
     p.add_argument(
         "--estimate",

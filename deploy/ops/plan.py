@@ -8,6 +8,7 @@ being an error that names the missing flag.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, replace
 from typing import Any
@@ -34,6 +35,7 @@ class Plan:
     commands: dict[Role, list[NodeCommand]]
     sglang_checks: list[dict[str, Any]] | None = None  # filled by `plan --check` when sglang is importable
     sglang_flags: FlagReport | None = None  # `plan --check`: the installed sglang against the rendered flags
+    deepep_judged: str | None = None  # `plan --check`: whose DeepEP the SBO verdicts judged
 
     # Colocated roles (`Topology.colocated`) run every instance on the same node and GPUs, so each
     # role uses one node and `tp` GPUs, and the totals count those shared ones once.
@@ -66,27 +68,35 @@ def build_plan(t: Topology, rules: RuleReport) -> Plan:
     return Plan(topology=t, rules=rules, commands=render_plan(t))
 
 
-def check_plan(p: Plan) -> tuple[Plan, int, str | None]:
+def check_plan(p: Plan, local_deepep: bool = False) -> tuple[Plan, int, str | None]:
     """`plan --check`: sglang's resolver and effective view on every command.
 
-    Returns the plan with the verdicts, an exit status (EXIT_INVALID when sglang rejects a command
-    or would not run a feature the topology asks for), and a note when the check cannot run here.
+    SBO is judged with the DeepEP the image builds (deploy/sglang/image_deepep.py), or with `local_deepep`
+    with the one installed here. Returns the plan with the verdicts, an exit status (EXIT_INVALID when sglang
+    rejects a command, would not run a feature the topology asks for, or would overflow DeepEP's dispatch
+    buffers), and a note when the check cannot run here.
     """
     from sglang_pd.deploy.sglang.check import SglangUnavailable, check_with_sglang
     from sglang_pd.deploy.sglang.compat import flag_report
-    from sglang_pd.deploy.sglang.sbo import sbo_topology_errors, sbo_topology_warnings
+    from sglang_pd.deploy.sglang.image_deepep import IMAGE_DEEPEP, judged_as_image
+    from sglang_pd.deploy.sglang.sbo import deepep_here, sbo_topology_errors, sbo_topology_warnings
 
     t = p.topology
-    # SBO asked for on a GPU type this build cannot serve it on (warnings, not errors).
-    sbo_warnings = sbo_topology_warnings(t)
+    if local_deepep:
+        p = replace(p, deepep_judged=f"this machine's DeepEP ({deepep_here()}), not necessarily the image's")
+    else:
+        p = replace(p, deepep_judged=f"{IMAGE_DEEPEP}; --local-deepep judges this machine's")
+    with contextlib.nullcontext() if local_deepep else judged_as_image():
+        # SBO asked for on a GPU type this build cannot serve it on (warnings, not errors).
+        sbo_warnings = sbo_topology_warnings(t)
+        # Full SBO with a DeepEP that would trap or hang on this decode EP (errors: the deployment must not start).
+        sbo_errors = sbo_topology_errors(t)
     if sbo_warnings:
         p = replace(p, rules=replace(p.rules, warnings=[*p.rules.warnings, *sbo_warnings]))
-    # Full SBO with a DeepEP that would trap or hang on this decode EP (errors: the deployment must not start).
-    sbo_errors = sbo_topology_errors(t)
     if sbo_errors:
         p = replace(p, rules=replace(p.rules, errors=[*p.rules.errors, *sbo_errors]))
     try:
-        checks = check_with_sglang(t)
+        checks = check_with_sglang(t, local_deepep=local_deepep)
     except SglangUnavailable as exc:
         return p, (EXIT_INVALID if sbo_errors else EXIT_CHECK_UNAVAILABLE), str(exc)
     flags = flag_report(c.argv for cmds in p.commands.values() for c in cmds)
@@ -126,6 +136,8 @@ def plan_document(p: Plan) -> dict[str, Any]:
         doc["sglang_check"] = p.sglang_checks
     if p.sglang_flags is not None:
         doc["sglang_flags"] = p.sglang_flags
+    if p.deepep_judged is not None:
+        doc["deepep_judged"] = p.deepep_judged
     return doc
 
 
@@ -190,6 +202,8 @@ def _table(p: Plan) -> str:
             lines += [f"    - {problem}" for problem in chk["problems"]]
     if p.sglang_flags is not None:
         lines += ["", f"sglang flags: {flag_summary(p.sglang_flags)}"]
+    if p.deepep_judged is not None:
+        lines += [f"DeepEP judged: {p.deepep_judged}"]
     return "\n".join(lines)
 
 
@@ -212,13 +226,18 @@ def _effective_line(effective: dict[str, Any]) -> str:
         f"runner {show('moe_runner_backend')}",
         f"TBO {show('tbo')}",
         f"SBO {show('sbo_enabled')} (shared {show('sbo_shared_overlap')}, "
-        f"down-GEMM/combine {show('sbo_combine_down_gemm_overlap')}; with this machine's DeepEP, "
-        f"{effective.get('deepep', '?')}, not necessarily the image's)",
+        f"down-GEMM/combine {show('sbo_combine_down_gemm_overlap')}; {_deepep_words(effective)})",
         f"attention {show('prefill_attention_backend')}/{show('decode_attention_backend')}",
         f"LM head {show('lm_head')}",
         f"decode graphs {graphs.get('backend', '?')} <= {graphs.get('max_bs', '?')}",
     ]
     return ", ".join(parts)
+
+
+def _deepep_words(effective: dict[str, Any]) -> str:
+    if effective.get("deepep_judged") == "image":
+        return f"with {effective.get('deepep')}"
+    return f"with this machine's DeepEP, {effective.get('deepep', '?')}, not necessarily the image's"
 
 
 def _shell(p: Plan) -> str:

@@ -41,8 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sglang_pd.deploy.sglang.image_deepep import IMAGE_DEEPEP, judged_as_image
 from sglang_pd.deploy.sglang.render import LEADER_HOST_FROM_ENV, NodeCommand, render_plan
 from sglang_pd.deploy.sglang.sbo import deepep_caveat, deepep_here
+from sglang_pd.deploy.spec.rendered import DISPATCH_BUDGET_ENV
 from sglang_pd.deploy.spec.topology import DecodeSpec, SBOMode, Topology
 
 __all__ = [
@@ -50,6 +52,7 @@ __all__ = [
     "SglangCheck",
     "SglangUnavailable",
     "check_with_sglang",
+    "dispatch_problems",
     "effective_problems",
     "sglang_available",
 ]
@@ -153,8 +156,12 @@ def _write_model_dir(config: dict[str, Any], root: Path) -> str:
     return str(root)
 
 
-def check_with_sglang(t: Topology, python: str | None = None) -> list[SglangCheck]:
-    """Run sglang's resolver and checks on every distinct node command of the topology."""
+def check_with_sglang(t: Topology, python: str | None = None, local_deepep: bool = False) -> list[SglangCheck]:
+    """Run sglang's resolver and checks on every distinct node command of the topology.
+
+    The sglang-pd plugin decides SBO from a DeepEP: the image's (deploy/sglang/image_deepep.py), or with
+    `local_deepep` the one installed where this runs.
+    """
     if python is None and not sglang_available():
         raise SglangUnavailable(
             "sglang is not installed here, so its own argument checks cannot run; install the "
@@ -183,20 +190,29 @@ def check_with_sglang(t: Topology, python: str | None = None) -> list[SglangChec
         jobs = []
         for c in distinct.values():
             argv, env = _validation_copy(c, model_dir)
-            jobs.append({"argv": argv, "env": env, "role": c.role, "capability": list(cap) if cap else None})
+            jobs.append(
+                {
+                    "argv": argv,
+                    "env": env,
+                    "role": c.role,
+                    "capability": list(cap) if cap else None,
+                    "deepep": "local" if local_deepep else "image",
+                }
+            )
         results = _resolver(python or sys.executable, cap).resolve(jobs)
     by_key = dict(zip(distinct, results, strict=True))
     checks = []
     for c in commands:
         r = by_key[json.dumps([c.argv, c.env], sort_keys=True)]
         effective = r.get("effective", {})
-        problems = effective_problems(t, c, effective) if r["ok"] else []
+        resolved = r.get("resolved", {})
+        problems = [*effective_problems(t, c, effective), *dispatch_problems(c, resolved, effective)] if r["ok"] else []
         checks.append(
             SglangCheck(
                 command=c,
                 ok=r["ok"],
                 error=r.get("error"),
-                resolved=r.get("resolved", {}),
+                resolved=resolved,
                 effective=effective,
                 problems=problems,
             )
@@ -397,7 +413,7 @@ def _decode_problems(t: Topology, d: DecodeSpec, effective: dict[str, Any], need
     facts: dict[str, Any] = effective.get("facts", {})
     sbo_asked = d.sbo is not SBOMode.OFF
     # On sm_90 the plugin decides the SBO halves from the DeepEP it finds: the one of the machine that checks.
-    caveat = f"; {deepep_caveat(effective.get('deepep'))}" if t.hardware.capability() == (9, 0) else ""
+    caveat = f"; {_judged(effective)}" if t.hardware.capability() == (9, 0) else ""
     refusal = (facts.get("sbo_enabled") or {}).get("error")
     if sbo_asked and refusal:
         problems.append(
@@ -438,6 +454,60 @@ def _decode_problems(t: Topology, d: DecodeSpec, effective: dict[str, Any], need
             f"decode: CUDA graphs are captured up to batch {value['max_bs']}, below the per-rank decode batch "
             f"{per_rank}; set --cuda-graph-max-bs-decode {per_rank} (decode.cuda_graph_max_bs)"
         )
+
+
+def _judged(effective: dict[str, Any]) -> str:
+    """Whose DeepEP an SBO verdict judged: the image's, or (`--local-deepep`) the one where the check ran."""
+    if effective.get("deepep_judged") == "image":
+        return f"judged with {IMAGE_DEEPEP}; `sglang-pd doctor --expect full` in a pod judges the DeepEP it loads"
+    return deepep_caveat(effective.get("deepep"))
+
+
+# DeepEP's host assert on every low-latency dispatch: `x.size(0) <= num_max_dispatch_tokens_per_rank`
+# (csrc/deep_ep.cpp:1555 at the image's revision); sglang checks none of these sizes when it starts.
+_OVERFLOW = "DeepEP's host assert (x.size(0) <= num_max_dispatch_tokens_per_rank, csrc/deep_ep.cpp:1555)"
+
+
+def dispatch_problems(cmd: NodeCommand, resolved: dict[str, Any], effective: dict[str, Any]) -> list[str]:
+    """The batches sglang resolved for this command against the DeepEP dispatch budget it reads.
+
+    DeepEP's low-latency buffers hold `SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK` tokens a rank. A decode rank
+    dispatches its running batch (and every CUDA-graph batch it captures) at once; a prefill rank on low-latency
+    dispatches each chunk (chunked_prefill_size after sglang divides it by attn_dp_size) at once.
+    """
+    facts: dict[str, Any] = effective.get("facts", {})
+    budget = _flag(facts.get("dispatch_budget"))
+    if resolved.get("moe_a2a_backend") != "deepep" or budget is None:
+        return []
+    mode = resolved.get("deepep_mode")
+    holds = f"the {budget} tokens a rank DeepEP's low-latency buffers hold ({DISPATCH_BUDGET_ENV}={budget})"
+    problems = []
+    if cmd.role == "decode" and mode in ("low_latency", "auto"):
+        graphs = _flag(facts.get("cuda_graph_decode")) or {}
+        largest = max([*(graphs.get("bs") or []), graphs.get("max_bs") or 0])
+        if graphs.get("backend") not in (None, "disabled") and largest > budget:
+            problems.append(
+                f"decode: sglang captures decode CUDA graphs up to batch {largest} a rank, above {holds}; such a "
+                f"batch fails {_OVERFLOW}. Set decode.cuda_graph_max_bs to at most {budget}, or raise "
+                f"decode.dispatch_token_budget to {largest}."
+            )
+        running, ranks = resolved.get("max_running_requests"), resolved.get("attn_dp_size") or 1
+        if running and -(-running // ranks) > budget:
+            problems.append(
+                f"decode: sglang runs up to {running} requests over {ranks} attention-DP ranks, "
+                f"{-(-running // ranks)} a rank, above {holds}; a full batch fails {_OVERFLOW}. Lower "
+                f"decode.max_running_requests to {budget * ranks}, or raise decode.dispatch_token_budget."
+            )
+    if cmd.role == "prefill" and mode == "low_latency":
+        chunk, ranks = resolved.get("chunked_prefill_size"), resolved.get("attn_dp_size") or 1
+        if chunk is not None and (chunk <= 0 or chunk > budget):
+            size = "whole prompts (chunked prefill off)" if chunk <= 0 else f"chunks of {chunk} tokens a rank"
+            problems.append(
+                f"prefill: sglang dispatches {size} through DeepEP low-latency, above {holds}; a larger one fails "
+                f"{_OVERFLOW}. Set prefill.chunked_prefill_size to at most {budget * ranks}, or "
+                "prefill.deepep_mode: normal."
+            )
+    return problems
 
 
 # sglang 0.5.23's switches that turn decode CUDA graphs off (server_args.py, arg_groups/fields/exec_.py).
@@ -498,13 +568,15 @@ def _child() -> None:
         try:
             with contextlib.ExitStack() as scope:
                 _patch_platform(scope, cap)
+                if job.get("deepep") == "image":
+                    scope.enter_context(judged_as_image())
                 with contextlib.redirect_stderr(stderr):
                     args = prepare_server_args(job["argv"])
                 args.resolve_once()
                 args.check_server_args()
                 view = resolving_view(args)
                 resolved = {k: getattr(view, k, None) for k in RESOLVED_KEYS}
-                effective = _effective(args, view, job["role"], cap)
+                effective = _effective(args, view, job["role"], cap, job.get("deepep") == "image")
             out: dict[str, Any] = {
                 "ok": True,
                 "resolved": {k: _jsonable(v) for k, v in resolved.items()},
@@ -594,10 +666,11 @@ def _platform_knows(platform: Any, name: str) -> bool:
     return True
 
 
-def _effective(args: Any, view: Any, role: str, cap: tuple[int, int] | None) -> dict[str, Any]:
+def _effective(args: Any, view: Any, role: str, cap: tuple[int, int] | None, image_deepep: bool) -> dict[str, Any]:
     """What sglang will run for these resolved arguments, from sglang's own predicates.
 
-    Each fact is {"value": ...} or {"error": "..."} when this sglang cannot answer it.
+    Each fact is {"value": ...} or {"error": "..."} when this sglang cannot answer it. `image_deepep`: the plugin
+    judges with the image's DeepEP (`judged_as_image`), else with this process's.
     """
     import importlib.metadata
 
@@ -616,6 +689,7 @@ def _effective(args: Any, view: Any, role: str, cap: tuple[int, int] | None) -> 
     fact("dp_lm_head", lambda: bool(view.enable_dp_lm_head))
     fact("lm_head", lambda: _lm_head_mode(view))
     fact("cuda_graph_decode", lambda: _graph_phase(view, "decode"))
+    fact("dispatch_budget", _dispatch_budget)
 
     # A scheduler publishes its arguments, then seeds the MoE flags (with plugins' hooks applied).
     from sglang.srt import runtime_context
@@ -661,10 +735,19 @@ def _effective(args: Any, view: Any, role: str, cap: tuple[int, int] | None) -> 
     return {
         "sglang_version": importlib.metadata.version("sglang"),
         "capability": f"sm_{cap[0]}{cap[1]}" if cap else None,
-        # The plugin chose the SBO halves from this process's DeepEP: the checking machine's, not the image's.
-        "deepep": deepep_here(),
+        # The DeepEP the plugin chose the SBO halves from.
+        "deepep": IMAGE_DEEPEP if image_deepep else deepep_here(),
+        "deepep_judged": "image" if image_deepep else "local",
         "facts": facts,
     }
+
+
+def _dispatch_budget() -> int:
+    # What sglang's DeepEP dispatcher sizes its low-latency buffers by, as it reads it
+    # (srt/layers/moe/token_dispatcher/deepep.py:404-408; the default in srt/environ.py).
+    from sglang.srt.environ import envs
+
+    return int(envs.SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK.get())
 
 
 def _role_known(role: str) -> bool:

@@ -224,7 +224,7 @@ def test_plan_check_refuses_sgl_deep_ep_across_nodes(preset_dict, write_topology
     assert error.startswith("decode.sbo: full on H200 with decode.nodes=2: full SBO on sm_90 with sgl-deep-ep's")
     assert "traps on a peer across nodes" in error and "Fix: build DeepEP's antgroup-opt branch" in error
     assert "judged from the DeepEP installed where this check runs: 0.1.2.post1" in error
-    assert main(["plan", str(path), "--check", "--format", "json"]) == doctor.EXIT_INVALID
+    assert main(["plan", str(path), "--check", "--local-deepep", "--format", "json"]) == doctor.EXIT_INVALID
     doc = json.loads(capsys.readouterr().out)
     assert doc["errors"] == errors
 

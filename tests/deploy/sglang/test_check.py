@@ -18,9 +18,10 @@ from sglang_pd.deploy.cli import main
 from sglang_pd.deploy.ops.plan import build_plan, format_plan
 from sglang_pd.deploy.sglang.check import SglangUnavailable, check_with_sglang, sglang_available
 from sglang_pd.deploy.sglang.render import render_plan
-from sglang_pd.deploy.spec.topology import PRESETS_DIR, check_rules, load_topology, parse_topology
+from sglang_pd.deploy.spec.topology import PRESETS_DIR, Topology, check_rules, load_topology, parse_topology
 from sglang_pd.sglang_patches import status
 from tests.support import deepep_revision
+from tests.support.override_cases import OVERRIDES
 
 PRESET_DIR = PRESETS_DIR
 
@@ -32,8 +33,9 @@ pytestmark = [pytest.mark.sglang, needs_sglang, pytest.mark.slow]  # a fresh int
 
 @pytest.fixture(scope="module", autouse=True)
 def _antgroup_deepep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """The DeepEP these checks see is antgroup-opt (the image's): with sgl-deep-ep the plugin refuses full SBO on
-    the presets' multi-node decode (tests/deploy/ops/test_doctor.py shows that refusal)."""
+    """The DeepEP installed here is antgroup-opt (the image's), for the checks that judge this machine's
+    (`local_deepep`): with sgl-deep-ep the plugin refuses full SBO on the presets' multi-node decode
+    (tests/deploy/ops/test_doctor.py and test_plan_check.py show that refusal)."""
     with pytest.MonkeyPatch.context() as mp:
         deepep_revision.install(tmp_path_factory.mktemp("antgroup-opt"), mp)
         yield
@@ -250,23 +252,39 @@ def test_decode_without_cuda_graphs_names_the_field_that_turned_them_off(
         assert names in problem and not_named not in problem, problem
 
 
-def test_sbo_verdicts_say_they_judge_this_machines_deepep_not_the_images(r1_checks) -> None:
+def test_sbo_verdicts_name_the_images_deepep_by_default(r1_checks) -> None:
     from sglang_pd.deploy.sglang.check import effective_problems
-    from sglang_pd.deploy.sglang.sbo import deepep_here
+    from sglang_pd.deploy.sglang.image_deepep import IMAGE_DEEPEP
 
     t = load_topology(PRESET_DIR / "deepseek-r1-h200-1p1d.yaml")
     (decode, *_) = [c for c in r1_checks if c.command.role == "decode"]
-    # The child that resolved reports the DeepEP it saw: here the antgroup-opt sources this module installs.
-    assert decode.effective["deepep"] == deepep_here() != "none"
+    assert (decode.effective["deepep"], decode.effective["deepep_judged"]) == (IMAGE_DEEPEP, "image")
     effective = json.loads(json.dumps(decode.effective))
     effective["facts"]["sbo_combine_down_gemm_overlap"] = {"value": False}
     (problem,) = effective_problems(t, decode.command, effective)
     assert "SBO's down-GEMM/combine overlap is not effective" in problem
+    assert f"judged with {IMAGE_DEEPEP}; `sglang-pd doctor --expect full` in a pod" in problem
+    plan = replace(build_plan(t, check_rules(t)), sglang_checks=[c.as_dict() for c in r1_checks])
+    assert f"down-GEMM/combine True; with {IMAGE_DEEPEP})" in format_plan(plan, "table")
+
+
+def test_local_deepep_verdicts_say_they_judge_this_machines_deepep_not_the_images() -> None:
+    from sglang_pd.deploy.sglang.check import effective_problems
+    from sglang_pd.deploy.sglang.sbo import deepep_here
+
+    t = load_topology(PRESET_DIR / "deepseek-r1-h200-1p1d.yaml")
+    checks = check_with_sglang(t, local_deepep=True)
+    (decode, *_) = [c for c in checks if c.command.role == "decode"]
+    # The child that resolved reports the DeepEP it saw: here the antgroup-opt sources this module installs.
+    assert decode.passed and decode.effective["deepep"] == deepep_here() != "none"
+    effective = json.loads(json.dumps(decode.effective))
+    effective["facts"]["sbo_combine_down_gemm_overlap"] = {"value": False}
+    (problem,) = effective_problems(t, decode.command, effective)
     assert (
         f"judged with the DeepEP installed where this check runs ({decode.effective['deepep']}), not the cluster "
         "image's; `sglang-pd doctor --expect full` in the image" in problem
     )
-    plan = replace(build_plan(t, check_rules(t)), sglang_checks=[c.as_dict() for c in r1_checks])
+    plan = replace(build_plan(t, check_rules(t)), sglang_checks=[c.as_dict() for c in checks])
     assert f"with this machine's DeepEP, {decode.effective['deepep']}, not necessarily the image's" in format_plan(
         plan, "table"
     )
@@ -285,7 +303,7 @@ def test_an_sbo_refusal_is_reported_once_not_again_for_each_moe_fact_it_hid(r1_c
     effective["facts"].update({name: {"error": raised} for name in moe})
     (problem,) = effective_problems(t, decode.command, effective)
     assert problem.startswith(f"decode: sglang refuses --enable-single-batch-overlap on H200: {raised}")
-    assert "judged with the DeepEP installed where this check runs" in problem
+    assert "judged with the image's DeepEP" in problem
     # An unknown fact for another reason is still named.
     effective["facts"]["tbo"] = {"error": "AttributeError: no is_tbo_enabled"}
     assert any(
@@ -335,4 +353,56 @@ def test_plan_table_shows_the_effective_view(r1_checks) -> None:
     plan = replace(build_plan(t, check_rules(t)), sglang_checks=[c.as_dict() for c in r1_checks])
     out = format_plan(plan, "table")
     assert "what it will run (the effective view)" in out
-    assert "SBO True (shared True, down-GEMM/combine True; with this machine's DeepEP" in out and "TBO True" in out
+    assert "SBO True (shared True, down-GEMM/combine True; with the image's DeepEP" in out and "TBO True" in out
+
+
+# --- the batches sglang resolves, against the DeepEP dispatch budget it reads ------------------------------
+
+
+def _dispatch_problems(checks, role: str) -> list[str]:
+    return [p for c in checks if c.command.role == role for p in c.problems if "DeepEP's host assert" in p]
+
+
+def test_graph_sizes_sglang_derives_beyond_the_budget_are_named(preset_dict) -> None:
+    # Neither cuda_graph_max_bs nor max_running_requests: the rules have nothing to compare, sglang picks the
+    # graph sizes itself.
+    d = preset_dict()
+    del d["decode"]["cuda_graph_max_bs"], d["decode"]["max_running_requests"]
+    checks = check_with_sglang(parse_topology(d, source_dir=PRESET_DIR))
+    decode = [c for c in checks if c.command.role == "decode"]
+    largest = facts(decode[0])["cuda_graph_decode"]["max_bs"]
+    assert largest > 128  # sglang's own choice here
+    for c in decode:
+        (problem,) = _dispatch_problems([c], "decode")
+        assert problem.startswith(f"decode: sglang captures decode CUDA graphs up to batch {largest} a rank, above ")
+        assert "(SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK=128)" in problem
+        assert "Set decode.cuda_graph_max_bs to at most 128" in problem
+    assert _dispatch_problems(checks, "prefill") == []  # DeepEP normal on prefill: no low-latency budget
+
+
+def _overridden(preset_dict, budget: str | None = None) -> Topology:
+    """The chunk and graph-size overrides the rules refuse (tests/support/override_cases.py), as sglang gets them."""
+    d = OVERRIDES["decode graph sizes"].apply(OVERRIDES["prefill chunk"].apply(preset_dict()))
+    if budget is not None:
+        for role in ("prefill", "decode"):
+            d[role]["env"] = {**d[role].get("env", {}), "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK": budget}
+    return parse_topology(d, source_dir=PRESET_DIR)
+
+
+def test_the_effective_command_is_judged_against_the_budget(preset_dict) -> None:
+    checks = check_with_sglang(_overridden(preset_dict))
+    assert all(c.ok for c in checks), [c.error for c in checks]
+    (chunk,) = _dispatch_problems(checks, "prefill")
+    # 8192 from extra_args, divided over 8 attention-DP ranks: what sglang resolved, not the topology's 128.
+    assert chunk.startswith("prefill: sglang dispatches chunks of 1024 tokens a rank through DeepEP low-latency")
+    assert "Set prefill.chunked_prefill_size to at most 1024" in chunk
+    for c in (c for c in checks if c.command.role == "decode"):
+        (graphs,) = _dispatch_problems([c], "decode")
+        assert graphs.startswith("decode: sglang captures decode CUDA graphs up to batch 256 a rank")
+
+
+def test_the_budget_is_the_one_sglang_reads_from_the_commands_env(preset_dict) -> None:
+    """The control: the same batches under a budget of 1024 tokens a rank are no problem."""
+    checks = check_with_sglang(_overridden(preset_dict, budget="1024"))
+    assert all(c.ok for c in checks) and _dispatch_problems(checks, "prefill") == []
+    assert _dispatch_problems(checks, "decode") == []
