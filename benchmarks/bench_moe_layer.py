@@ -631,17 +631,19 @@ class DecodeLayer:
             self.experts.down, aq, as_, out=self.down_out, num_sms=self.num_sms - sms,
             max_block_n=full_max_block_n(self.max_block_n_rule, em),
         )  # fmt: skip
-        experts = torch.arange(recv_count.numel(), device=recv_count.device)
-        # The first expert with tokens (argmax gives the first maximum); no expert in `full`.
-        late = experts == (torch.argmax((recv_count > 0).to(torch.int32)) if base != "full" else -1)
+        late = early_m = None
+        if base != "full":  # `full` runs no extra kernel: its time is measured
+            experts = torch.arange(recv_count.numel(), device=recv_count.device)
+            late = experts == torch.argmax((recv_count > 0).to(torch.int32))  # argmax: the first maximum
+            early_m = torch.where(late, 0, recv_count)
         self.signal.zero_()
         start = torch.cuda.Event()
         start.record()
-        _, (block_m, threshold) = gemm(torch.where(late, 0, recv_count), em, signal=self.signal)
+        _, (block_m, threshold) = gemm(recv_count if early_m is None else early_m, em, signal=self.signal)
         assert block_m is not None and threshold is not None
         self.alt.wait_event(start)
         with torch.cuda.stream(self.alt):
-            if base == SKIP_WAIT:
+            if base == SKIP_WAIT and late is not None:
                 blocks = triton.cdiv(self.m_max, block_m)
                 self.signal[: self.w.num_local * blocks].view(-1, blocks).masked_fill_(late[:, None], threshold)
             _, _, hook = self.buffer.low_latency_combine(
@@ -650,7 +652,7 @@ class DecodeLayer:
                 async_finish=False, return_recv_hook=True, out=self.combined,
             )  # fmt: skip
             hook()
-        if base != "full":
+        if late is not None:
             gemm(torch.where(late, recv_count, 0), em, signal=self.signal if base == SPLIT else self.unread_signal)
         torch.cuda.current_stream().wait_stream(self.alt)
         self.last.update(block_m=block_m, threshold=threshold)
@@ -837,32 +839,27 @@ def run_replay_check(
     checked = [v for v in runners if parse_variant(v)[0] not in ("none", "deepgemm")]  # same kernels as none
     gen = torch.Generator(device="cuda")
     gen.manual_seed(args.seed + 7919 + 31 * t + rank)
-    replays = args.replay_check
-    mismatched = torch.zeros(replays, len(checked), dtype=torch.int64, device="cuda")
-    nonfinite = torch.zeros(replays, dtype=torch.int64, device="cuda")
-    baseline = torch.empty_like(layer.final)
+
+    def output_of(run: Callable[[], Any]) -> Callable[[], torch.Tensor]:
+        return lambda: (run(), layer.final)[1]
+
     started = time.monotonic()
-    for i in range(replays):
-        x.copy_(torch.randn(x.shape, generator=gen, device="cuda"))
-        layer.poison()
-        runners["none"]()
-        baseline.copy_(layer.final)
-        nonfinite[i] = (~torch.isfinite(baseline)).sum()
-        for j, variant in enumerate(checked):
-            layer.poison()
-            runners[variant]()
-            mismatched[i, j] = replay_check.mismatched_elements(layer.final, baseline)
-        if (i + 1) % 100 == 0:
-            wait_or_die(rank, f"decode T={t} replay check, replay {i + 1}", args.hang_s, layer.diagnose)
+    tallies = replay_check.run_replays(
+        args.replay_check,
+        load_input=lambda _: x.copy_(torch.randn(x.shape, generator=gen, device="cuda")),
+        poison=layer.poison,
+        baseline=output_of(runners["none"]),
+        variants={v: output_of(runners[v]) for v in checked},
+        must_fail=[v for v in checked if parse_variant(v)[0] == SKIP_WAIT],
+        every=(100, lambda i: wait_or_die(rank, f"decode T={t} replay check, replay {i}", args.hang_s, layer.diagnose)),
+    )
+    layer.poison()
+    runners["none"]()  # none's output of the last input, held to the torch reference below
     wait_or_die(rank, f"decode T={t} replay check", args.hang_s, layer.diagnose)
-    counts, bad = mismatched.cpu().tolist(), nonfinite.cpu().tolist()
-    tallies = {v: replay_check.ReplayTally(v, must_fail=parse_variant(v)[0] == SKIP_WAIT) for v in checked}
-    for i in range(replays):
-        for j, variant in enumerate(checked):
-            tallies[variant].add(i, counts[i][j], bad[i])
+    baseline = layer.final.clone()
     topk_idx, topk_w = route(x, layer.w, layer.idx_dtype)  # the last input's routing (deterministic)
     return {
-        "replays": replays,
+        "replays": args.replay_check,
         "seconds": round(time.monotonic() - started, 2),
         "inputs": "fresh random input per replay, copied into the graphs' static input",
         "poisoned": "NaN in the down GEMM's, the combine's and the layer's output before every replay",

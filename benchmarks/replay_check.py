@@ -13,12 +13,13 @@ wait on purpose) has to produce at least one mismatching replay, or the run fail
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["ReplayTally", "bits", "merge_tallies", "mismatched_elements", "summarize"]
+__all__ = ["ReplayTally", "bits", "merge_tallies", "mismatched_elements", "run_replays", "summarize"]
 
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -108,6 +109,52 @@ class ReplayTally:
             "baseline_nonfinite": self.baseline_nonfinite,
             **self.verdict(),
         }
+
+
+def run_replays(
+    replays: int,
+    *,
+    load_input: Callable[[int], None],
+    poison: Callable[[], None],
+    baseline: Callable[[], torch.Tensor],
+    variants: dict[str, Callable[[], torch.Tensor]],
+    must_fail: Collection[str] = (),
+    every: tuple[int, Callable[[int], None]] | None = None,
+) -> dict[str, ReplayTally]:
+    """``replays`` rounds of: ``load_input(i)`` (a fresh input into the static input), then the
+    baseline and each variant, each after ``poison()`` and each returning its output buffer; every
+    variant's output is compared bit for bit with the baseline's of the same round. The counts stay
+    on the outputs' device until the end (no synchronisation per replay); ``every = (n, f)`` calls
+    ``f(i)`` after every n rounds (a hang check)."""
+    if replays < 1:
+        raise ValueError(f"replays must be >= 1, got {replays}")
+    unknown = set(must_fail) - set(variants)
+    if unknown:
+        raise ValueError(f"must-fail controls {sorted(unknown)} are not among the variants {sorted(variants)}")
+    kept: torch.Tensor | None = None
+    counts = nonfinite = torch.empty(0)
+    for i in range(replays):
+        load_input(i)
+        poison()
+        out = baseline()
+        if kept is None:
+            kept = torch.empty_like(out)
+            counts = torch.zeros(replays, len(variants), dtype=torch.int64, device=out.device)
+            nonfinite = torch.zeros(replays, dtype=torch.int64, device=out.device)
+        kept.copy_(out)
+        if kept.is_floating_point():
+            nonfinite[i] = (~torch.isfinite(kept)).sum()
+        for j, run in enumerate(variants.values()):
+            poison()
+            counts[i, j] = mismatched_elements(run(), kept)
+        if every is not None and (i + 1) % every[0] == 0:
+            every[1](i + 1)
+    tallies = {name: ReplayTally(name, must_fail=name in must_fail) for name in variants}
+    per_replay, bad = counts.cpu().tolist(), nonfinite.cpu().tolist()
+    for i in range(replays):
+        for j, tally in enumerate(tallies.values()):
+            tally.add(i, per_replay[i][j], bad[i])
+    return tallies
 
 
 def merge_tallies(per_rank: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
