@@ -884,7 +884,7 @@ spec:
   minAvailable: {{ .cfg.pdb.minAvailable }}
   {{- else if and (eq (int $groups) 1) (not .cfg.pdb.allowLastGroupDisruption) }}
   # The only {{ .component }} group: LeaderWorkerSet recreates every pod of a group when one goes, so evicting
-  # any one pod stops serving. A drain waits here until another group runs (or allowLastGroupDisruption).
+  # any one pod ends serving. A drain waits here until another group runs (or allowLastGroupDisruption).
   minAvailable: {{ $spec.nodes }}
   {{- else }}
   # Counted in pods, but one eviction takes its whole group down (LWS recreates it), and the group's
