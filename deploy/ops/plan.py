@@ -3,7 +3,8 @@
 With `--check`, `check_plan` adds sglang's own verdict on every command and the effective view:
 what sglang will run (SBO halves, TBO, DP attention, DeepEP mode, MoE runner, CUDA graphs,
 attention backends, LM head), each feature the topology asks for but sglang would not run
-being an error that names the missing flag.
+being an error that names the missing flag, as is a resolved batch beyond DeepEP's dispatch
+budget. SBO is judged with the image's DeepEP unless `--local-deepep` asks for this machine's.
 """
 
 from __future__ import annotations

@@ -15,14 +15,17 @@ for every later check of the same GPU generation; the child answers one JSON obj
 command: sglang's resolved values, or its error text.
 
 After resolution the child also computes the *effective* view: what sglang will actually run.
-It publishes the resolved arguments the way a scheduler does, seeds sglang's MoE flags with
+It publishes the resolved arguments the way a scheduler does, sets sglang's MoE flags with
 sglang's own `initialize_moe_config` (with every installed sglang plugin loaded, ours included),
 and evaluates sglang's own predicates: `SboFlags` for the two SBO halves, `is_tbo_enabled`, the
 DeepEP mode, the MoE runner, the CUDA-graph batch sizes, the attention backends and the LM-head
 mode. The GPU is the topology's: sglang's platform facts and capability queries answer with its
-compute capability (as the plugin's tests do on CPU). `effective_problems` then compares each
-feature the topology asks for with what sglang will do, naming the flag that is missing.
-A fact the installed sglang cannot answer (another version) is reported as unknown with why.
+compute capability (as the plugin's tests do on CPU), and the DeepEP the plugin judges is the
+image's (deploy/sglang/image_deepep.py) unless the caller asks for this machine's.
+`effective_problems` then compares each feature the topology asks for with what sglang will do,
+naming the flag that is missing, and `dispatch_problems` holds the batches sglang resolved to the
+DeepEP dispatch budget it reads. A fact the installed sglang cannot answer (another version) is
+reported as unknown with why.
 """
 
 from __future__ import annotations
@@ -691,7 +694,7 @@ def _effective(args: Any, view: Any, role: str, cap: tuple[int, int] | None, ima
     fact("cuda_graph_decode", lambda: _graph_phase(view, "decode"))
     fact("dispatch_budget", _dispatch_budget)
 
-    # A scheduler publishes its arguments, then seeds the MoE flags (with plugins' hooks applied).
+    # A scheduler publishes its arguments, then sets the MoE flags (with plugins' hooks applied).
     from sglang.srt import runtime_context
 
     runtime_context.reset_context()
@@ -706,13 +709,13 @@ def _effective(args: Any, view: Any, role: str, cap: tuple[int, int] | None, ima
 
     try:
         moe.initialize_moe_config()
-        seeded: str | None = None
+        refused: str | None = None
     except Exception as exc:
-        seeded = f"{type(exc).__name__}: {exc}"
+        refused = f"{type(exc).__name__}: {exc}"
 
     def moe_fact(name: str, fn: Any) -> None:
-        if seeded is not None:
-            facts[name] = {"error": f"sglang's initialize_moe_config raised {seeded}"}
+        if refused is not None:
+            facts[name] = {"error": f"sglang's initialize_moe_config raised {refused}"}
         else:
             fact(name, fn)
 
