@@ -10,6 +10,7 @@ from sglang_pd.deploy.estimate.capacity import KVCapacity, kv_bytes_per_element,
 from sglang_pd.deploy.estimate.hardware import load_hardware
 from sglang_pd.deploy.estimate.roofline import KV_TRANSFER, Cost, Layout, Roofline
 from sglang_pd.deploy.spec.model_shape import ModelShape
+from sglang_pd.deploy.spec.sbo_sms import sglang_send_sms
 from sglang_pd.deploy.spec.topology import DecodeSpec, PrefillSpec, Topology, TopologyError
 
 __all__ = ["DEFAULT_INPUT_LEN", "DEFAULT_OUTPUT_LEN", "Estimate", "EstimateError", "estimate_topology"]
@@ -36,6 +37,40 @@ class PhaseEstimate:
 
 
 @dataclass(frozen=True)
+class SboTerms:
+    """What SBO gains per MoE layer (negative: loses), by half, at the decode batch."""
+
+    mode: str  # the topology's decode.sbo ("off": what full SBO would do)
+    runs: str  # the halves sglang would run: "full" or "shared-only"
+    send_sms: int
+    send_sms_source: str
+    shared_us_per_layer: float  # the shared expert against the dispatch in flight
+    combine_us_per_layer: float  # the down GEMM against combine-send (0 without it)
+    moe_layers: int
+
+    @property
+    def us_per_layer(self) -> float:
+        return self.shared_us_per_layer + self.combine_us_per_layer
+
+    @property
+    def ms_per_step(self) -> float:
+        return self.us_per_layer * self.moe_layers / 1e3
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "runs": self.runs,
+            "send_sms": self.send_sms if self.runs == "full" else None,
+            "send_sms_source": self.send_sms_source if self.runs == "full" else None,
+            "gain_us_per_layer": round(self.us_per_layer, 1),
+            "shared_us_per_layer": round(self.shared_us_per_layer, 1),
+            "combine_us_per_layer": round(self.combine_us_per_layer, 1),
+            "gain_ms_per_step": round(self.ms_per_step, 2),
+            "moe_layers": self.moe_layers,
+        }
+
+
+@dataclass(frozen=True)
 class Estimate:
     """What `plan --estimate` reports."""
 
@@ -48,6 +83,7 @@ class Estimate:
     decode: PhaseEstimate
     sbo_saving: float
     sbo_applies: bool
+    sbo: SboTerms | None
     tbo_saving: float
     pd_ratio: float
     kv: KVCapacity
@@ -67,6 +103,7 @@ class Estimate:
                 "tokens_per_s_per_gpu": round(self.decode.tokens_per_s_per_gpu, 1),
                 "bound": self.decode.bound,
                 "sbo_saving": round(self.sbo_saving, 4),
+                "sbo": self.sbo.as_dict() if self.sbo else None,
                 "tbo_saving": round(self.tbo_saving, 4),
                 "breakdown_ms": self.decode.breakdown_ms,
             },
@@ -113,6 +150,7 @@ def role_layout(t: Topology, role: str, shape: ModelShape) -> Layout:
         tbo=spec.tbo.enabled,
         sbo=_effective_sbo(t) if role == "decode" else "off",
         dp_lm_head=spec.dp_lm_head,
+        sbo_send_sms=sglang_send_sms(t)[0] if role == "decode" else 0,
     )
 
 
@@ -225,8 +263,22 @@ def estimate_topology(
     t_plain = model.decode_step(plain, batch, d_context).total
     sbo_applies = d_lay.a2a == "low_latency" and d_lay.attn_dp > 1
     sbo = "full" if d_lay.sbo == "off" else d_lay.sbo  # what SBO would save where it is off
-    sbo_saving = 1 - model.decode_step(replace(plain, sbo=sbo), batch, d_context).total / t_plain
-    if not sbo_applies:
+    t_sbo = model.decode_step(replace(plain, sbo=sbo), batch, d_context).total
+    sbo_saving = 1 - t_sbo / t_plain
+    sbo_terms = None
+    if sbo_applies:
+        t_shared = model.decode_step(replace(plain, sbo="shared-only"), batch, d_context).total
+        send_sms, send_source = sglang_send_sms(t)
+        sbo_terms = SboTerms(
+            mode=t.decode.sbo.value,
+            runs=sbo,
+            send_sms=send_sms,
+            send_sms_source=send_source,
+            shared_us_per_layer=(t_plain - t_shared) / shape.moe_layers,
+            combine_us_per_layer=(t_shared - t_sbo) / shape.moe_layers,
+            moe_layers=shape.moe_layers,
+        )
+    else:
         sbo_saving = 0.0
     tbo_saving = 1 - model.decode_step(replace(plain, tbo=True), batch, d_context).total / t_plain
 
@@ -268,6 +320,7 @@ def estimate_topology(
         decode=decode,
         sbo_saving=sbo_saving,
         sbo_applies=sbo_applies,
+        sbo=sbo_terms,
         tbo_saving=tbo_saving,
         pd_ratio=pd_ratio,
         kv=kv,

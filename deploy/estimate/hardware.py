@@ -68,6 +68,8 @@ class HardwareData:
     efficiency: dict[str, float]
     efficiency_sources: dict[str, str]
     ll_tokens: int
+    ll_hidden: int
+    ll_topk: int
     ll_nic_gbit: float
     ll_dispatch_us: dict[int, float]
     ll_combine_us: dict[int, float]
@@ -77,6 +79,9 @@ class HardwareData:
     normal_nvlink_gbps: dict[int, float]
     normal_sms: int
     deepep_sources: dict[str, str]
+    sbo_send_gbps_per_sm: float
+    sbo_fixed_us: float
+    sbo_sources: dict[str, str]
     assumptions: dict[str, float]
     assumption_texts: dict[str, str]
 
@@ -111,12 +116,14 @@ def load_hardware(path: Path = HARDWARE_FILE) -> HardwareData:
         key.upper(): GPUProfile(key=key.upper(), **{**g, "assumed": tuple(g.get("assumed", ()))})
         for key, g in raw["gpus"].items()
     }
-    ll, normal = raw["deepep"]["low_latency"], raw["deepep"]["normal"]
+    ll, normal, sbo = raw["deepep"]["low_latency"], raw["deepep"]["normal"], raw["sbo"]
     return HardwareData(
         gpus=gpus,
         efficiency={k: float(v["value"]) for k, v in raw["efficiency"].items()},
         efficiency_sources={k: str(v["source"]) for k, v in raw["efficiency"].items()},
         ll_tokens=int(ll["tokens"]),
+        ll_hidden=int(ll["hidden"]),
+        ll_topk=int(ll["topk"]),
         ll_nic_gbit=float(ll["nic_gbit"]),
         ll_dispatch_us=_int_keys(ll["dispatch_us"]),
         ll_combine_us=_int_keys(ll["combine_us"]),
@@ -126,6 +133,9 @@ def load_hardware(path: Path = HARDWARE_FILE) -> HardwareData:
         normal_nvlink_gbps=_int_keys(normal["nvlink_gbps"]),
         normal_sms=int(normal["sms"]),
         deepep_sources={"low_latency": str(ll["source"]), "normal": str(normal["source"])},
+        sbo_send_gbps_per_sm=float(sbo["send_gbps_per_sm"]["value"]),
+        sbo_fixed_us=float(sbo["fixed_us"]["value"]),
+        sbo_sources={k: str(v["source"]) for k, v in sbo.items()},
         assumptions={k: float(v["value"]) for k, v in raw["assumptions"].items()},
         assumption_texts={k: str(v["text"]) for k, v in raw["assumptions"].items()},
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from sglang_pd.deploy.estimate.estimate import Estimate
+from sglang_pd.deploy.estimate.estimate import Estimate, SboTerms
 
 __all__ = ["format_estimate"]
 
@@ -29,6 +29,7 @@ def _table(e: Estimate) -> str:
         *("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows),
         "",
         f"decode overlaps: {sbo} TBO would save {e.tbo_saving:.1%}",
+        *([_sbo_line(e.sbo)] if e.sbo else []),
         f"P:D ratio: {e.pd_ratio:.2f} prefill instances per decode group balance these lengths",
         f"KV capacity (decode): {e.kv.tokens_per_gpu:,} tokens per GPU; the batch needs "
         f"{e.kv.tokens_needed_per_gpu:,} (at most {e.kv.max_batch_per_rank} requests per rank): "
@@ -41,6 +42,29 @@ def _table(e: Estimate) -> str:
         lines += ["", "warnings:", *(f"  - {w}" for w in e.warnings)]
     lines += ["", "assumptions:", *(f"  - {a}" for a in e.assumptions)]
     return "\n".join(lines)
+
+
+def _us(v: float) -> str:
+    return f"{v:+.0f} us"
+
+
+def _sbo_line(t: SboTerms) -> str:
+    """SBO's gain or loss per MoE layer and per step, with the send-SM setting it assumes."""
+    if t.runs == "full":
+        what = f"combine-send on {t.send_sms} SMs, {t.send_sms_source}"
+        head = f"SBO ({t.mode}; {what})" if t.mode == "full" else f"SBO (off here; full would run {what})"
+        halves = (
+            f"{_us(t.combine_us_per_layer)} down GEMM against combine-send, "
+            f"{_us(t.shared_us_per_layer)} shared expert against dispatch"
+        )
+    else:
+        head = "SBO (shared-only: sglang runs no down-GEMM/combine overlap here)"
+        halves = f"{_us(t.shared_us_per_layer)} shared expert against dispatch"
+    verdict = "gain" if t.us_per_layer >= 0 else "LOSS"
+    return (
+        f"{head}: {_us(t.us_per_layer)} per MoE layer ({halves}); {t.ms_per_step:+.2f} ms per step over "
+        f"{t.moe_layers} MoE layers: a {verdict}"
+    )
 
 
 def format_estimate(e: Estimate, fmt: str) -> str:

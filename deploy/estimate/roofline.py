@@ -2,10 +2,13 @@
 
 Each operation costs the larger of its compute time and its memory time at measured kernel
 efficiencies; communication costs its bytes over the measured DeepEP or NVLink bandwidth.
-Operations that run concurrently (two-batch overlap, single-batch overlap) cost the `max` of
+Operations that run concurrently (two-batch overlap, SBO's shared-expert half) cost the `max` of
 the overlapped parts, not their sum, plus the share of the shorter part that measurements say
-does not hide (`tbo_overlap`, `sbo_overlap` in hardware.yaml). A `Cost` keeps, beside its total, how much of it each
-resource accounts for on the critical path, so the estimate can say what bounds a phase.
+does not hide (`tbo_overlap`, `sbo_overlap` in hardware.yaml). SBO's other half, the down GEMM
+against DeepEP's combine-send, has a model of its own (`SboCombine`): row-blocks released in
+waves, a send capped by its SMs and the link, and a fixed cost. A `Cost` keeps, beside its total,
+how much of it each resource accounts for on the critical path, so the estimate can say what
+bounds a phase.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from dataclasses import dataclass, field, replace
 
 from sglang_pd.deploy.estimate.hardware import GPUProfile, HardwareData
 from sglang_pd.deploy.spec.model_shape import ModelShape
+from sglang_pd.deploy.spec.sbo_sms import DownGemmTiles, down_gemm_block_n, expected_m
 
-__all__ = ["BOUNDS", "Cost", "Layout", "Roofline", "overlap", "shared_sms"]
+__all__ = ["BOUNDS", "Cost", "Layout", "Roofline", "SboCombine", "combine_link_gbps", "overlap", "shared_sms"]
 
 # The resources a phase can be bound by (the estimate's "bound" names one).
 WEIGHTS, KV, FLOPS, A2A, ALLREDUCE, KV_TRANSFER, OTHER = (
@@ -90,6 +94,76 @@ def shared_sms(compute: Cost, comm: Cost, stretch: float, hidden: float) -> Cost
     return overlap(slowed, comm, hidden)
 
 
+def ll_link_scale(hw: HardwareData, gpu: GPUProfile, ep: int, gpus_per_node: int) -> float:
+    """How much longer a DeepEP low-latency transfer takes on this GPU's link than in DeepEP's table: the NIC's
+    speed against the measured 400 Gb/s across nodes, NVLink's within one node."""
+    if ep <= gpus_per_node:
+        return hw.ll_nic_gbit / 8 / (gpu.nvlink_gbps * hw.efficiency["nvlink"])
+    return hw.ll_nic_gbit / gpu.nic_gbit
+
+
+def combine_link_gbps(hw: HardwareData, gpu: GPUProfile, ep: int, gpus_per_node: int) -> float:
+    """GB/s at which DeepEP's low-latency combine moves a GPU's rows, its fixed cost left out: DeepEP's table
+    (bf16 rows of `ll_hidden`, `ll_topk` copies of `ll_tokens` tokens) on this GPU's link."""
+    table = hw.ll_call_us("combine", ep)
+    transfer_us = (table - min(hw.assumptions["ll_latency_us"], table)) * ll_link_scale(hw, gpu, ep, gpus_per_node)
+    return hw.ll_tokens * hw.ll_topk * 2 * hw.ll_hidden / transfer_us / 1e3
+
+
+@dataclass(frozen=True)
+class SboCombine:
+    """The down GEMM and DeepEP's combine under full SBO, against running them one after the other.
+
+    The GEMM runs on the SMs the send leaves, in `waves` rounds of tiles (a round more than on the whole GPU
+    stretches it by that round). Each round releases its share of the row-blocks, which the send can start on
+    once released; it moves them at `send_gbps`, the lesser of its SMs' rate and the link's. The last row-block
+    leaves at `send_end_us`; then the combine's fixed part and SBO's own `fixed_us` follow.
+    """
+
+    send_sms: int
+    waves: int
+    whole_gpu_waves: int
+    gemm_us: float  # the down GEMM on the SMs the send leaves
+    send_gbps: float
+    send_end_us: float  # from the GEMM's start to the last byte sent
+    fixed_us: float
+    serial_us: float  # the down GEMM on every SM, then the combine's transfer
+
+    @property
+    def overlapped_us(self) -> float:
+        return self.send_end_us + self.fixed_us
+
+    @property
+    def gain_us(self) -> float:
+        """Per MoE layer; negative: the overlap costs time."""
+        return self.serial_us - self.overlapped_us
+
+
+def sbo_combine(
+    down_us: float, combine_bytes: float, link_gbps: float, send_sms: int, sms: int, tiles: DownGemmTiles,
+    per_sm_gbps: float, fixed_us: float,
+) -> SboCombine:  # fmt: skip
+    """The wave-and-send-rate model of SBO's down-GEMM/combine half (docs/estimate.md)."""
+    if not 0 < send_sms < sms:
+        raise ValueError(f"SBO's combine-send needs 1 to {sms - 1} SMs of {sms}, got {send_sms}")
+    whole = tiles.waves(sms)
+    waves = tiles.waves(max(1, sms - send_sms))
+    gemm = down_us * waves / whole
+    rate = min(send_sms * per_sm_gbps, link_gbps) * 1e3  # bytes per µs
+    # Wave k releases its share at k x gemm / waves; the send is done when the latest-bound share is.
+    send_end = max(k * gemm / waves + (waves - k + 1) * combine_bytes / waves / rate for k in range(1, waves + 1))
+    return SboCombine(
+        send_sms=send_sms,
+        waves=waves,
+        whole_gpu_waves=whole,
+        gemm_us=gemm,
+        send_gbps=rate / 1e3,
+        send_end_us=send_end,
+        fixed_us=fixed_us,
+        serial_us=down_us + combine_bytes / (link_gbps * 1e3),
+    )
+
+
 @dataclass(frozen=True)
 class Layout:
     """One role's parallel layout, as the roofline needs it."""
@@ -103,6 +177,7 @@ class Layout:
     tbo: bool = False
     sbo: str = "off"  # "off", "full", "shared-only"
     dp_lm_head: bool = False
+    sbo_send_sms: int = 0  # combine-send SMs under full SBO (decode.sbo_send_sms or its default)
 
     @property
     def attn_tp(self) -> int:
@@ -213,21 +288,26 @@ class Roofline:
         than wgmma's 64 still costs 64 in the masked (decode) layout.
         """
         s = self.shape
-        if lay.a2a == "none":
-            # Tensor-parallel MoE: every GPU holds a 1/tp slice of every expert.
-            experts, slice_ = float(s.routed_experts), 1 / lay.tp
-            pairs = tokens_total * s.topk
-        else:
-            experts, slice_ = lay.experts_per_gpu, 1.0
-            pairs = tokens_total * s.topk / lay.ep * self._assume("expert_imbalance")
-        # Experts that got no token this step are not read (Poisson arrivals).
-        active = experts * -math.expm1(-pairs / experts)
+        slice_ = 1 / lay.tp if lay.a2a == "none" else 1.0
+        active, pairs = self._expert_load(lay, tokens_total)
         flops_rows = active * max(pairs / active, WGMMA_ROWS) if masked else pairs
         gate_up_params = 2 * s.hidden * s.moe_intermediate * slice_
         down_params = s.hidden * s.moe_intermediate * slice_
         gate_up = self.gemm(2 * flops_rows * gate_up_params, active * gate_up_params * s.weight_bytes)
         down = self.gemm(2 * flops_rows * down_params, active * down_params * s.weight_bytes)
         return gate_up, down
+
+    def _expert_load(self, lay: Layout, tokens_total: float) -> tuple[float, float]:
+        """(active experts, expert-token pairs) on the most loaded GPU."""
+        s = self.shape
+        if lay.a2a == "none":
+            # Tensor-parallel MoE: every GPU holds a 1/tp slice of every expert.
+            experts, pairs = float(s.routed_experts), tokens_total * s.topk
+        else:
+            experts = lay.experts_per_gpu
+            pairs = tokens_total * s.topk / lay.ep * self._assume("expert_imbalance")
+        # Experts that got no token this step are not read (Poisson arrivals).
+        return experts * -math.expm1(-pairs / experts), pairs
 
     def lm_head(self, lay: Layout, tokens: float) -> Cost:
         params = self.shape.lm_head_params / lay.lm_head_tp
@@ -248,10 +328,7 @@ class Roofline:
         """
         t_table = self.hw.ll_call_us(kind, lay.ep)
         t0 = min(self._assume("ll_latency_us"), t_table)
-        if lay.ep <= lay.gpus_per_node:
-            link_scale = self.hw.ll_nic_gbit / 8 / (self.gpu.nvlink_gbps * self._eff("nvlink"))
-        else:
-            link_scale = self.hw.ll_nic_gbit / self.gpu.nic_gbit
+        link_scale = ll_link_scale(self.hw, self.gpu, lay.ep, lay.gpus_per_node)
         transfer = (t_table - t0) * tokens_per_rank / self.hw.ll_tokens * link_scale * self._assume("expert_imbalance")
         return Cost.of(A2A, t0), Cost.of(A2A, transfer)
 
@@ -316,9 +393,32 @@ class Roofline:
         layer = attn + sm_part + overlap(dispatch * (1 - self.hw.ll_sm_fraction), shared, hidden) + gate_up
         if lay.sbo == "full":
             # The down GEMM signals finished row blocks; combine-send, on SMs of its own, ships
-            # them while the GEMM runs.
-            return layer + overlap(down, c0 + c, hidden)
+            # them while the GEMM runs. The combine's fixed part follows the last block.
+            m = self.sbo_combine(lay, down, c, batch * lay.attn_dp)
+            return (
+                layer
+                + down * (m.gemm_us / down.total)
+                + Cost.of(A2A, m.send_end_us - m.gemm_us)
+                + c0
+                + Cost.of(OTHER, m.fixed_us)
+            )
         return layer + down + c0 + c
+
+    def sbo_combine(self, lay: Layout, down: Cost, transfer: Cost, tokens_total: float) -> SboCombine:
+        """SBO's down-GEMM/combine half on the most loaded GPU, `tokens_total` tokens entering the layer across
+        the EP group: `transfer` is the combine's size-dependent part (`low_latency`)."""
+        s = self.shape
+        active, pairs = self._expert_load(lay, tokens_total)
+        m = expected_m(max(1, round(tokens_total / lay.ep)), lay.ep, s.topk, lay.physical_experts)
+        tiles = DownGemmTiles(
+            experts=max(1, math.ceil(active - 1e-9)), rows=math.ceil(pairs / active), hidden=s.hidden,
+            block_n=down_gemm_block_n(self.gpu.key, m),
+        )  # fmt: skip
+        combine_bytes = pairs * self._token_bytes()[1]
+        return sbo_combine(
+            down.total, combine_bytes, combine_bytes / transfer.total / 1e3, lay.sbo_send_sms, self.gpu.sms, tiles,
+            self.hw.sbo_send_gbps_per_sm, self.hw.sbo_fixed_us,
+        )  # fmt: skip
 
     def _decode_tbo(self, half: Layout, batch: float, context: float) -> Cost:
         """Two micro-batches: one's communication in flight while the other computes."""

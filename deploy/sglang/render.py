@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from sglang_pd.deploy.common.contract import Role
 from sglang_pd.deploy.spec.rendered import DISPATCH_BUDGET_ENV, RENDERED_ENV, RENDERED_FLAGS
+from sglang_pd.deploy.spec.sbo_sms import COMBINE_SEND_SMS_ENV, rendered_send_sms
 from sglang_pd.deploy.spec.topology import DecodeSpec, SBOMode, Topology
 from sglang_pd.sglang_patches.status import SBO_MODE_ENV
 
@@ -144,6 +145,8 @@ def render_node(
                 # Read only by sglang's DeepGEMM runner when the down GEMM overlaps combine: it narrows
                 # the GEMM's N blocks (160) for the H20's fewer SMs.
                 _export(env, "SGLANG_DEEPGEMM_ON_H20", "1")
+            if (send_sms := rendered_send_sms(t)) is not None:  # decode.sbo_send_sms (deploy/spec/sbo_sms.py)
+                _export(env, COMBINE_SEND_SMS_ENV, str(send_sms))
         if spec.cuda_graph_max_bs is not None:
             a += _opt("--cuda-graph-max-bs-decode", str(spec.cuda_graph_max_bs))
         if spec.moe_a2a_backend == "deepep":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 
+from sglang_pd.deploy.spec.sbo_sms import sglang_send_sms
 from sglang_pd.deploy.spec.topology import GPU_CAPABILITY, SBOMode, Topology
 
 __all__ = [
@@ -62,7 +63,7 @@ def sbo_topology_errors(t: Topology) -> list[str]:
     decision = status.deepep_layout()
     if decision.layout is None:
         return []  # sbo_topology_warnings says so
-    send_sms = status.sglang_combine_send_sms(t.decode.env)
+    send_sms, _ = sglang_send_sms(t)  # what the renderer exports (decode.sbo_send_sms or its default), else sglang's
     contract = status.layout_contract(decision.layout, ep_nodes=t.decode.nodes, send_sms=send_sms)
     if contract.ok:
         return []

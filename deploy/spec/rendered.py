@@ -132,6 +132,9 @@ ASSUMED_FAMILIES: dict[str, Setting] = {
 RENDERED_ENV: dict[str, Setting] = {
     ENV_SBO_MODE: Setting("decode.sbo"),
     "SGLANG_DEEPGEMM_ON_H20": Setting("hardware.gpu", note="1 on H20 with decode.sbo: full"),
+    "SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS": Setting(
+        "decode.sbo_send_sms", note="with decode.sbo: full; checked against the link and the down GEMM's tiles"
+    ),
     DISPATCH_BUDGET_ENV: Setting("decode.dispatch_token_budget"),
     "SGLANG_SCHEDULER_SKIP_ALL_GATHER": Setting("", note="1 on a one-GPU server with an MoE all-to-all"),
     "MC_FORCE_TCP": Setting("transfer.protocol"),

@@ -30,6 +30,7 @@ from sglang_pd.deploy.common.contract import (
 from sglang_pd.deploy.spec.model_shape import ShapeError, checkpoint_bytes
 from sglang_pd.deploy.spec.presets import PRESETS_DIR
 from sglang_pd.deploy.spec.rendered import DISPATCH_BUDGET_ENV, env_problems, extra_args_problems
+from sglang_pd.deploy.spec.sbo_sms import send_sms_problems
 
 __all__ = [
     "GPU_CAPABILITY",
@@ -229,6 +230,12 @@ class DecodeSpec(_RoleSpec):
     dispatch_token_budget: Positive = Field(
         DEFAULT_DISPATCH_TOKEN_BUDGET,
         description="SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK: tokens one rank may dispatch.",
+    )
+    sbo_send_sms: Annotated[int, Field(ge=1, strict=True)] | None = Field(
+        None,
+        description="SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS with sbo: full: SMs DeepEP's combine sends on while the "
+        "down GEMM runs on the rest. None: the default for the GPU type (deploy/spec/sbo_sms.py); the rules check it "
+        "against the link and the GEMM's tiles (docs/topology.md).",
     )
 
     @field_validator("sbo", mode="before")
@@ -758,6 +765,7 @@ def check_rules(t: Topology, pod: PodSettings | None = None) -> RuleReport:
     cfg = t.load_model_config()
     if cfg is not None:
         _shape_rules(t, cfg, errors)
+    _sbo_send_sms_rule(t, cfg, errors, warnings)
     if pod is not None and not t.is_local:
         _pod_rules(t, pod, cfg, errors)
     return RuleReport(errors=errors, warnings=warnings)
@@ -779,6 +787,15 @@ def _sbo_runner_rule(t: Topology, errors: list[str]) -> None:
         f"--moe-runner-backend {wanted} on {t.hardware.gpu}, but it is {runner} (sglang's SboFlags); without it "
         f"only the shared-expert half runs. Set decode.moe_runner_backend: {wanted}, or decode.sbo: shared-only."
     )
+
+
+def _sbo_send_sms_rule(t: Topology, cfg: dict[str, Any] | None, errors: list[str], warnings: list[str]) -> None:
+    # decode.sbo_send_sms against the link and the down GEMM's tiles (deploy/spec/sbo_sms.py), judged on a layout
+    # the rules above accept: its figures assume one.
+    more_errors, more_warnings = send_sms_problems(t, cfg)
+    warnings += more_warnings
+    if not errors:
+        errors += more_errors
 
 
 def _graph_cover_rule(d: DecodeSpec, per_rank: int, errors: list[str], warnings: list[str]) -> None:
