@@ -160,7 +160,7 @@ def report(out: Path, commit: str = "unknown", command: str = "") -> dict[str, A
         problems.append(f"PTX fences: {'no ptx_fences.json' if ptx is None else 'not ok'}")
     layers: dict[str, Any] = {}
     raw: dict[str, Any] = {}
-    for path in sorted(out.glob("decode_1gpu_bn*.json")):
+    for path in sorted(out.glob("decode_1gpu_bn*.json"), key=lambda p: -int(p.stem.removeprefix("decode_1gpu_bn"))):
         bn = path.stem.removeprefix("decode_1gpu_bn")
         bench = _read_json(path) or {}
         raw[f"max_block_n_{bn}"] = bench
@@ -205,6 +205,10 @@ def report(out: Path, commit: str = "unknown", command: str = "") -> dict[str, A
     return result
 
 
+def _signed(pct: float | None) -> str:
+    return f"{pct:+6.1f}" if pct is not None else f"{'-':>6}"
+
+
 def table(result: dict[str, Any]) -> str:
     """The short table printed last."""
     lines = [f"SBO one rank: {result.get('gpu')}, commit {result['commit']}"]
@@ -224,10 +228,8 @@ def table(result: dict[str, Any]) -> str:
                      " ".join(f"{k:>13}" for k in fulls) + " | replay check")  # fmt: skip
         for r in rows:
             cells = " ".join(f"{r['us'].get(k, float('nan')):8.1f}" for k in base)
-            nan = float("nan")
             vs = " ".join(
-                f"{r['full_vs_none_pct'].get(k, nan):+6.1f}/{r['full_vs_deepgemm_pct'].get(k, nan):+6.1f}"
-                for k in fulls
+                f"{_signed(r['full_vs_none_pct'].get(k))}/{_signed(r['full_vs_deepgemm_pct'].get(k))}" for k in fulls
             )
             rc = r["replay_check"]
             check = (
