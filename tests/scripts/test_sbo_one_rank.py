@@ -178,7 +178,7 @@ def test_the_160_decision_weighs_full_sbo_against_the_spread_of_none(
     decision = report_mod.report(tmp_path / "out")["max_block_n_160_decision"]
     by_t = {x["tokens_per_rank"]: x for x in decision["rows"]}
     assert by_t[8]["max_block_n_full"] == 160 and by_t[8]["costs"] is costs
-    assert by_t[256]["max_block_n_full"] == 256 and by_t[256]["costs"] is False  # the rule stops above 64 rows
+    assert by_t[256]["max_block_n_full"] == 256 and by_t[256]["costs"] is False  # the rule ends at 64 rows
     assert ("T = [8]" in decision["reading"]) is costs
 
 
