@@ -346,7 +346,7 @@ def full_max_block_n(rule: int, expected_m: int) -> int:
 def load_deep_gemm() -> tuple[Any, str | None]:
     """DeepGEMM (sgl-deep-gemm) for the ``deepgemm`` variant, or None and why it cannot run."""
     try:
-        import deep_gemm
+        import deep_gemm  # type: ignore[import-not-found]  # on the GPU machine only
     except Exception as exc:  # the baseline is optional; the report says why it is missing
         return None, f"deep_gemm does not import: {type(exc).__name__}: {exc}"
     if not hasattr(deep_gemm, "fp8_m_grouped_gemm_nt_masked"):
@@ -427,7 +427,9 @@ class Experts:
 # -----------------------------------------------------------------------
 
 
-def reference_expert(x_deq: torch.Tensor, up_q, up_s, down_q, down_s) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def reference_expert(
+    x_deq: torch.Tensor, up_q: torch.Tensor, up_s: torch.Tensor, down_q: torch.Tensor, down_s: torch.Tensor
+) -> torch.Tensor:
     """float32 expert on dequantized FP8 activations; bf16 GEMM outputs and FP8 intermediate, like the kernels."""
     h = (x_deq @ dequant_weight(up_q, up_s).t()).to(torch.bfloat16)
     aq, as_ = silu_mul_quant_torch(h)
@@ -672,7 +674,7 @@ class DecodeLayer:
 
 
 def run_decode(rank: int, world: int, args: argparse.Namespace, report: dict[str, Any], deep_gemm: Any) -> None:
-    import deep_ep
+    import deep_ep  # type: ignore[import-untyped]
 
     dev = torch.device("cuda", rank)
     w = Weights(args.num_experts, rank, world, args.seed, dev)
@@ -804,9 +806,9 @@ def decode_one(rank: int, world: int, layer: DecodeLayer, t: int, args: argparse
         c = res.get("eager_check")
         if parse_variant(variant)[0] == SKIP_WAIT:  # a control: judged by whether the replay check caught it
             tally = row.get("replay_check", {}).get("tallies", {}).get(variant)
-            res["ok"] = "error" not in res and bool(tally) and tally["ok"]
+            res["ok"] = "error" not in res and tally is not None and bool(tally["ok"])
         else:
-            res["ok"] = "error" not in res and bool(c) and c["finite"] and c["rel_err"] <= args.tol
+            res["ok"] = "error" not in res and c is not None and c["finite"] and c["rel_err"] <= args.tol
     del graphs, runners
     torch.cuda.empty_cache()
     return gather_row(rank, world, row)
@@ -1158,7 +1160,7 @@ def tbo_one(rank: int, world: int, layer: PrefillLayer, t: int, args: argparse.N
                 res["error"] = f"{type(exc).__name__}: {exc}"
                 log(rank, f"prefill T={t} {name} FAILED: {res['error']}\n{traceback.format_exc()}")
         c = res.get("check")
-        res["ok"] = "error" not in res and bool(c) and c["finite"] and c["rel_err"] <= args.tol
+        res["ok"] = "error" not in res and c is not None and c["finite"] and c["rel_err"] <= args.tol
     layer.stash.clear()
     torch.cuda.empty_cache()
     return gather_row(rank, world, row)
@@ -1219,6 +1221,7 @@ def self_check(rank: int, args: argparse.Namespace) -> dict[str, Any]:
             res: dict[str, Any] = {"rel_err": err, "ok": err < 1e-2}
             if signal is not None:
                 block_m, threshold = ret
+                assert block_m is not None and threshold is not None, "an overlapped GEMM returns its pair"
                 blocks = triton.cdiv(m_max, block_m)  # counter of (expert, row block) at e * blocks + row_block
                 got = signal[: e * blocks].view(e, blocks).cpu()
                 active = (torch.arange(blocks)[None, :] * block_m < masked.cpu()[:, None]).to(torch.int32)

@@ -114,7 +114,7 @@ class ReplayTally:
 def run_replays(
     replays: int,
     *,
-    load_input: Callable[[int], None],
+    load_input: Callable[[int], object],
     poison: Callable[[], None],
     baseline: Callable[[], torch.Tensor],
     variants: dict[str, Callable[[], torch.Tensor]],

@@ -150,11 +150,11 @@ def report(out: Path, commit: str = "unknown", command: str = "") -> dict[str, A
     }
     if not tests:
         problems.append("no kernel test log")
-    for group, result in tests.items():
-        if not result["complete"]:
-            problems.append(f"kernel tests {group}: cut off before the end ({result['counts']})")
-        if result["counts"].get("failed") or result["counts"].get("error"):
-            problems.append(f"kernel tests {group}: {result['summary']}")
+    for group, outcome in tests.items():
+        if not outcome["complete"]:
+            problems.append(f"kernel tests {group}: cut off before the end ({outcome['counts']})")
+        if outcome["counts"].get("failed") or outcome["counts"].get("error"):
+            problems.append(f"kernel tests {group}: {outcome['summary']}")
     ptx = _read_json(out / "ptx_fences.json")
     if not ptx or not ptx.get("ok"):
         problems.append(f"PTX fences: {'no ptx_fences.json' if ptx is None else 'not ok'}")
@@ -177,7 +177,7 @@ def report(out: Path, commit: str = "unknown", command: str = "") -> dict[str, A
                 problems.append(f"layer bn {bn} T={r['tokens_per_rank']}: {'; '.join(r['replay_check']['problems'])}")
     if not layers:
         problems.append("no layer benchmark result")
-    first = next((b for b in raw.values() if b.get("gpu")), {})
+    first: dict[str, Any] = next((b for b in raw.values() if b.get("gpu")), {})
     result: dict[str, Any] = {
         "what": "SBO's real chain on one GPU: the kernels' GPU tests, the PTX fence check, and one decode MoE "
         "layer against sglang's baselines with a combine-send SM sweep and a per-replay bit-for-bit check "
