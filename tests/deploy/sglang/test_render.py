@@ -9,6 +9,7 @@ import pytest
 from sglang_pd.deploy.sglang import render
 from sglang_pd.deploy.sglang.render import DIST_INIT_PORT, LEADER_HOST_FROM_ENV, render_node, render_plan
 from sglang_pd.deploy.spec.rendered import RENDERED_ENV, RENDERED_FLAGS
+from sglang_pd.deploy.spec.sbo_sms import rendered_send_sms
 from sglang_pd.deploy.spec.topology import PRESETS_DIR, Topology, check_rules, load_topology, parse_topology
 
 PRESET_DIR = PRESETS_DIR
@@ -59,7 +60,12 @@ def test_decode_commands_per_node(r1) -> None:
         # Deprecated, ambiguous or abbreviated spellings are never rendered.
         assert not {"--enable-dp-attention", "--cuda-graph-max-bs", "--tp", "--ep", "--dp"} & set(c.argv)
         assert "--enable-dp-lm-head" not in c.argv  # sglang's default LM head (PR #32313)
-        assert c.env == {"SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK": "128", "SGLANG_PD_SBO_MODE": "full"}
+        assert c.env == {
+            "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK": "128",
+            "SGLANG_PD_SBO_MODE": "full",
+            # decode.sbo_send_sms, or its default for the GPU (deploy/spec/sbo_sms.py)
+            "SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS": str(rendered_send_sms(r1)),
+        }
 
 
 @pytest.mark.parametrize(("sbo", "env"), [("full", "full"), ("shared-only", "shared-only"), ("off", None)])
@@ -175,6 +181,7 @@ def test_shell_line_quotes_values_and_expands_leader(r1) -> None:
     c = render_node(r1, "decode")
     line = c.shell()
     assert line.startswith(
+        f"SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS={rendered_send_sms(r1)} "
         "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK=128 SGLANG_PD_SBO_MODE=full python3 -m sglang.launch_server"
     )
     assert f'--dist-init-addr "{LEADER_HOST_FROM_ENV}:5000"' in line

@@ -72,7 +72,13 @@ def test_every_spelling_of_a_checked_option_is_refused(preset_dict, args: list[s
 def test_options_the_rules_do_not_depend_on_stay_allowed(preset_dict) -> None:
     # What the one-GPU presets pass, and options near checked ones in name only.
     allowed = ["--load-format", "dummy", "--sampling-backend", "pytorch", "--grammar-backend", "none"]
-    allowed += ["--ep-num-redundant-experts", "32", "--enable-eplb", "--cuda-graph-backend-decode", "full", "--"]
+    allowed += [
+        "--enable-metrics-for-all-schedulers",
+        "--max-queued-requests",
+        "9",
+        "--disaggregation-decode-polling-interval",
+    ]
+    allowed += ["2", "--cuda-graph-backend-decode", "full", "--"]
     assert errors_of(with_extra(preset_dict, "decode", *allowed)) == []
 
 
