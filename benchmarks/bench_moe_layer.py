@@ -1307,8 +1307,9 @@ def worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
         "kernels_from": KERNELS_FROM,
         "mode": args.mode,
         "config": {k: v for k, v in vars(args).items() if k != "json"},
-        "tolerance": f"relative L2 error <= {args.tol} against the torch reference (decode, prefill no-overlap), "
-        f"against no overlap (tbo); outputs finite",
+        "tolerance": f"relative L2 error <= {args.tol} against the torch reference (decode: eager, and none on the "
+        f"replay check's last input; prefill no-overlap), against no overlap (tbo); outputs finite; with "
+        f"--replay-check, bit-equal to none after every replay and every must-fail control caught",
         "complete": False,
     }
     try:

@@ -41,10 +41,11 @@ steps=$out/steps.jsonl
 
 # step NAME EXIT SECONDS: one line of steps.jsonl
 step() { printf '{"step": "%s", "exit": %s, "seconds": %s}\n' "$1" "$2" "$3" >>"$steps"; }
-# limit WANT RESERVE: WANT seconds, or what is left of the budget after RESERVE for the steps after this one (>= 0)
+# limit WANT RESERVE: WANT seconds, or what is left of the budget after RESERVE for the steps after this one
+# (at least 1: `timeout 0` would mean no limit at all)
 limit() {
   local left=$(( budget - $(elapsed) - $2 ))
-  left=$(( left < 0 ? 0 : left ))
+  left=$(( left < 1 ? 1 : left ))
   echo $(( left < $1 ? left : $1 ))
 }
 # Seconds kept back for what follows the kernel test matrix: the ordering tests, the two layer runs, the report.
