@@ -58,6 +58,7 @@ if [ -f .gpu_bundle/manifest.json ]; then
 fi
 source scripts/gpu/use_deepgemm.sh
 use_deepgemm
+source scripts/gpu/use_deepep.sh
 
 # %% The kernels' GPU test matrix, in three processes beside the DeepEP build (Triton compiles on the
 # CPU; the build uses a few of the 16 cores). The ordering tests wait: they need the GPU to themselves.
@@ -86,7 +87,7 @@ for name in "${!test_pid[@]}"; do
 done
 [ "$deepep_rc" = 0 ] || { say "no DeepEP: the layer runs are skipped"; }
 
-t0=$(elapsed)
+step_t0=$(elapsed)
 ordering_limit=$(limit 120 $(( BENCH256_S + BENCH160_S + REPORT_S )))
 if [ "$ordering_limit" -ge 20 ]; then
   say "signal-ordering tests (1,000 runs a layout) and their must-fail controls, alone on the GPU (at most ${ordering_limit} s)"
@@ -97,18 +98,18 @@ else
   echo "not run: ${ordering_limit} s left for it" >"$out/kernel_tests_ordering.log"
   rc=125
 fi
-step kernel_tests_ordering "$rc" $(( $(elapsed) - t0 ))
+step kernel_tests_ordering "$rc" $(( $(elapsed) - step_t0 ))
 say "ordering tests exit $rc: $(tail -n 1 "$out/kernel_tests_ordering.log")"
 grep -E "runs, |control: |FAILED|Error" "$out/kernel_tests_ordering.log" | head -n 12 | tee -a "$log"
 "$PY" scripts/gpu/check_ptx_fences.py "$TRITON_CACHE_DIR" --json "$out/ptx_fences.json" 2>&1 | tee -a "$log"
 
 if [ "${RUN_DEEPEP_TEST:-0}" = 1 ] && [ "$deepep_rc" = 0 ]; then
-  t0=$(elapsed)
+  step_t0=$(elapsed)
   say "DeepEP's test_low_latency.py, one rank, 16 experts"
   ( cd .gpu_bundle/deepep-src/tests && timeout "$(limit 150 $(( BENCH256_S + BENCH160_S + REPORT_S )))" \
     "$PY" test_low_latency.py --num-processes 1 --num-experts 16 ) >"$out/deepep_test.log" 2>&1
   rc=$?
-  step deepep_test "$rc" $(( $(elapsed) - t0 ))
+  step deepep_test "$rc" $(( $(elapsed) - step_t0 ))
   say "test_low_latency exit $rc; the last lines:"
   tail -n 4 "$out/deepep_test.log" | tee -a "$log"
 fi
@@ -125,15 +126,15 @@ bench() {  # NAME MAX_BLOCK_N COMBINE_SMS RESERVE EXTRA...
     step "$name" 125 0
     return
   fi
-  local t0
-  t0=$(elapsed)
+  local bench_t0
+  bench_t0=$(elapsed)
   say "$name: bench_moe_layer.py --max-block-n $bn --combine-sms $sms (deadline ${deadline} s)"
   SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK=256 timeout $(( deadline + 10 )) "$PY" benchmarks/bench_moe_layer.py \
     --gpus 1 --mode decode --num-experts 16 --tokens 1,8,64,128,256 --iters 50 --repeats 20 --combine-sms "$sms" \
     --max-block-n "$bn" --replay-check "${REPLAYS:-1000}" --json "$out/$name.json" --deadline-s "$deadline" --hang-s 60 \
     "$@" >"$out/$name.log" 2>&1
   local rc=$?
-  step "$name" "$rc" $(( $(elapsed) - t0 ))
+  step "$name" "$rc" $(( $(elapsed) - bench_t0 ))
   say "$name exit $rc"
   grep -E "^ *T/rank|^ *[0-9]+ +[0-9]+ +[0-9]+ \||FAILED|HANG|Error|DeepGEMM baseline" "$out/$name.log" | tail -n 14 | tee -a "$log"
 }
