@@ -155,6 +155,8 @@ def report(out: Path, commit: str = "unknown", command: str = "") -> dict[str, A
             problems.append(f"kernel tests {group}: cut off before the end ({outcome['counts']})")
         if outcome["counts"].get("failed") or outcome["counts"].get("error"):
             problems.append(f"kernel tests {group}: {outcome['summary']}")
+        elif outcome["complete"] and not outcome["counts"].get("passed"):
+            problems.append(f"kernel tests {group}: none passed ({outcome['summary']}): no GPU seen?")
     ptx = _read_json(out / "ptx_fences.json")
     if not ptx or not ptx.get("ok"):
         problems.append(f"PTX fences: {'no ptx_fences.json' if ptx is None else 'not ok'}")

@@ -164,6 +164,13 @@ def test_tests_cut_off_by_the_budget_fail_the_run_and_show_how_far_they_got(benc
     assert any("cut off" in p for p in result["verdict"]["problems"])
 
 
+def test_tests_that_all_skipped_fail_the_run(bench: ModuleType, tmp_path: Path) -> None:
+    _write_run(bench, tmp_path / "out")
+    (tmp_path / "out" / "kernel_tests_fp8_a.log").write_text("273 skipped, 655 deselected in 4.62s\n")
+    problems = report_mod.report(tmp_path / "out")["verdict"]["problems"]
+    assert any("none passed" in p for p in problems), problems
+
+
 def test_pytest_summaries_parse() -> None:
     r = report_mod.pytest_result("F.\nFAILED tests/x.py::t - boom\n=== 1 failed, 272 passed, 1 error in 81.23s ===\n")
     assert r["complete"] and r["counts"] == {"failed": 1, "passed": 272, "error": 1} and r["seconds"] == 81.23
