@@ -57,7 +57,7 @@ def write(model_dir: Path, seed: int = 0) -> Path:
     if cfg.get("quantization_config", {}).get("weight_block_size") != [BLOCK, BLOCK]:
         raise SystemExit(f"error: {model_dir}/config.json: quantization_config.weight_block_size must be [128, 128]")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return save(model_dir, tensors(cfg, seed, device), seed)
+    return save(model_dir, tensors(cfg, seed, device))
 
 
 def main() -> int:

@@ -870,7 +870,7 @@ def prepare_model() -> dict[str, Any]:
     preset's, as `plan` and `up` resolve it), and say which weights they are."""
     from sglang_pd.deploy.spec.topology import load_topology
 
-    model_dir = Path(load_topology(TOPOLOGY).model_path)
+    model_dir = Path(load_topology(TOPOLOGY).model_path())
     t0 = time.monotonic()
     weights = seeded_checkpoint.write(model_dir)
     return {

@@ -7,12 +7,18 @@
 # script keeps the parts under /tmp (a warm machine keeps /tmp between calls) and, once it holds
 # all of them, unpacks the bundle, installs this checkout and runs `scripts/gpu/gpu_pd_check.py`.
 # A call that still lacks parts says which one to carry next and exits 0.
-# PD_COMMIT names the commit being checked (the checkout travels without .git); it goes in the report.
+# The checkout travels without .git: the commit comes from `.tree-commit.json`, which
+# `python scripts/gpu/tree_commit.py write` puts in the tree before the call. A tree that differs
+# from it is refused here, before anything is unpacked; PD_ALLOW_DIRTY=1 runs it anyway, and the
+# report says how it differs.
 set -euo pipefail
 out=${1:?usage: gpu_pd_run.sh OUT_DIR [STAGES]}
 stages=${2:-single,pd,doctor}
 export PYTHONUNBUFFERED=1
 mkdir -p "$out"
+dirty=()
+if [ "${PD_ALLOW_DIRTY:-0}" = 1 ]; then dirty=(--allow-dirty); fi
+python3 scripts/gpu/tree_commit.py verify ${dirty[@]+"${dirty[@]}"} --out "$out/tree.json"
 source scripts/gpu/use_bundle.sh
 use_bundle
 python3 - <<'PY' >"$out/versions.txt" 2>&1 || true
@@ -40,4 +46,4 @@ if [ "${SKIP_PROBE:-0}" != 1 ] && ! python3 -c 'import json, sys; sys.exit(bool(
   exit 1
 fi
 python3 scripts/gpu/gpu_pd_check.py --out "$out" --stages "$stages" --gsm8k-data "$bundle/gsm8k-test.jsonl" \
-  --commit "${PD_COMMIT:-unknown}" --deadline-s "${PD_DEADLINE_S:-540}"
+  ${dirty[@]+"${dirty[@]}"} --deadline-s "${PD_DEADLINE_S:-540}"

@@ -70,7 +70,10 @@ def tensors(
     def ones(name: str, n: int) -> tuple[str, torch.Tensor]:
         return name, torch.ones(n, dtype=torch.bfloat16, device=device)
 
-    yield "model.embed_tokens.weight", torch.randn(vocab, h, generator=gen, device=device).to(torch.bfloat16)
+    yield (
+        "model.embed_tokens.weight",
+        torch.randn(vocab, h, generator=gen, device=device, dtype=torch.float32).to(torch.bfloat16),
+    )
     for i in range(layers):
         p = f"model.layers.{i}"
         yield ones(f"{p}.input_layernorm.weight", h)
@@ -99,14 +102,16 @@ def tensors(
     yield bf16("lm_head.weight", (vocab, h))
 
 
-def save(model_dir: Path, named: Iterable[tuple[str, torch.Tensor]], seed: int) -> Path:
+def save(model_dir: Path, named: Iterable[tuple[str, torch.Tensor]]) -> Path:
     """Write `model_dir/model.safetensors` atomically: a half-written file never carries the final name."""
     from safetensors.torch import save_file
 
     state = {name: t.contiguous().cpu() for name, t in named}
     out = model_dir / "model.safetensors"
     tmp = out.with_suffix(".tmp")
-    save_file(state, str(tmp), metadata={"format": "pt", "seed": str(seed)})
+    # One metadata key only: safetensors writes the metadata map in an order that varies between
+    # processes, and the file's sha256 names the weights in the check's report.
+    save_file(state, str(tmp), metadata={"format": "pt"})
     tmp.replace(out)
     return out
 
@@ -119,7 +124,7 @@ def write(model_dir: Path, seed: int = 0) -> Path:
             f"error: {model_dir}/config.json has a quantization_config: write its weights with "
             "scripts/gpu/fp8_checkpoint.py, or remove the key for a bf16 model"
         )
-    return save(model_dir, tensors(cfg, seed, "cpu"), seed)
+    return save(model_dir, tensors(cfg, seed, "cpu"))
 
 
 def sha256(path: Path) -> str:

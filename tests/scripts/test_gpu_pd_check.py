@@ -3,6 +3,7 @@ child: nothing is measured while `up` still runs its smoke request."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import json
 import sys
@@ -82,3 +83,97 @@ def test_an_up_that_exits_during_start_up_is_not_ready(router: str, tmp_path: Pa
             check.wait_stack(stack, timeout_s=30)
     finally:
         stack.stop_all()
+
+
+class _Engines(BaseHTTPRequestHandler):
+    """Stands in for the router and the two PD servers (sglang cannot run here): records each
+    request, streams three SSE chunks for a completion, answers `/generate` with token ids that
+    change, and log a fault, while the check's fault flag file exists (`fault_flag`, set per test)."""
+
+    seen: list[dict[str, object]]
+    fault_flag: Path | None = None
+    fault_log: Path | None = None
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        type(self).seen.append({"path": self.path, "port": self.server.server_address[1], **body})
+        if self.path == "/generate":
+            faulty = self.fault_flag is not None and self.fault_flag.exists()
+            if faulty and self.fault_log is not None:
+                with self.fault_log.open("a") as f:
+                    f.write(json.dumps({"event": "fault", "pid": 1}) + "\n")
+            ids = [99 if faulty else len(body["text"]) % 7] * check.MAX_NEW_TOKENS
+            payload = json.dumps({"text": "", "output_ids": ids}).encode()
+            self.send_response(200)
+            self.send_header("content-length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+            return
+        self.send_response(200)
+        self.end_headers()
+        if body.get("stream"):
+            for i in range(3):
+                self.wfile.write(f'data: {{"choices": [{{"text": "{i}"}}]}}\n\n'.encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+        else:
+            self.wfile.write(b'{"choices": []}')
+
+    def log_message(self, *_: object) -> None:
+        return None
+
+
+@pytest.fixture
+def engines(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[_Engines]]:
+    handler = type("Engines", (_Engines,), {"seen": []})
+    servers = [ThreadingHTTPServer(("127.0.0.1", 0), handler) for _ in range(3)]
+    for s in servers:
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    router, prefill, decode = (f"http://127.0.0.1:{s.server_address[1]}" for s in servers)
+    monkeypatch.setattr(check, "ROUTER", router)
+    monkeypatch.setattr(check, "PREFILL", prefill)
+    monkeypatch.setattr(check, "DECODE", decode)
+    handler.ports = {
+        s.server_address[1]: name for s, name in zip(servers, ("router", "prefill", "decode"), strict=True)
+    }  # type: ignore[attr-defined]
+    yield handler
+    for s in servers:
+        s.shutdown()
+        s.server_close()
+
+
+def test_router_overhead_interleaves_its_arms_with_prompts_of_their_own(engines: type[_Engines]) -> None:
+    got = check.router_overhead(1, rounds=2)
+    streamed = [r for r in engines.seen if r.get("stream")]  # the router's, and the decode's in the direct arm
+    tags = [" ".join(str(r["prompt"]).split()[:2]) for r in streamed]
+    runs = [t for i, t in enumerate(tags) if i == 0 or tags[i - 1] != t]
+    assert runs == ["router r0", "direct r0", "direct r1", "router r1"]  # alternating which arm goes first
+    ports = engines.ports  # type: ignore[attr-defined]
+    assert {ports[r["port"]] for r in streamed if str(r["prompt"]).startswith("router")} == {"router"}
+    assert {ports[r["port"]] for r in streamed if str(r["prompt"]).startswith("direct")} == {"decode"}
+    # No two requests share their first KV page (16 tokens, a character each), so none reads another's
+    # prefix from the radix cache; and the two arms together send what one arm sent before.
+    assert len({str(r["prompt"])[:16] for r in streamed}) == len(streamed) == 2 * check.latency_requests(1)
+    assert got["router"]["requests"] == got["direct"]["requests"] == check.latency_requests(1)
+
+
+def test_the_fault_control_turns_the_fault_on_only_for_its_prompts(engines: type[_Engines], tmp_path: Path) -> None:
+    env = check.fault_env(tmp_path)
+    engines.fault_flag, engines.fault_log = Path(env[check.FAULT_FLAG_ENV]), Path(env[check.FAULT_LOG_ENV])
+    controls = check.control_prompts()
+    ref = asyncio.run(check.generate_all(check.ROUTER, controls))  # flag absent: the clean outputs
+    got = check.fault_control(env, ref)
+    assert got["verdict"] == "passed" and len(got["faults"]) == len(controls)
+    assert all(c["pd_with_fault"] == [99] * check.MAX_NEW_TOKENS for c in got["controls"])
+    assert not engines.fault_flag.exists()  # off again for what follows
+    # Control: a stack where the fault does not reach the KV send answers as the reference does.
+    engines.fault_flag = None
+    failed = check.fault_control(env, ref)
+    assert "no fault" in failed["verdict"]
+
+
+def test_a_failed_requirement_fails_the_run() -> None:
+    report: dict[str, object] = {}
+    check.verdict(report, "identity", None)
+    assert report == {"verdicts": {"identity": "passed"}}
+    check.verdict(report, "fault_control", "fault control: control 0 gave the single server's 32 tokens")
+    assert report["failures"] == ["fault control: control 0 gave the single server's 32 tokens"]
