@@ -24,15 +24,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO
 
@@ -52,7 +54,16 @@ from sglang_pd.deploy.common.node import CAP_IPC_LOCK, MEMLOCK_FIX, PROC_STATUS,
 from sglang_pd.deploy.common.procs import mask_secrets, spawn
 from sglang_pd.deploy.kv.firewall import FirewallError, Network, PeerFirewall, parse_networks
 from sglang_pd.deploy.kv.listeners import mooncake_port_range
-from sglang_pd.deploy.ops.group import DEFAULT_LEADER_WAIT_S, GroupWaitError, group_hosts, resolve_all, wait_for_leader
+from sglang_pd.deploy.ops.group import (
+    DEFAULT_LEADER_WAIT_S,
+    GroupWaitError,
+    LeaderPort,
+    group_hosts,
+    leader_port,
+    resolve_all,
+    wait_for_leader,
+)
+from sglang_pd.deploy.ops.netif import interface_addresses, interface_of
 from sglang_pd.deploy.sglang.render import NodeCommand, render_node
 from sglang_pd.deploy.spec.topology import (
     MODEL_SOURCES,
@@ -64,9 +75,11 @@ from sglang_pd.deploy.spec.topology import (
 )
 
 __all__ = [
+    "BootstrapInterface",
     "LaunchError",
     "PodCheck",
     "add_arguments",
+    "bootstrap_interface",
     "checked_worker_key",
     "group_plan",
     "has_capability",
@@ -563,35 +576,139 @@ GROUP_WAIT_ENV = "SGLANG_PD_GROUP_WAIT_S"
 HOST_IP_ENV = "SGLANG_HOST_IP"
 
 
+def _leader_port(argv: list[str]) -> LeaderPort:
+    try:
+        return leader_port(argv)
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from exc
+
+
 def group_plan(argv: list[str], env: Mapping[str, str], nodes: int, node_rank: int) -> dict[str, object]:
     """What this engine waits for and whom its ZMQ sockets admit: the group's pods (LWS names them from
-    the leader's address), loopback and this pod's own address; ranks > 0 wait for the leader's
-    rendezvous port (--dist-init-addr) first."""
+    the leader's address), loopback and this pod's own address. A rank > 0 waits for the leader's name,
+    then for the leader port sglang opens first (`group.leader_port`), never for one the leader opens
+    only once this rank's sglang has joined (docs/multi-node-start.md)."""
     leader = env.get(LWS_LEADER_ADDRESS, "127.0.0.1")
     hosts = group_hosts(leader, nodes) if nodes > 1 else []
     doc: dict[str, object] = {"peer_hosts": hosts, "also_allowed": ["127.0.0.1", *filter(None, [env.get(HOST_IP_ENV)])]}
     if node_rank > 0:
-        doc["wait_for"] = _flag_value(argv, "--dist-init-addr")
+        port = _leader_port(argv)
+        doc["wait_for"] = port.address
+        doc["wait_for_port"] = port.what
     return doc
 
 
-def _join_group(doc: Mapping[str, object], env: Mapping[str, str]) -> str:
+def _join_group(argv: list[str], env: Mapping[str, str], nodes: int, node_rank: int) -> str:
     """Wait for the group as `group_plan` says; the value of SGLANG_ZMQ_ALLOWED_PEERS."""
     try:
         timeout = float(env.get(GROUP_WAIT_ENV, DEFAULT_LEADER_WAIT_S))
     except ValueError as exc:
         raise LaunchError(f"{GROUP_WAIT_ENV} must be a number of seconds: {exc}") from exc
-    wait_for = doc.get("wait_for")
+    plan = group_plan(argv, env, nodes, node_rank)
     try:
-        if isinstance(wait_for, str) and wait_for:
-            host, _, port = wait_for.rpartition(":")
-            wait_for_leader(host, int(port), timeout)
-        hosts = doc["peer_hosts"]
+        if node_rank > 0:
+            wait_for_leader(_leader_port(argv), timeout)
+        hosts = plan["peer_hosts"]
         found = resolve_all(list(hosts), timeout) if isinstance(hosts, list) else []
     except GroupWaitError as exc:
         raise LaunchError(str(exc)) from exc
-    also = doc["also_allowed"]
+    also = plan["also_allowed"]
     return ",".join(dict.fromkeys([*found, *(also if isinstance(also, list) else [])]))
+
+
+# The interface NCCL, Gloo and NVSHMEM (DeepEP) open their bootstrap sockets on: left to themselves they
+# take the first one they like, which on a node with CNI bridges or several NICs may be one the group's
+# other nodes cannot reach (NCCL: docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html
+# #nccl-socket-ifname). The chart sets these from fabric.socketInterface or topology.hardware.socket_interface.
+BOOTSTRAP_IFNAME_ENVS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME")
+# sglang 0.5.23 pins the source address of its outgoing TCP ZMQ connects to this (srt/environ.py:371-372,
+# srt/utils/network.py:476-504, to IP-literal endpoints only), so that a leader whose sockets admit only
+# SGLANG_ZMQ_ALLOWED_PEERS sees this pod's own address, not another of a multi-homed node's.
+ZMQ_SOURCE_IP_ENV = "SGLANG_ZMQ_SOURCE_IP"
+
+
+@dataclass(frozen=True)
+class BootstrapInterface:
+    """The interface the bootstrap traffic takes, where launch learnt it, and what it adds to sglang's env."""
+
+    name: str
+    address: str | None
+    source: str
+    env: dict[str, str]
+
+
+def _pod_address(env: Mapping[str, str]) -> tuple[str, str]:
+    """(this pod's IP address, where it came from): SGLANG_HOST_IP (the chart sets status.podIP), else the
+    address the pod's hostname resolves to (kubelet writes it into the pod's /etc/hosts)."""
+    given = env.get(HOST_IP_ENV)
+    if given:
+        return given, HOST_IP_ENV
+    hostname = socket.gethostname()
+    try:
+        return str(socket.getaddrinfo(hostname, None, proto=socket.IPPROTO_TCP)[0][4][0]), f"hostname {hostname}"
+    except OSError as exc:
+        raise LaunchError(
+            f"this pod's address is unknown: {HOST_IP_ENV} is not set and its hostname {hostname} does not resolve "
+            f"({exc}); set {HOST_IP_ENV} to the pod's IP (the chart sets it to status.podIP), or name the bootstrap "
+            "interface in topology.hardware.socket_interface."
+        ) from exc
+
+
+def bootstrap_interface(
+    t: Topology, env: Mapping[str, str], nodes: int, interfaces: Mapping[str, Sequence[str]] | None = None
+) -> BootstrapInterface:
+    """The bootstrap interface of an engine pod: the one named (NCCL_SOCKET_IFNAME in the pod's env, else
+    topology.hardware.socket_interface), kept as it is; else the interface that holds the pod's address
+    (`_pod_address`; `interfaces`: name -> addresses, this machine's by default), given to NCCL, Gloo and
+    NVSHMEM, with that address as sglang's ZMQ source. LaunchError when the address is on none of them, or is
+    loopback in a group that spans nodes."""
+    named = env.get(BOOTSTRAP_IFNAME_ENVS[0])
+    if named:
+        return BootstrapInterface(named, None, BOOTSTRAP_IFNAME_ENVS[0], {})
+    if t.hardware.socket_interface:
+        name = t.hardware.socket_interface
+        added = {k: name for k in BOOTSTRAP_IFNAME_ENVS if not env.get(k)}
+        return BootstrapInterface(name, None, "topology.hardware.socket_interface", added)
+    address, source = _pod_address(env)
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError as exc:
+        raise LaunchError(
+            f"{source} gives {address!r}, which is not an IP address; set {HOST_IP_ENV} to the pod's IP (the chart "
+            "sets it to status.podIP)."
+        ) from exc
+    if ip.is_loopback and nodes > 1:
+        raise LaunchError(
+            f"this pod's address {address} ({source}) is a loopback address, which the group's other nodes cannot "
+            f"reach; set {HOST_IP_ENV} to this node's address (the chart sets it to status.podIP), or name the "
+            "bootstrap interface in topology.hardware.socket_interface."
+        )
+    found = interface_addresses() if interfaces is None else interfaces
+    holder = interface_of(address, found)
+    if holder is None:
+        listed = ", ".join(f"{n} {' '.join(a) or '(no address)'}" for n, a in found.items()) or "none"
+        raise LaunchError(
+            f"this pod's address {address} ({source}) is on none of its interfaces ({listed}), so NCCL, Gloo and "
+            f"NVSHMEM would bootstrap on one of their own choosing; set {HOST_IP_ENV} to an address of this pod, "
+            "or name the interface in topology.hardware.socket_interface (or the chart's fabric.socketInterface)."
+        )
+    added = dict.fromkeys(BOOTSTRAP_IFNAME_ENVS, holder)
+    if not ip.is_loopback:  # a loopback source cannot reach another pod's IP-literal endpoint
+        added[ZMQ_SOURCE_IP_ENV] = address
+    return BootstrapInterface(holder, address, source, added)
+
+
+INTERFACE_CHECK = "bootstrap-interface"
+
+
+def _interface_detail(choice: BootstrapInterface) -> str:
+    if choice.address is None:
+        return f"{choice.name}, as {choice.source} names it"
+    zmq = f", {ZMQ_SOURCE_IP_ENV}={choice.env[ZMQ_SOURCE_IP_ENV]}" if ZMQ_SOURCE_IP_ENV in choice.env else ""
+    return (
+        f"{choice.name} holds this pod's address {choice.address} ({choice.source}): "
+        f"{', '.join(BOOTSTRAP_IFNAME_ENVS)}={choice.name}{zmq}"
+    )
 
 
 def _router_argv(args: argparse.Namespace) -> list[str]:
@@ -649,6 +766,14 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
     except LaunchError as exc:
         return _fail(str(exc))
     checks = pod_checks(t, args.role, {**os_env, **role_env}, root, pod.model_source if pod else None)
+    interface: BootstrapInterface | None = None
+    if pd_role is not None:
+        # A pod check, so that --skip-checks starts without it (NCCL, Gloo and NVSHMEM then pick themselves).
+        try:
+            interface = bootstrap_interface(t, {**os_env, **role_env}, _spec_nodes(t, pd_role))
+            checks.append(PodCheck(INTERFACE_CHECK, True, _interface_detail(interface)))
+        except LaunchError as exc:
+            checks.append(PodCheck(INTERFACE_CHECK, False, str(exc)))
     failed = [c for c in checks if not c.ok and c.required]
     for c in checks:
         verdict = "ok" if c.ok else ("FAILED" if c.required else "WARNING")
@@ -665,21 +790,29 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
             "kv_firewall": firewall_doc,
         }
         if pd_role is not None:
-            doc["group"] = group_plan(argv, os_env, _spec_nodes(t, pd_role), node_rank)
+            # Added at start, as the group's SGLANG_ZMQ_ALLOWED_PEERS is: shown apart from the role's env.
+            shown = next(c.detail for c in checks if c.name == INTERFACE_CHECK)
+            doc["interface"] = {"problem": shown} if interface is None else asdict(interface)
+            try:
+                doc["group"] = group_plan(argv, os_env, _spec_nodes(t, pd_role), node_rank)
+            except LaunchError as exc:
+                doc["group"] = {"problem": str(exc)}
         print(json.dumps(doc, indent=2))
         # The same verdict as a real start: the pod would not start, so neither does the dry run pass.
         if failed and not args.skip_checks:
             return _fail(f"{len(failed)} pod check(s) failed; fix them or pass --skip-checks.")
-        if firewall_doc is not None and "problem" in firewall_doc:
-            return _fail(str(firewall_doc["problem"]))
+        for part in (firewall_doc, doc.get("group")):
+            if isinstance(part, dict) and "problem" in part:
+                return _fail(str(part["problem"]))
         return EXIT_OK
     if failed and not args.skip_checks:
         return _fail(f"{len(failed)} pod check(s) failed; fix them or pass --skip-checks.")
+    if interface is not None:
+        role_env.update(interface.env)
     if pd_role is not None:
         # Ranks > 0 wait for the leader (LWS starts them with it), and every rank admits only its group.
         try:
-            plan = group_plan(argv, os_env, _spec_nodes(t, pd_role), node_rank)
-            role_env[ZMQ_PEERS_ENV] = _join_group(plan, os_env)
+            role_env[ZMQ_PEERS_ENV] = _join_group(argv, os_env, _spec_nodes(t, pd_role), node_rank)
         except LaunchError as exc:
             return _fail(str(exc))
     sys.stdout.flush()

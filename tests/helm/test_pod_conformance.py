@@ -8,11 +8,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import itertools
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +30,7 @@ import yaml
 from sglang_pd.deploy.cli import build_parser
 from sglang_pd.deploy.cli import main as cli_main
 from sglang_pd.deploy.ops import launch
+from sglang_pd.deploy.ops.group import GroupWaitError, LeaderPort, wait_for_leader
 from sglang_pd.deploy.spec.topology import TopologyError
 from tests.support.polling import free_port, wait_until
 
@@ -94,6 +100,16 @@ SCENARIOS: dict[str, tuple[dict[str, Any], Node]] = {
 }
 
 
+# The pod's own network namespace, which this machine's kernel does not hold: pod_fs.py lays out its
+# interfaces' names in /sys/class/net, this is their addresses, for launch's choice of bootstrap interface.
+POD_NETWORK = {"lo": ["127.0.0.1", "::1"], "eth0": [Node().ip]}
+
+
+@pytest.fixture(autouse=True)
+def _pod_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launch, "interface_addresses", lambda: POD_NETWORK)
+
+
 def run_launch(
     command: list[str], root: Path, env: dict[str, str], capsys: pytest.CaptureFixture[str]
 ) -> tuple[int, str, str]:
@@ -150,10 +166,15 @@ def test_every_gpu_pod_the_chart_renders_passes_launch(render, tmp_path, capsys,
             assert {c["name"]: c["ok"] for c in doc["checks"]}["model"] is True
         group = doc["group"]
         if pod.size > 1:
-            # Its ZMQ sockets admit the group's pods, by LWS's names; ranks > 0 wait for the leader first.
+            # Its ZMQ sockets admit the group's pods, by LWS's names; ranks > 0 wait for the leader first (which
+            # port: test_every_multi_node_group_forms_in_sglangs_start_order).
             assert group["peer_hosts"][0] == pod.leader_address and len(group["peer_hosts"]) == pod.size
-            assert group.get("wait_for") == (f"{pod.leader_address}:5000" if pod.index else None)
+            assert ("wait_for" in group) == (pod.index > 0)
         assert group["also_allowed"] == ["127.0.0.1", node.ip]
+        # The bootstrap interface: the one the values name, else the one holding the pod's IP.
+        named = values.get("fabric", {}).get("socketInterface")
+        want = {"name": named, "address": None} if named else {"name": "eth0", "address": node.ip}
+        assert {k: doc["interface"][k] for k in want} == want, doc["interface"]
         if scenario == "worker-key":
             assert argv[-1] == "--api-key=${SGLANG_PD_WORKER_API_KEY}"
 
@@ -440,3 +461,172 @@ def test_the_plan_hook_fails_the_release_with_plans_message(render, tmp_path, ca
         err = capsys.readouterr().err
         if status:
             assert "decode.moe_runner_backend: sbo: full overlaps the down GEMM with combine only when sglang" in err
+
+
+# --- the start order of a multi-node group: launch's wait against sglang's own order ----------------------------
+
+
+def _plain_tp_topology() -> dict[str, Any]:
+    """The R1 preset with a decode group of plain tensor parallelism over its two nodes: no attention DP."""
+    t = preset_topology("deepseek-r1-h200-1p1d")
+    t["decode"].update(
+        attn_dp_size=1,
+        ep=1,
+        moe_a2a_backend="none",
+        deepep_mode="auto",
+        moe_runner_backend="auto",
+        sbo="off",
+        max_running_requests=256,
+        cuda_graph_max_bs=256,
+    )
+    return t
+
+
+START_SCENARIOS: dict[str, tuple[dict[str, Any], Node]] = {
+    **SCENARIOS,
+    "plain-tp": ({"topology": _plain_tp_topology()}, Node()),
+}
+# A rank > 0's wait (launch's, here under its real timeout logic) gives up after this; a group that forms does
+# so in about one back-off step (1 s) after its leader's sglang starts.
+WAIT_S = 4.0
+# LWS starts the workers once the leader pod exists; the leader's sglang may come later (its image, its checks).
+LEADER_LATE_S = 0.5
+_loopback = itertools.count(100)
+
+
+def _launchs_wait(group: dict[str, Any], argv: list[str], translate: Translate) -> None:
+    """What `launch` waits for on this pod, from its dry-run plan, through its real wait (group.py)."""
+    if "wait_for" in group:
+        host, port = translate(group["wait_for"])
+        wait_for_leader(LeaderPort(host, port, group["wait_for_port"]), timeout_s=WAIT_S)
+
+
+def _no_wait(group: dict[str, Any], argv: list[str], translate: Translate) -> None:
+    """sglang's LWS example: every pod runs `python -m sglang.launch_server` at once
+    (sgl-project/sglang docs/references/multi_node_deployment/lws_pd/lws-examples/d.yaml)."""
+
+
+def _wait_for_dist_init(group: dict[str, Any], argv: list[str], translate: Translate) -> None:
+    """The control: launch's earlier wait, for the leader's --dist-init-addr (TCP, with back-off), which sglang
+    opens only once every node has joined its attention-DP handshake."""
+    if "wait_for" not in group:
+        return
+    host, port = translate(_flag(argv, "--dist-init-addr"))
+    end, delay = time.monotonic() + WAIT_S, 1.0
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=5.0):
+                return
+        except OSError as exc:
+            if time.monotonic() + delay > end:
+                raise GroupWaitError(f"the group's leader {host}:{port} does not accept connections ({exc})") from exc
+        time.sleep(delay)
+        delay = min(delay * 2, 15.0)
+
+
+Translate = Callable[[str], tuple[str, int]]
+WAITS: dict[str, Callable[[dict[str, Any], list[str], Translate], None]] = {
+    "launch": _launchs_wait,
+    "none": _no_wait,
+    "dist-init": _wait_for_dist_init,
+}
+START_CASES = [
+    *((scenario, "launch") for scenario in START_SCENARIOS),
+    ("defaults", "none"),
+    ("plain-tp", "none"),
+    ("defaults", "dist-init"),
+    ("h20-preset", "dist-init"),
+    ("plain-tp", "dist-init"),
+]
+
+
+def _loopback_endpoint() -> tuple[str, int]:
+    """A loopback address of its own for one group, and a dist-init port free there with the port 13 above it."""
+    ip = f"127.0.0.{next(_loopback) % 150 + 100}"
+    for _ in range(20):
+        port = free_port()
+        with contextlib.ExitStack() as held:
+            try:
+                for p in (port, port + 13):
+                    held.enter_context(socket.socket()).bind((ip, p))
+            except OSError:
+                continue
+        return ip, port
+    raise AssertionError(f"no free port pair on {ip}")
+
+
+def _start_group(role: str, members: list[tuple[GpuPod, dict[str, Any]]], wait: str) -> None:
+    """Start one group's pods as LWS does, each waiting as `wait` says before its sglang (the stand-in) starts,
+    on a loopback address and dist-init port of the group's own; assert it forms, or, for the control under
+    attention DP, that it cannot."""
+    from tests.support.sglang_multinode import SglangNode, node_args
+
+    ip, dist_port = _loopback_endpoint()
+    leader_host, _, base = _flag(members[0][1]["argv"], "--dist-init-addr").rpartition(":")
+
+    def translate(address: str) -> tuple[str, int]:
+        host, _, port = address.rpartition(":")
+        assert host == leader_host, f"{address} is not the leader {leader_host}"
+        return ip, int(port) - int(base) + dist_port
+
+    moved = f"{ip}:{dist_port}"
+    nodes = [
+        SglangNode(node_args([a.replace(f"{leader_host}:{base}", moved) for a in doc["argv"]]), timeout_s=3 * WAIT_S)
+        for _, doc in members
+    ]
+    attention_dp = nodes[0].args.attn_dp_size > 1
+    waited: dict[str, BaseException] = {}
+
+    def start(index: int, group: dict[str, Any], argv: list[str]) -> None:
+        if index == 0:
+            time.sleep(LEADER_LATE_S)
+        try:
+            WAITS[wait](group, argv, translate)
+        except GroupWaitError as exc:
+            waited[f"rank {index}"] = exc
+            return
+        nodes[index].start()
+
+    threads = [threading.Thread(target=start, args=(pod.index, doc["group"], doc["argv"])) for pod, doc in members]
+    started = time.monotonic()
+    try:
+        for thread in threads:
+            thread.start()
+        if wait == "dist-init" and attention_dp:
+            # Deadlock: rank 1 waits for a port its leader opens only after rank 1's sglang has joined.
+            for thread in threads:
+                thread.join()
+            assert not any(n.joined.is_set() for n in nodes)
+            assert list(waited) == ["rank 1"] and "does not accept connections" in str(waited["rank 1"])
+            assert nodes[0].state == "handshake: answered 0 of 1 nodes", nodes[0].state
+            return
+        formed = all(n.joined.wait(max(0.0, started + 2 * WAIT_S - time.monotonic())) for n in nodes)
+        states = {f"rank {i}": n.error or n.state for i, n in enumerate(nodes)}
+        assert formed and not waited, f"{role} did not form: {states}, waits: {waited}"
+        assert time.monotonic() - started < WAIT_S, "formed, but slower than one back-off step after its leader"
+    finally:
+        for n in nodes:
+            n.stop()
+        for thread in threads:
+            thread.join(timeout=2 * WAIT_S)
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize(("scenario", "wait"), START_CASES, ids=[f"{s}-{w}" for s, w in START_CASES])
+def test_every_multi_node_group_forms_in_sglangs_start_order(render, tmp_path, capsys, scenario, wait) -> None:
+    # Each pod of every multi-node group as LWS starts it: the container's command (`launch --dry-run` says
+    # what it waits for), the wait, then sglang, here the stand-in that binds in sglang 0.5.23's order
+    # (tests/support/sglang_multinode.py). The "dist-init" wait is the control: under attention DP it must
+    # deadlock, so that this test is seen to fail with it.
+    pytest.importorskip("sglang.srt.server_args", reason="sglang is not installed (the `validate` extra)")
+    values, node = START_SCENARIOS[scenario]
+    docs = render(copy.deepcopy(values))
+    groups: dict[str, list[tuple[GpuPod, dict[str, Any]]]] = {}
+    for pod in (p for p in gpu_pods(docs) if p.size > 1):
+        root = tmp_path / pod.name.replace("/", "-")
+        rc, out, err = run_launch(pod.container["command"], root, lay_out(root, docs, pod, node, SECRETS), capsys)
+        assert rc == 0, f"{pod.name}: {err}"
+        groups.setdefault(pod.role, []).append((pod, json.loads(out)))
+    assert groups, f"{scenario} renders no multi-node group"
+    for role, members in groups.items():
+        _start_group(role, sorted(members, key=lambda m: m[0].index), wait)

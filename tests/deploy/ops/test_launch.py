@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 from pathlib import Path
 
@@ -15,13 +16,17 @@ from sglang_pd.deploy.common import node
 from sglang_pd.deploy.common.contract import ENV_ROUTER_WORKER_API_KEY, ENV_WORKER_API_KEY
 from sglang_pd.deploy.common.node import CAP_IPC_LOCK, has_capability
 from sglang_pd.deploy.ops import launch
+from sglang_pd.deploy.ops.group import LeaderPort
 from sglang_pd.deploy.ops.launch import (
     API_KEY_FLAG,
+    BOOTSTRAP_IFNAME_ENVS,
     LaunchError,
+    bootstrap_interface,
     pod_checks,
     pod_settings_from_env,
     resolve_command,
 )
+from sglang_pd.deploy.ops.netif import interface_addresses, interface_of
 from sglang_pd.deploy.sglang.render import render_node
 from sglang_pd.deploy.spec.topology import PRESETS_DIR, PodSettings, load_topology
 
@@ -76,20 +81,37 @@ def test_pod_checks_name_the_fix(r1, monkeypatch) -> None:
     assert pod_checks(r1, "router") == []
 
 
+def _this_machines_address() -> tuple[str, str]:
+    """(interface, address): a non-loopback IPv4 address one of this machine's interfaces holds."""
+    found = [(n, a) for n, addrs in interface_addresses().items() for a in addrs if "." in a and a != "127.0.0.1"]
+    if not found:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    return found[0]
+
+
 def test_dry_run_prints_argv_env_and_checks(capsys, monkeypatch) -> None:
-    for k, v in {**LWS, "LWS_WORKER_INDEX": "1"}.items():
+    name, address = _this_machines_address()
+    for k, v in {**LWS, "LWS_WORKER_INDEX": "1", "SGLANG_HOST_IP": address}.items():
         monkeypatch.setenv(k, v)
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
     # No GPUs or IB devices here: the dry run prints what it would run, and fails as the start would.
     assert main(["launch", "--role", "decode", "--topology", str(R1), "--dry-run"]) == 1
     out, err = capsys.readouterr()
     assert "error: 2 pod check(s) failed; fix them or pass --skip-checks." in err
     doc = json.loads(out)
-    assert doc["node_rank"] == 1 and doc["env"] == {
-        "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK": "128",
-        "SGLANG_PD_SBO_MODE": "full",
-    }
+    # The role's env is the renderer's; what launch adds at start is shown apart (interface, group).
+    rendered = render_node(load_topology(R1), "decode", node_rank=1, leader_host="decode-0.decode.llm")
+    assert doc["node_rank"] == 1 and doc["env"] == rendered.env
+    assert doc["env"]["SGLANG_PD_SBO_MODE"] == "full"
     assert doc["argv"][doc["argv"].index("--node-rank") + 1] == "1"
-    assert {"gpus", "shm", "memlock", "rdma"} <= {c["name"] for c in doc["checks"]}
+    assert {"gpus", "shm", "memlock", "rdma", "bootstrap-interface"} <= {c["name"] for c in doc["checks"]}
+    # The interface that holds the pod's address, added at start apart from the role's env.
+    assert doc["interface"] == {
+        "name": name,
+        "address": address,
+        "source": "SGLANG_HOST_IP",
+        "env": {**dict.fromkeys(BOOTSTRAP_IFNAME_ENVS, name), "SGLANG_ZMQ_SOURCE_IP": address},
+    }
 
 
 def test_failed_checks_stop_the_launch(capsys, monkeypatch) -> None:
@@ -285,7 +307,7 @@ def test_pod_settings_that_break_a_rule_stop_the_launch(monkeypatch, capsys) -> 
     assert (
         "prefill.startupProbe: a startup budget of 1800s (failureThreshold x periodSeconds) cannot cover a cold " in err
     )
-    assert "(~2912s: download and load the weights, warm-up of 1200s)" in err
+    assert "(~3254s: download and load the weights, warm-up of 1200s)" in err
 
 
 # --- the worker key: sglang gets `--api-key=KEY` from the environment at start ---------------------
@@ -455,32 +477,140 @@ def test_weights_on_a_volume_need_their_config_json_and_no_hub(r1, tmp_path) -> 
 def test_a_decode_rank_waits_for_its_leader_and_admits_only_its_group(monkeypatch, capsys) -> None:
     for k, v in {**LWS, "LWS_WORKER_INDEX": "1", "SGLANG_HOST_IP": "10.0.0.12"}.items():
         monkeypatch.setenv(k, v)
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
     monkeypatch.setattr(launch, "pod_checks", lambda *a, **k: [])
+    # The pod's own network namespace, which this machine does not have.
+    monkeypatch.setattr(launch, "interface_addresses", lambda: {"lo": ["127.0.0.1"], "eth0": ["10.0.0.12"]})
     waited: list[tuple] = []
-    monkeypatch.setattr(launch, "wait_for_leader", lambda host, port, timeout: waited.append((host, port, timeout)))
+    monkeypatch.setattr(launch, "wait_for_leader", lambda leader, timeout: waited.append((leader, timeout)))
     addresses = {"decode-0.decode.llm": "10.0.0.11", "decode-0-1.decode.llm": "10.0.0.12"}
     monkeypatch.setattr(launch, "resolve_all", lambda hosts, timeout: [addresses[h] for h in hosts])
     started: list[dict] = []
     monkeypatch.setattr(launch.os, "execvpe", lambda file, argv, env: started.append(env))
     argv = ["launch", "--role", "decode", "--topology", str(R1), NO_FIREWALL]
     assert main(argv) == 0
-    assert waited == [("decode-0.decode.llm", 5000, 1800.0)]
-    assert started[0]["SGLANG_ZMQ_ALLOWED_PEERS"] == "10.0.0.11,10.0.0.12,127.0.0.1"
+    # The attention-DP handshake sglang's leader opens first, never the dist-init port it opens after rank 1 joined.
+    handshake = "the attention-DP handshake (dist-init port + 13)"
+    assert waited == [(LeaderPort("decode-0.decode.llm", 5013, handshake), 1800.0)]
+    env = started[0]
+    assert env["SGLANG_ZMQ_ALLOWED_PEERS"] == "10.0.0.11,10.0.0.12,127.0.0.1"
+    assert {k: env[k] for k in (*BOOTSTRAP_IFNAME_ENVS, "SGLANG_ZMQ_SOURCE_IP")} == {
+        **dict.fromkeys(BOOTSTRAP_IFNAME_ENVS, "eth0"),
+        "SGLANG_ZMQ_SOURCE_IP": "10.0.0.12",
+    }
     # The dry run shows the plan, names not addresses: nothing is waited for or resolved.
     assert main([*argv, "--dry-run", "--skip-checks"]) == 0
     group = json.loads(capsys.readouterr().out)["group"]
     assert group == {
         "peer_hosts": ["decode-0.decode.llm", "decode-0-1.decode.llm"],
         "also_allowed": ["127.0.0.1", "10.0.0.12"],
-        "wait_for": "decode-0.decode.llm:5000",
+        "wait_for": "decode-0.decode.llm:5013",
+        "wait_for_port": handshake,
     }
 
 
 def test_a_leader_that_never_comes_stops_the_rank(monkeypatch, capsys) -> None:
-    for k, v in {**LWS, "LWS_WORKER_INDEX": "1", "SGLANG_PD_GROUP_WAIT_S": "0"}.items():
+    _, address = _this_machines_address()
+    for k, v in {**LWS, "LWS_WORKER_INDEX": "1", "SGLANG_PD_GROUP_WAIT_S": "0", "SGLANG_HOST_IP": address}.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(launch, "pod_checks", lambda *a, **k: [])
     monkeypatch.setattr(launch.os, "execvpe", lambda *a: pytest.fail("sglang started"))
     assert main(["launch", "--role", "decode", "--topology", str(R1), NO_FIREWALL]) == 1
     err = capsys.readouterr().err
-    assert "error: the group's leader decode-0.decode.llm:5000 does not accept connections" in err
+    assert "error: the group's leader decode-0.decode.llm does not resolve" in err
+
+
+# --- the bootstrap interface: the one named, else the one that holds the pod's address ---------------------
+
+
+@pytest.fixture
+def unnamed(monkeypatch):
+    """This process's environment without a chart-set interface."""
+    for k in (*BOOTSTRAP_IFNAME_ENVS, "SGLANG_HOST_IP"):
+        monkeypatch.delenv(k, raising=False)
+
+
+def test_the_interface_holding_the_pods_address_is_chosen_on_this_machine(r1, unnamed) -> None:
+    # Loopback serves a single-node role; its address is no ZMQ source for connects to other pods.
+    lo = bootstrap_interface(r1, {"SGLANG_HOST_IP": "127.0.0.1"}, nodes=1)
+    assert (lo.name, lo.address, lo.source) == ("lo", "127.0.0.1", "SGLANG_HOST_IP")
+    assert lo.env == dict.fromkeys(BOOTSTRAP_IFNAME_ENVS, "lo")
+    name, address = _this_machines_address()
+    chosen = bootstrap_interface(r1, {"SGLANG_HOST_IP": address}, nodes=2)
+    assert chosen.name == name and chosen.env == {
+        **dict.fromkeys(BOOTSTRAP_IFNAME_ENVS, name),
+        "SGLANG_ZMQ_SOURCE_IP": address,
+    }
+
+
+def test_without_sglang_host_ip_the_hostnames_address_is_the_pods(r1, unnamed) -> None:
+    hostname = socket.gethostname()
+    try:
+        address = socket.getaddrinfo(hostname, None, proto=socket.IPPROTO_TCP)[0][4][0]
+    except OSError:
+        pytest.skip(f"this machine's hostname {hostname} does not resolve")
+    holder = interface_of(str(address), interface_addresses())
+    if holder is None:
+        pytest.skip(f"{hostname}'s address {address} is on none of this machine's interfaces")
+    chosen = bootstrap_interface(r1, {}, nodes=1)
+    assert (chosen.name, chosen.address, chosen.source) == (holder, address, f"hostname {hostname}")
+
+
+def test_a_named_interface_is_kept(r1, unnamed) -> None:
+    # The chart's (fabric.socketInterface or the topology's): nothing looked up, nothing added.
+    named = bootstrap_interface(r1, {"NCCL_SOCKET_IFNAME": "bond0", "SGLANG_HOST_IP": "203.0.113.7"}, nodes=2)
+    assert (named.name, named.address, named.source, named.env) == ("bond0", None, "NCCL_SOCKET_IFNAME", {})
+    # The topology's, outside the chart: given to all three.
+    t = r1.model_copy(update={"hardware": r1.hardware.model_copy(update={"socket_interface": "ens1f0"})})
+    named = bootstrap_interface(t, {"SGLANG_HOST_IP": "203.0.113.7"}, nodes=2)
+    assert named.source == "topology.hardware.socket_interface"
+    assert named.env == dict.fromkeys(BOOTSTRAP_IFNAME_ENVS, "ens1f0")
+
+
+@pytest.mark.parametrize(
+    ("env", "nodes", "message"),
+    [
+        # 203.0.113.0/24 is documentation space (RFC 5737): on no interface of this machine.
+        (
+            {"SGLANG_HOST_IP": "203.0.113.7"},
+            1,
+            "this pod's address 203.0.113.7 (SGLANG_HOST_IP) is on none of its interfaces (lo 127.0.0.1",
+        ),
+        (
+            {"SGLANG_HOST_IP": "127.0.0.1"},
+            2,
+            "this pod's address 127.0.0.1 (SGLANG_HOST_IP) is a loopback address, which the group's other nodes",
+        ),
+        ({"SGLANG_HOST_IP": "decode-0"}, 1, "SGLANG_HOST_IP gives 'decode-0', which is not an IP address"),
+    ],
+    ids=["on-no-interface", "loopback-in-a-group", "not-an-address"],
+)
+def test_a_pod_address_no_interface_can_carry_is_refused(r1, unnamed, env, nodes, message) -> None:
+    with pytest.raises(LaunchError) as info:
+        bootstrap_interface(r1, env, nodes=nodes)
+    assert str(info.value).startswith(message), str(info.value)
+    assert "topology.hardware.socket_interface" in str(info.value) or "not an IP address" in str(info.value)
+
+
+def test_the_interface_is_a_pod_check_shown_by_the_dry_run_and_required_at_start(monkeypatch, capsys, unnamed) -> None:
+    argv = ["launch", "--role", "prefill", "--topology", str(R1), "--dry-run", "--skip-checks", NO_FIREWALL]
+    monkeypatch.setenv("SGLANG_HOST_IP", "127.0.0.1")
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert doc["interface"]["name"] == "lo" and "NCCL_SOCKET_IFNAME" not in doc["env"]
+    assert "pod check bootstrap-interface: ok: lo holds this pod's address 127.0.0.1 (SGLANG_HOST_IP)" in err
+    monkeypatch.setenv("SGLANG_HOST_IP", "203.0.113.7")
+    assert main(argv) == 0  # --skip-checks: shown, not required
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["interface"]["problem"].startswith("this pod's address 203.0.113.7 (SGLANG_HOST_IP) is on none")
+    rc, started, _ = _start_prefill(monkeypatch)
+    assert rc == 1 and started == []
+    err = capsys.readouterr().err
+    assert "pod check bootstrap-interface: FAILED: this pod's address 203.0.113.7" in err
+    assert "error: 1 pod check(s) failed; fix them or pass --skip-checks." in err
+    monkeypatch.setenv("SGLANG_HOST_IP", "127.0.0.1")
+    seen: list[dict] = []
+    monkeypatch.setattr(launch.os, "execvpe", lambda file, argv, env: seen.append(env))
+    assert main(["launch", "--role", "prefill", "--topology", str(R1), NO_FIREWALL]) == 0
+    assert {k: seen[0][k] for k in BOOTSTRAP_IFNAME_ENVS} == dict.fromkeys(BOOTSTRAP_IFNAME_ENVS, "lo")
