@@ -198,7 +198,7 @@ def test_placeholder_nic_names_stop_the_pod_on_a_node_that_lacks_them(render, tm
         assert "missing mlx5_0, mlx5_1, mlx5_2" in rdma["detail"] and "hardware.rdma_devices" in rdma["detail"]
 
 
-def test_a_socket_interface_the_node_lacks_stops_the_pod(render, tmp_path, capsys) -> None:
+def test_a_socket_interface_the_node_lacks_fails_the_pod(render, tmp_path, capsys) -> None:
     topology = preset_topology("deepseek-r1-h200-1p1d")
     topology["hardware"]["socket_interface"] = "ens1f0"
     for pod, rc, out, _ in _launch_pod(render, tmp_path, capsys, {"topology": topology}, Node()):
@@ -207,7 +207,7 @@ def test_a_socket_interface_the_node_lacks_stops_the_pod(render, tmp_path, capsy
         assert check["detail"].startswith("NCCL_SOCKET_IFNAME=ens1f0 matches none of this pod's interfaces (bond0,")
 
 
-def test_a_driver_older_than_cuda_13_needs_stops_the_pod(render, tmp_path, capsys) -> None:
+def test_a_driver_older_than_cuda_13_needs_fails_the_pod(render, tmp_path, capsys) -> None:
     old = Node(driver="NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.127.05  Tue Oct  8 03:22:07 UTC 2024")
     for pod, rc, out, _ in _launch_pod(render, tmp_path, capsys, {}, old):
         assert rc == 1, pod.name

@@ -381,7 +381,7 @@ def test_sglangs_parser_takes_the_key(monkeypatch, key) -> None:
     ],
     ids=["empty", "trailing-newline"],
 )
-def test_a_key_no_header_can_carry_stops_the_launch(monkeypatch, capsys, key, message) -> None:
+def test_a_key_no_header_can_carry_refuses_the_launch(monkeypatch, capsys, key, message) -> None:
     monkeypatch.setenv(ENV_WORKER_API_KEY, key)
     rc, started = _exec_prefill(monkeypatch)
     assert rc == 1 and started == []
@@ -509,7 +509,7 @@ def test_a_decode_rank_waits_for_its_leader_and_admits_only_its_group(monkeypatc
     }
 
 
-def test_a_leader_that_never_comes_stops_the_rank(monkeypatch, capsys) -> None:
+def test_a_leader_that_never_comes_fails_the_rank(monkeypatch, capsys) -> None:
     _, address = _this_machines_address()
     for k, v in {**LWS, "LWS_WORKER_INDEX": "1", "SGLANG_PD_GROUP_WAIT_S": "0", "SGLANG_HOST_IP": address}.items():
         monkeypatch.setenv(k, v)
