@@ -80,6 +80,11 @@ CONTEXT_PAIR = (
     "The river runs cold under the bridge at night. Now say it once again:",
     "Seven wise owls count the stars above a hill. Now say it once again:",
 )
+#: sglang's fields on the chat routes: all MAX_NEW_TOKENS tokens, and special tokens as text. A
+#: streamed chat step whose text is empty sends no chunk, and its tokens' logprobs are lost (sglang
+#: 0.5.17, `_generate_stream_content` in srt/entrypoints/openai/serving_chat.py, lines 749-781);
+#: `<s>`, `</s>` and `<unk>` would decode to nothing with skip_special_tokens on.
+CHAT_EXTRA = {"ignore_eos": True, "skip_special_tokens": False}
 #: The router-overhead measurement alternates its arms over this many rounds.
 LATENCY_ROUNDS = 2
 
@@ -232,9 +237,9 @@ async def chat(
         "messages": [{"role": "user", "content": text}],
         "temperature": 0,
         "max_tokens": MAX_NEW_TOKENS,
-        "ignore_eos": True,
         "logprobs": True,
         "stream": stream,
+        **CHAT_EXTRA,
     }
     async with s.post(f"{base}/v1/chat/completions", json=body) as r:
         if not stream:
@@ -244,7 +249,8 @@ async def chat(
             choice = doc["choices"][0]
             ids, error = _ids_from_logprobs((choice.get("logprobs") or {}).get("content") or [], table)
             return {"status": r.status, "ids": ids, "text": choice["message"]["content"], "error": error}
-        parts, entries = [], []
+        parts: list[str] = []
+        entries: list[dict[str, Any]] = []
         async for raw in r.content:
             chunk = _sse(raw)
             for c in (chunk or {}).get("choices", []):
@@ -268,7 +274,7 @@ def openai_outputs(base: str, ps: list[str], table: dict[str, int]) -> list[dict
                 max_tokens=MAX_NEW_TOKENS,
                 temperature=0,
                 logprobs=True,
-                extra_body={"ignore_eos": True},
+                extra_body=CHAT_EXTRA,
             )
         except APIStatusError as exc:
             results.append({"status": exc.status_code, "ids": None, "error": str(exc)[:300]})
@@ -299,7 +305,7 @@ async def outputs(base: str, table: dict[str, int]) -> dict[str, list[dict[str, 
     return {form: list(got[form]) for form in FORMS}
 
 
-def statuses(outs: dict[str, list[dict[str, Any]]]) -> dict[str, list[int]]:
+def statuses(outs: dict[str, list[dict[str, Any]]]) -> dict[str, list[int | None]]:
     """Per form, the HTTP status of each prompt."""
     return {form: [o.get("status") for o in rows] for form, rows in outs.items()}
 
@@ -572,7 +578,8 @@ def wait_server(stack: Stack, name: str, base: str, timeout_s: float) -> dict[st
     """Poll `GET /health` until 200, noting what the server answered before (sglang: 503 while it
     starts). NotReady when the process exits or `timeout_s` passes."""
     child, t0 = stack.children[name], time.monotonic()
-    first_answer, before_ready = None, {}
+    first_answer: float | None = None
+    before_ready: dict[str, int] = {}
     while time.monotonic() - t0 < timeout_s:
         if not child.alive():
             raise NotReady(f"{name} exited with code {child.proc.returncode} before it was ready: {diagnose(stack)}")
@@ -633,7 +640,8 @@ def stage_single(
     ref["controls"] = asyncio.run(generate_all(base, control_prompts()))
     ref["context_pair"] = asyncio.run(generate_all(base, list(CONTEXT_PAIR)))
     single["statuses"] = statuses(ref["forms"])
-    context = pd_verdicts.context_verdict(*ref["context_pair"], MAX_NEW_TOKENS)
+    first, second = ref["context_pair"]
+    context = pd_verdicts.context_verdict(first, second, MAX_NEW_TOKENS)
     single["context_control"] = {
         "prompts": list(CONTEXT_PAIR),
         "ids": [o.get("ids") for o in ref["context_pair"]],
@@ -665,8 +673,10 @@ def fault_env(out: Path) -> dict[str, str]:
 
 
 def fault_control(env: dict[str, str], ref: list[dict[str, Any]]) -> dict[str, Any]:
-    """The control prompts through the router with the fault on; their outputs must differ from `ref`."""
+    """The control prompts through the router without the fault, which must give `ref`, then with it
+    on, which must not."""
     flag, log = Path(env[FAULT_FLAG_ENV]), Path(env[FAULT_LOG_ENV])
+    clean = asyncio.run(generate_all(ROUTER, control_prompts()))
     before = len(pd_verdicts.read_fault_log(log))
     flag.touch()
     try:
@@ -674,14 +684,20 @@ def fault_control(env: dict[str, str], ref: list[dict[str, Any]]) -> dict[str, A
     finally:
         flag.unlink()
     events = pd_verdicts.read_fault_log(log)
-    failure = pd_verdicts.fault_verdict(ref, got, events[before:], MAX_NEW_TOKENS)
+    failure = pd_verdicts.fault_verdict(ref, clean, got, events[before:], MAX_NEW_TOKENS)
     return {
         "verdict": failure or "passed",
         "armed_in_pids": sorted({e["pid"] for e in events if e.get("event") == "armed"}),
         "faults": events[before:],
         "controls": [
-            {"prompt": i, "single": r.get("ids"), "pd_with_fault": g.get("ids"), "pd_status": g.get("status")}
-            for i, (r, g) in enumerate(zip(ref, got, strict=True))
+            {
+                "prompt": i,
+                "single": r.get("ids"),
+                "pd_without_fault": c.get("ids"),
+                "pd_with_fault": g.get("ids"),
+                "pd_status": g.get("status"),
+            }
+            for i, (r, c, g) in enumerate(zip(ref, clean, got, strict=True))
         ],
     }
 

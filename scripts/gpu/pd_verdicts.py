@@ -10,10 +10,11 @@ None, ...}`. A verdict is None when the requirement holds, else one sentence tha
 - The context control: two prompts that end alike (the same last tokens) must give different
   outputs on the single server. A model that answers from the last token alone cannot show a
   missing or stale KV page; this one must.
-- The KV-page fault control: while the check's fault corrupts one KV page of each control prompt
-  on its way to the decode server (`faults/pd_check_kv_fault.py`), every control's output through
-  the stack must differ from the single server's, and the fault log must show one fault per control
-  at least. A control that matches means the check cannot see a corrupted page.
+- The KV-page fault control: without the fault the control prompts through the stack must give
+  the single server's ids; while the check's fault corrupts one KV page of each on its way to the
+  decode server (`faults/pd_check_kv_fault.py`), every control's output must differ from the single
+  server's, and the fault log must show one fault per control at least. A control that matches
+  means the check cannot see a corrupted page.
 """
 
 from __future__ import annotations
@@ -88,12 +89,23 @@ def read_fault_log(path: Path) -> list[dict[str, Any]]:
 
 
 def fault_verdict(
-    ref: Sequence[Output], got: Sequence[Output], events: Sequence[dict[str, Any]], length: int
+    ref: Sequence[Output],
+    clean: Sequence[Output],
+    got: Sequence[Output],
+    events: Sequence[dict[str, Any]],
+    length: int,
 ) -> str | None:
-    """None when the fault fired for every control and every control's output differs from the
-    single server's; else why the check could not see a corrupted KV page."""
-    if len(ref) != len(got) or not ref:
-        return f"fault control: {len(ref)} reference outputs against {len(got)} controls"
+    """None when the controls through the stack equal the single server's without the fault
+    (`clean`), the fault fired for every control, and every control's output with it (`got`)
+    differs from the single server's (`ref`); else why the check could not see a corrupted KV page."""
+    if not ref or not (len(ref) == len(clean) == len(got)):
+        return f"fault control: {len(ref)} reference outputs against {len(clean)} and {len(got)} controls"
+    for i, (r, c) in enumerate(zip(ref, clean, strict=True)):
+        why = mismatch(r, c, length)
+        if why:
+            return (
+                f"fault control: control {i} differs without the fault ({why}), so a difference with it proves nothing"
+            )
     faults = [e for e in events if e.get("event") == "fault"]
     if not faults:
         armed = sum(e.get("event") == "armed" for e in events)

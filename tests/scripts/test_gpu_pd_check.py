@@ -164,6 +164,7 @@ def test_the_fault_control_turns_the_fault_on_only_for_its_prompts(engines: type
     got = check.fault_control(env, ref)
     assert got["verdict"] == "passed" and len(got["faults"]) == len(controls)
     assert all(c["pd_with_fault"] == [99] * check.MAX_NEW_TOKENS for c in got["controls"])
+    assert [c["pd_without_fault"] for c in got["controls"]] == [r["ids"] for r in ref]
     assert not engines.fault_flag.exists()  # off again for what follows
     # Control: a stack where the fault does not reach the KV send answers as the reference does.
     engines.fault_flag = None

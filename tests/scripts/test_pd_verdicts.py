@@ -69,28 +69,36 @@ ARMED = {"event": "armed", "pid": 7}
 def test_fault_control_passes_only_when_every_control_differs_and_the_fault_fired() -> None:
     ref = [out(IDS), out(IDS[::-1])]
     corrupted = [out([*IDS[:2], 0, *IDS[3:]]), out([1, *IDS[::-1][1:]])]
-    assert verdicts.fault_verdict(ref, corrupted, [ARMED, FAULT, FAULT], N) is None
+    assert verdicts.fault_verdict(ref, ref, corrupted, [ARMED, FAULT, FAULT], N) is None
+
+
+def test_fault_control_fails_when_the_controls_differ_without_the_fault() -> None:
+    # Then a difference with the fault could be the stack's own: it shows nothing about the fault.
+    ref = [out(IDS)]
+    why = verdicts.fault_verdict(ref, [out(IDS[::-1])], [out([0] * N)], [FAULT], N)
+    assert why is not None and "control 0 differs without the fault (token 0 differs" in why
 
 
 def test_fault_control_fails_when_a_control_matches_the_reference() -> None:
     ref = [out(IDS), out(IDS[::-1])]
     got = [out([*IDS[:2], 0, *IDS[3:]]), out(IDS[::-1])]
-    why = verdicts.fault_verdict(ref, got, [FAULT, FAULT], N)
+    why = verdicts.fault_verdict(ref, ref, got, [FAULT, FAULT], N)
     assert why is not None and "control 1 gave the single server's 8 tokens" in why
 
 
 def test_fault_control_fails_without_faults_in_the_log() -> None:
     ref, got = [out(IDS)], [out(IDS[::-1])]
-    why = verdicts.fault_verdict(ref, got, [ARMED, ARMED], N)
+    why = verdicts.fault_verdict(ref, ref, got, [ARMED, ARMED], N)
     assert why is not None and "no fault (the wrapper was armed in 2 processes)" in why
-    assert "no fault" in (verdicts.fault_verdict(ref, got, [], N) or "")
-    fewer = verdicts.fault_verdict([out(IDS), out(IDS)], [out([0] * N), out([1] * N)], [FAULT], N)
+    assert "no fault" in (verdicts.fault_verdict(ref, ref, got, [], N) or "")
+    two = [out(IDS), out(IDS)]
+    fewer = verdicts.fault_verdict(two, two, [out([0] * N), out([1] * N)], [FAULT], N)
     assert fewer is not None and "1 faults for 2 control prompts" in fewer
 
 
 def test_fault_control_fails_when_the_corrupted_request_errors() -> None:
     # A fault that breaks the request instead of corrupting it shows nothing about identity.
-    why = verdicts.fault_verdict([out(IDS)], [out(None, status=500)], [FAULT], N)
+    why = verdicts.fault_verdict([out(IDS)], [out(IDS)], [out(None, status=500)], [FAULT], N)
     assert why is not None and "pd answered HTTP 500" in why
 
 
