@@ -94,19 +94,30 @@ def shared_sms(compute: Cost, comm: Cost, stretch: float, hidden: float) -> Cost
     return overlap(slowed, comm, hidden)
 
 
-def ll_link_scale(hw: HardwareData, gpu: GPUProfile, ep: int, gpus_per_node: int) -> float:
-    """How much longer a DeepEP low-latency transfer takes on this GPU's link than in DeepEP's table: the NIC's
-    speed against the measured 400 Gb/s across nodes, NVLink's within one node."""
-    if ep <= gpus_per_node:
-        return hw.ll_nic_gbit / 8 / (gpu.nvlink_gbps * hw.efficiency["nvlink"])
-    return hw.ll_nic_gbit / gpu.nic_gbit
+def ll_transfer_us(hw: HardwareData, gpu: GPUProfile, kind: str, ep: int, gpus_per_node: int, tokens: float) -> float:
+    """The size-dependent part of one DeepEP low-latency dispatch or combine for `tokens` tokens per rank (DeepEP's
+    shape, even load) on this GPU's link.
+
+    DeepEP's time at 128 tokens for this EP size, its fixed part (`ll_latency_us`) left out, scaled by tokens and
+    by the link: the NIC's speed against the measured 400 Gb/s across nodes, NVLink's within one node. Within a
+    node NVLink must still carry the copies bound for the other GPUs, which DeepEP's RDMA table scaled to NVLink's
+    speed can undercut at small EP sizes; that is the floor.
+    """
+    table = hw.ll_call_us(kind, ep)
+    t = (table - min(hw.assumptions["ll_latency_us"], table)) * tokens / hw.ll_tokens
+    if ep > gpus_per_node:
+        return t * hw.ll_nic_gbit / gpu.nic_gbit
+    nvlink_gbps = gpu.nvlink_gbps * hw.efficiency["nvlink"]
+    t *= hw.ll_nic_gbit / 8 / nvlink_gbps
+    h = hw.ll_hidden
+    token_bytes = h + h / FP8_SCALE_GROUP * 4 if kind == "dispatch" else 2.0 * h
+    return max(t, tokens * hw.ll_topk * token_bytes * (ep - 1) / ep / (nvlink_gbps * 1e3))
 
 
 def combine_link_gbps(hw: HardwareData, gpu: GPUProfile, ep: int, gpus_per_node: int) -> float:
-    """GB/s at which DeepEP's low-latency combine moves a GPU's rows, its fixed cost left out: DeepEP's table
-    (bf16 rows of `ll_hidden`, `ll_topk` copies of `ll_tokens` tokens) on this GPU's link."""
-    table = hw.ll_call_us("combine", ep)
-    transfer_us = (table - min(hw.assumptions["ll_latency_us"], table)) * ll_link_scale(hw, gpu, ep, gpus_per_node)
+    """GB/s at which DeepEP's low-latency combine moves a GPU's rows (bf16 rows of `ll_hidden`, `ll_topk` copies a
+    token) over this GPU's link, its fixed part left out."""
+    transfer_us = ll_transfer_us(hw, gpu, "combine", ep, gpus_per_node, hw.ll_tokens)
     return hw.ll_tokens * hw.ll_topk * 2 * hw.ll_hidden / transfer_us / 1e3
 
 
@@ -323,13 +334,13 @@ class Roofline:
         """(fixed, transfer) parts of one DeepEP low-latency dispatch or combine call.
 
         DeepEP's measured time at 128 tokens for this EP size, its size-independent part
-        (`ll_latency_us`) kept, the rest scaled by tokens, NIC speed and the hottest rank's load.
-        Within one node the transfer goes over NVLink instead of the NIC.
+        (`ll_latency_us`) kept, the rest on this GPU's link (`ll_transfer_us`) scaled by the
+        hottest rank's load.
         """
         t_table = self.hw.ll_call_us(kind, lay.ep)
         t0 = min(self._assume("ll_latency_us"), t_table)
-        link_scale = ll_link_scale(self.hw, self.gpu, lay.ep, lay.gpus_per_node)
-        transfer = (t_table - t0) * tokens_per_rank / self.hw.ll_tokens * link_scale * self._assume("expert_imbalance")
+        link = ll_transfer_us(self.hw, self.gpu, kind, lay.ep, lay.gpus_per_node, tokens_per_rank)
+        transfer = link * self._assume("expert_imbalance")
         return Cost.of(A2A, t0), Cost.of(A2A, transfer)
 
     def normal(self, lay: Layout, tokens_per_gpu: float) -> tuple[Cost, Cost]:

@@ -7,7 +7,7 @@ sends each row-block of the down GEMM's output as soon as the GEMM signals it, o
 srt/batch_overlap/single_batch_overlap.py:81-144 in sglang 0.5.23 and 0.5.17). Without the variable sglang gives
 the send 3 SMs on Hopper and 32 on Blackwell (lines 96-99; environ.py declares `EnvInt(32)`, but the code reads the
 variable only when it is set). Too few send SMs and the send trails the link, so the last row-blocks leave long
-after the GEMM; too many and the GEMM runs another wave of tiles. The rule below says where both hold.
+after the GEMM; too many and the GEMM runs more waves of tiles. The rule below says where both hold.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ __all__ = [
     "BLACKWELL_DEFAULT_SEND_SMS",
     "COMBINE_SEND_SMS_ENV",
     "DEFAULT_SEND_SMS",
+    "EXTRA_WAVES",
     "ROW_BLOCK",
     "SM90_DEFAULT_SEND_SMS",
     "DownGemmTiles",
@@ -57,8 +58,9 @@ DEFAULT_SEND_SMS: dict[str, int] = {
     "H200": 16,
     # Not measured on an H20: argued from the rule for the H20 preset (EP16 over two nodes, 32 requests per rank).
     # The combine leaves a GPU at 84 GB/s, which needs 5 send SMs at 20 GB/s each; the down GEMM has 720 tiles
-    # (16 experts x 1 row-block x 45 column blocks of 160) that run in 10 waves of 72 on the 73 SMs 5 send SMs
-    # leave, so 6 is the most that keeps those 10 waves.
+    # (16 experts x 1 row-block x 45 column blocks of 160), 10 waves on all 78 SMs and still 10 on the 72 that 6
+    # send SMs leave. The rule tolerates one wave more (up to 12 send SMs), but the H20's GEMM is bound by its
+    # tensor cores, not HBM, so a wave there is a wave of time: 6 is the most that costs it none.
     "H20": 6,
 }
 
@@ -150,14 +152,23 @@ def down_gemm_tiles(gpu: str, tokens_per_rank: int, ranks: int, topk: int, exper
     return DownGemmTiles(experts=experts // ranks, rows=m, hidden=hidden, block_n=down_gemm_block_n(gpu, m))
 
 
+#: Waves the down GEMM may run beyond its count on the whole GPU before the rule calls it starved. On one H100
+#: (the sweep behind DEFAULT_SEND_SMS) 24 send SMs cost the kernel's tiles one wave at 128 and at 256 tokens per
+#: rank (448 tiles in 5 waves on 108 SMs against 4 on 132; 608 in 6 against 5; the tiles as the H200 run in
+#: benchmarks/results/sbo_one_rank_h200_2026-12-03_5fb0e4d.json reports them, block_m 64 then 128, 28 then 38
+#: column blocks) and full SBO still gained 0.8 and 1.3 %: that GEMM streams weights, and a round more of tiles is
+#: not a round more of HBM time. Two rounds more were not measured.
+EXTRA_WAVES = 1
+
+
 @dataclass(frozen=True)
 class SendSMRange:
     """Which send-SM counts keep both sides fed, written with its numbers.
 
     The send keeps pace with the link: send SMs x `per_sm_gbps` >= `link_gbps`, the rate at which DeepEP's combine
     leaves a GPU over the NIC or NVLink (no floor on one rank, whose combine is a copy inside the GPU). The GEMM keeps
-    its waves: on the SMs the fewest such send SMs leave it runs `waves` rounds of `tiles_per_wave` tiles; a count
-    that leaves it fewer SMs than a wave's tiles makes it run one more.
+    its workers: it runs `whole_waves` rounds of tiles on the whole GPU and may run `EXTRA_WAVES` more; a count that
+    leaves it fewer SMs than `tiles_per_wave`, the tiles a round then holds, makes it run more than that.
     """
 
     gpu: str
@@ -176,28 +187,35 @@ class SendSMRange:
         return max(1, math.ceil(self.link_gbps / self.per_sm_gbps - 1e-9))
 
     @property
-    def waves(self) -> int:
-        return self.tiles.waves(self.sms - self.fewest)
+    def whole_waves(self) -> int:
+        return self.tiles.waves(self.sms)
 
     @property
     def tiles_per_wave(self) -> int:
-        return math.ceil(self.tiles.tiles / self.waves)
+        """The fewest SMs that run the tiles in `whole_waves + EXTRA_WAVES` rounds."""
+        return math.ceil(self.tiles.tiles / (self.whole_waves + EXTRA_WAVES))
 
     @property
     def most(self) -> int:
-        """The most send SMs that leave the GEMM a whole wave's tiles."""
+        """The most send SMs that leave the GEMM a round's tiles."""
         return self.sms - self.tiles_per_wave
 
     def problems(self, send: int, source: str) -> list[str]:
         """Errors for `send` send SMs, each naming both sides' numbers and the fix."""
         key = f"decode.sbo_send_sms: {send} combine-send SMs ({source})"
-        if self.fewest >= self.sms:
+        if self.fewest > self.most:
             return [
-                f"{key}: keeping pace with the {self.link_gbps:.0f} GB/s the combine leaves {self.gpu} at over "
-                f"{self.link} would take {self.fewest} send SMs at {self.per_sm_gbps:g} GB/s each, and the GPU has "
-                f"{self.sms}; set decode.sbo: shared-only."
+                f"{key}: no count serves this decode on {self.gpu}: keeping pace with the {self.link_gbps:.0f} GB/s "
+                f"the combine leaves it at over {self.link} takes {self.fewest} send SMs at {self.per_sm_gbps:g} "
+                f"GB/s each, and the down GEMM's {self.tiles_per_wave} tiles per wave (at {self.batch} requests per "
+                f"rank: {self.tiles.describe()}) leave at most {self.most}. Set decode.sbo: shared-only, or lower the "
+                "per-rank decode batch."
             ]
-        fix = f"Set decode.sbo_send_sms between {self.fewest} and {self.most}."
+        fix = (
+            f"Set decode.sbo_send_sms: {self.fewest}."
+            if self.fewest == self.most
+            else f"Set decode.sbo_send_sms between {self.fewest} and {self.most}."
+        )
         if send >= self.sms:
             return [f"{key} would leave the down GEMM none of the {self.gpu}'s {self.sms} SMs. {fix}"]
         if send < self.fewest:
@@ -208,11 +226,12 @@ class SendSMRange:
                 f"the send trails the link, and the last row-blocks leave long after the down GEMM ends. {fix}"
             ]
         if self.sms - send < self.tiles_per_wave:
+            allowed = self.whole_waves + EXTRA_WAVES
             return [
-                f"{key} leave the down GEMM {self.sms - send} of the {self.gpu}'s {self.sms} SMs, fewer than its "
-                f"{self.tiles_per_wave} tiles per wave (at {self.batch} requests per rank: {self.tiles.describe()}, "
-                f"{self.waves} waves on the {self.sms - self.fewest} SMs that {self.fewest} send SMs leave): it would "
-                f"run {self.tiles.waves(self.sms - send) - self.waves} more. {fix}"
+                f"{key} leave the down GEMM {self.sms - send} of the {self.gpu}'s {self.sms} SMs, fewer than the "
+                f"{self.tiles_per_wave} tiles per wave that keep it to {allowed} waves, one more than on the whole GPU "
+                f"(at {self.batch} requests per rank: {self.tiles.describe()}, {self.whole_waves} waves on "
+                f"{self.sms} SMs, {self.tiles.waves(self.sms - send)} on {self.sms - send}). {fix}"
             ]
         return []
 

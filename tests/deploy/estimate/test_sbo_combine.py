@@ -12,7 +12,7 @@ from sglang_pd.deploy.estimate import estimate_topology
 from sglang_pd.deploy.estimate.hardware import load_hardware
 from sglang_pd.deploy.estimate.roofline import combine_link_gbps, sbo_combine
 from sglang_pd.deploy.spec.sbo_sms import DEFAULT_SEND_SMS, DownGemmTiles
-from sglang_pd.deploy.spec.topology import Topology, load_topology
+from sglang_pd.deploy.spec.topology import SBOMode, Topology, load_topology
 
 
 def with_send_sms(t: Topology, sms: int | None) -> Topology:
@@ -38,14 +38,11 @@ def test_h200_preset_sbo_term_changes_sign_between_3_send_sms_and_the_default() 
 
 
 def test_sbo_per_step_is_per_layer_times_the_moe_layers() -> None:
-    e = estimate_topology(load_topology("deepseek-v3-h20-3p2d"))
+    t = load_topology("deepseek-v3-h20-3p2d")
+    e = estimate_topology(t)
     assert e.sbo is not None and e.sbo.moe_layers == 58
     assert e.sbo.ms_per_step == pytest.approx(e.sbo.us_per_layer * 58 / 1e3)
-    off = estimate_topology(
-        load_topology("deepseek-v3-h20-3p2d").model_copy(
-            update={"decode": load_topology("deepseek-v3-h20-3p2d").decode.model_copy(update={"sbo": "off"})}
-        )
-    )
+    off = estimate_topology(t.model_copy(update={"decode": t.decode.model_copy(update={"sbo": SBOMode.OFF})}))
     # The ITL the topology has, against the same topology without SBO: the per-step gain is their difference.
     assert off.decode.latency_ms - e.decode.latency_ms == pytest.approx(e.sbo.ms_per_step, rel=1e-6)
 
@@ -98,8 +95,9 @@ def test_the_combine_link_rate_is_deepeps_table_on_this_link() -> None:
     h200 = hw.gpu("H200")
     # DeepEP's EP16 combine: 128 tokens x 8 copies x 14336 B in 195 us, of which 20 us are fixed.
     assert combine_link_gbps(hw, h200, 16, 8) == pytest.approx(128 * 8 * 14336 / 175 / 1e3)
-    # Within one node NVLink carries it, faster.
-    assert combine_link_gbps(hw, h200, 8, 8) > 5 * combine_link_gbps(hw, h200, 16, 8)
+    # Within one node NVLink carries the 7 of 8 copies bound for the other GPUs, at 77 % of its 450 GB/s: DeepEP's
+    # RDMA table scaled to NVLink's speed (1082 GB/s) would be faster than that.
+    assert combine_link_gbps(hw, h200, 8, 8) == pytest.approx(450 * 0.77 * 8 / 7)
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
@@ -121,5 +119,6 @@ def test_plan_estimate_prints_the_sbo_term_and_its_send_sms(
     sbo = json.loads(out)["decode"]["sbo"]
     assert code == 0
     assert (sbo["send_sms"], sbo["send_sms_source"], sbo["moe_layers"]) == (send_sms, "decode.sbo_send_sms", 58)
-    assert sbo["gain_us_per_layer"] == pytest.approx(sbo["shared_us_per_layer"] + sbo["combine_us_per_layer"], abs=0.1)
+    # Each figure is rounded to 0.1 us.
+    assert sbo["gain_us_per_layer"] == pytest.approx(sbo["shared_us_per_layer"] + sbo["combine_us_per_layer"], abs=0.2)
     assert sbo["combine_us_per_layer"] > 0
