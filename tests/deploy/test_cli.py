@@ -45,6 +45,7 @@ def test_plan_json_lists_node_commands(capsys) -> None:
     assert first["argv"][:2] == ["-m", "sglang.launch_server"] and first["env"] == {}  # `launch`/`up` add Python
     assert doc["roles"]["decode"][0]["env"] == {
         "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK": "128",
+        "SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS": "16",
         "SGLANG_PD_SBO_MODE": "full",
     }
 
