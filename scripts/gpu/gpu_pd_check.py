@@ -52,7 +52,6 @@ from typing import Any
 import aiohttp
 import httpx
 import pd_verdicts
-import seeded_checkpoint
 import tree_commit
 from record_sglang_http import record
 
@@ -884,6 +883,8 @@ def gpu_description() -> str | None:
 def prepare_model() -> dict[str, Any]:
     """Write the preset's seeded weights into the model folder that sglang loads (the installed
     preset's, as `plan` and `up` resolve it), and say which weights they are."""
+    import seeded_checkpoint  # torch: only where the check runs
+
     from sglang_pd.deploy.spec.topology import load_topology
 
     model_dir = Path(load_topology(TOPOLOGY).model_path())
