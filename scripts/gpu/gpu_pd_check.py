@@ -24,7 +24,7 @@ What must hold is in `pd_verdicts.py`: identity by token ids in every form, the 
 Each is a verdict in the report, and the run exits 1 when one fails. Every wait has a stated
 limit: a server not ready within READY_S, or a stack whose router has no healthy prefill and decode
 within READY_S, fails the stage with each component's state (process alive, `/health`, the
-router's view of its workers, the log's last lines); the whole run stops after --deadline-s.
+router's view of its workers, the log's last lines); the whole run ends after --deadline-s.
 Writes `report.json` (every check with its numbers and evidence, the commit from the tree) and the
 servers' logs under --out.
 
