@@ -20,13 +20,14 @@ routed experts.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
+
+from sglang_pd.deploy.evals.data import sha256_of
 
 #: What the writer does with one routed expert's projection (drawn in float32): the tensors to store.
 ExpertWeight = Callable[[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
@@ -127,13 +128,8 @@ def write(model_dir: Path, seed: int = 0) -> Path:
     return save(model_dir, tensors(cfg, seed, "cpu"))
 
 
-def sha256(path: Path) -> str:
-    """The file's sha256, so that a report names the exact weights it ran with."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+# The file's sha256 names the exact weights a report ran with; the gsm8k loader already has the helper.
+sha256 = sha256_of
 
 
 def main() -> int:
