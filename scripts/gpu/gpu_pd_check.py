@@ -40,6 +40,7 @@ import itertools
 import json
 import os
 import re
+import secrets
 import signal
 import statistics
 import subprocess
@@ -55,6 +56,7 @@ import pd_verdicts
 import tree_commit
 from record_sglang_http import record
 
+from sglang_pd.deploy.common.contract import ENV_WORKER_API_KEY
 from sglang_pd.deploy.common.procs import Child, spawn
 
 REPO = Path(__file__).resolve().parents[2]
@@ -86,6 +88,20 @@ CONTEXT_PAIR = (
 CHAT_EXTRA = {"ignore_eos": True, "skip_special_tokens": False}
 #: The router-overhead measurement alternates its arms over this many rounds.
 LATENCY_ROUNDS = 2
+#: The engines' worker key in the PD stage (`up` passes it to both servers and the router); the
+#: check's own calls to the engines (cache flushes, the direct arm, metrics) carry it.
+ENGINE_KEY = secrets.token_hex(16)
+ENGINE_AUTH = {"Authorization": f"Bearer {ENGINE_KEY}"}
+#: Servers whose radix cache is emptied before each compared request: (base URL, must succeed).
+Caches = list[tuple[str, bool]]
+FLUSH_TRIES = 50
+FLUSH_RETRY_S = 0.1
+
+
+def pd_caches() -> Caches:
+    """The PD stack's caches: the prefill's must be emptied; a decode server keeps no radix cache by
+    default in sglang (`--disaggregation-decode-enable-radix-cache`), so its flush is tried, not required."""
+    return [(PREFILL, True), (DECODE, False)]
 
 
 def prompts() -> list[str]:
@@ -284,24 +300,53 @@ def openai_outputs(base: str, ps: list[str], table: dict[str, int]) -> list[dict
     return results
 
 
-async def generate_all(base: str, texts: list[str]) -> list[dict[str, Any]]:
-    """`/generate` outputs of `texts`, sent together."""
+async def flush(s: aiohttp.ClientSession, caches: Caches) -> None:
+    """Empty every radix cache in `caches` before the next request, so that each request prefills
+    its whole prompt from nothing on both sides. A prompt found in the cache prefills only its
+    uncached tail, a different kernel call whose bf16 sums differ; and whether it is found depends
+    on what ran before on that server (the decode's outputs are cached on a plain server and not
+    on a PD prefill). sglang refuses the flush while a request still runs, so it is retried."""
+    for base, required in caches:
+        status, body = 0, ""
+        for _ in range(FLUSH_TRIES):
+            async with s.post(f"{base}/flush_cache", headers=ENGINE_AUTH) as r:
+                status, body = r.status, (await r.text())[:200]
+            if status == 200:
+                break
+            await asyncio.sleep(FLUSH_RETRY_S)
+        if status != 200 and required:
+            raise RuntimeError(f"POST {base}/flush_cache answered {status} {FLUSH_TRIES} times: {body}")
+
+
+async def generate_all(base: str, texts: list[str], caches: Caches) -> list[dict[str, Any]]:
+    """`/generate` outputs of `texts`, one request at a time from empty caches (`flush`)."""
+    got = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
-        return list(await asyncio.gather(*(generate(s, base, t, stream=False) for t in texts)))
+        for t in texts:
+            await flush(s, caches)
+            got.append(await generate(s, base, t, stream=False))
+    return got
 
 
-async def outputs(base: str, table: dict[str, int]) -> dict[str, list[dict[str, Any]]]:
-    """Greedy outputs of every prompt in each of FORMS; each form's prompts are sent together."""
+async def outputs(base: str, table: dict[str, int], caches: Caches) -> dict[str, list[dict[str, Any]]]:
+    """Greedy outputs of every prompt in each of FORMS, one request at a time from empty caches.
+
+    One at a time, because which requests share a batch depends on their arrival, and these
+    kernels are not batch-invariant: sent together, the same server disagreed with itself on 9 of
+    20 prompts (benchmarks/results/gpu_pd_h100_2026-12-05_d9f604c.json)."""
     ps = prompts()
+    got: dict[str, list[dict[str, Any]]] = {form: [] for form in FORMS}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
-        got = {
-            "generate": await asyncio.gather(*(generate(s, base, p, stream=False) for p in ps)),
-            "generate_stream": await asyncio.gather(*(generate(s, base, p, stream=True) for p in ps)),
-            "chat": await asyncio.gather(*(chat(s, base, p, table, stream=False) for p in ps)),
-            "chat_stream": await asyncio.gather(*(chat(s, base, p, table, stream=True) for p in ps)),
-        }
-    got["openai"] = await asyncio.to_thread(openai_outputs, base, ps, table)
-    return {form: list(got[form]) for form in FORMS}
+        for p in ps:
+            for form, stream in (("generate", False), ("generate_stream", True)):
+                await flush(s, caches)
+                got[form].append(await generate(s, base, p, stream=stream))
+            for form, stream in (("chat", False), ("chat_stream", True)):
+                await flush(s, caches)
+                got[form].append(await chat(s, base, p, table, stream=stream))
+            await flush(s, caches)
+            got["openai"] += await asyncio.to_thread(openai_outputs, base, [p], table)
+    return got
 
 
 def statuses(outs: dict[str, list[dict[str, Any]]]) -> dict[str, list[int | None]]:
@@ -316,13 +361,13 @@ async def _direct_pd_stream(s: aiohttp.ClientSession, body: dict[str, Any]) -> a
     body = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": BOOTSTRAP_PORT, "bootstrap_room": room}
 
     async def drain_prefill() -> None:
-        async with s.post(f"{PREFILL}/v1/completions", json={**body, "stream": False}) as r:
+        async with s.post(f"{PREFILL}/v1/completions", json={**body, "stream": False}, headers=ENGINE_AUTH) as r:
             await r.read()
 
     task = asyncio.create_task(drain_prefill())
     _BACKGROUND.add(task)
     task.add_done_callback(_BACKGROUND.discard)
-    return await s.post(f"{DECODE}/v1/completions", json=body)
+    return await s.post(f"{DECODE}/v1/completions", json=body, headers=ENGINE_AUTH)
 
 
 _BACKGROUND: set[asyncio.Task[None]] = set()
@@ -425,7 +470,7 @@ def router_overhead(concurrency: int, rounds: int = LATENCY_ROUNDS) -> dict[str,
 
 def metric(base: str, name: str) -> float | None:
     """One sglang Prometheus gauge, summed over its label sets (None when absent)."""
-    text = httpx.get(f"{base}/metrics", timeout=10).text
+    text = httpx.get(f"{base}/metrics", timeout=10, headers=ENGINE_AUTH).text
     values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
     return sum(values) if values else None
 
@@ -543,7 +588,7 @@ class NotReady(RuntimeError):
 
 def _health(base: str) -> str:
     try:
-        r = httpx.get(f"{base}/health", timeout=25)
+        r = httpx.get(f"{base}/health", timeout=25, headers=ENGINE_AUTH)
         return f"GET /health answered {r.status_code}"
     except httpx.HTTPError as exc:
         return f"GET /health failed: {type(exc).__name__} {exc}"
@@ -635,9 +680,10 @@ def stage_single(
     stack.start("single", argv)
     start = wait_server(stack, "single", base, READY_S)
     single.update(start)
-    ref: dict[str, Any] = {"forms": asyncio.run(outputs(base, table))}
-    ref["controls"] = asyncio.run(generate_all(base, control_prompts()))
-    ref["context_pair"] = asyncio.run(generate_all(base, list(CONTEXT_PAIR)))
+    caches = [(base, True)]
+    ref: dict[str, Any] = {"forms": asyncio.run(outputs(base, table, caches))}
+    ref["controls"] = asyncio.run(generate_all(base, control_prompts(), caches))
+    ref["context_pair"] = asyncio.run(generate_all(base, list(CONTEXT_PAIR), caches))
     single["statuses"] = statuses(ref["forms"])
     first, second = ref["context_pair"]
     context = pd_verdicts.context_verdict(first, second, MAX_NEW_TOKENS)
@@ -675,11 +721,11 @@ def fault_control(env: dict[str, str], ref: list[dict[str, Any]]) -> dict[str, A
     """The control prompts through the router without the fault, which must give `ref`, then with it
     on, which must not."""
     flag, log = Path(env[FAULT_FLAG_ENV]), Path(env[FAULT_LOG_ENV])
-    clean = asyncio.run(generate_all(ROUTER, control_prompts()))
+    clean = asyncio.run(generate_all(ROUTER, control_prompts(), pd_caches()))
     before = len(pd_verdicts.read_fault_log(log))
     flag.touch()
     try:
-        got = asyncio.run(generate_all(ROUTER, control_prompts()))
+        got = asyncio.run(generate_all(ROUTER, control_prompts(), pd_caches()))
     finally:
         flag.unlink()
     events = pd_verdicts.read_fault_log(log)
@@ -726,12 +772,12 @@ def stage_pd(
     pd["argv"] = up[1:]
     env = fault_env(stack.out)
     Path(env[FAULT_FLAG_ENV]).unlink(missing_ok=True)
-    pd["fault_env"] = env
-    stack.start("up", up, env=env)
+    pd["fault_env"] = dict(env)
+    stack.start("up", up, env={**env, ENV_WORKER_API_KEY: ENGINE_KEY})
     pd.update(wait_stack(stack, READY_S))
     pd["router_workers_at_ready"] = httpx.get(f"{ROUTER}/workers", timeout=5).json()
 
-    got = asyncio.run(outputs(ROUTER, table))
+    got = asyncio.run(outputs(ROUTER, table, pd_caches()))
     pd["statuses"] = statuses(got)
     if ref is None:
         verdict(report, "identity", "identity: no single-server reference in this run; run the single stage first")
@@ -763,8 +809,8 @@ def stage_pd(
         }
         for o in overhead
     ]
-    recording["servers"]["prefill"] = asyncio.run(record(PREFILL, "prefill"))
-    recording["servers"]["decode"] = asyncio.run(record(DECODE, "decode"))
+    recording["servers"]["prefill"] = asyncio.run(record(PREFILL, "prefill", ENGINE_AUTH))
+    recording["servers"]["decode"] = asyncio.run(record(DECODE, "decode", ENGINE_AUTH))
     with contextlib.suppress(httpx.HTTPError):
         r = httpx.get(f"http://127.0.0.1:{BOOTSTRAP_PORT}/health", timeout=5)
         recording["servers"]["prefill"]["bootstrap_health"] = {"status": r.status_code, "body": r.text[:200]}
@@ -833,8 +879,16 @@ def check_openai_client() -> dict[str, Any]:
     }
 
 
-def run_gsm8k(out: Path, data: Path) -> dict[str, Any]:
-    report = out / "gsm8k.json"
+def run_gsm8k(
+    out: Path,
+    data: Path,
+    *,
+    name: str = "gsm8k",
+    base: str = ROUTER,
+    extra: tuple[str, ...] = ("--num-questions", "20", "--max-tokens", "64"),
+) -> dict[str, Any]:
+    """`sglang-pd eval gsm8k` against `base`, its report written to `<out>/<name>.json`."""
+    report = out / f"{name}.json"
     argv = [
         sys.executable,
         "-m",
@@ -842,13 +896,10 @@ def run_gsm8k(out: Path, data: Path) -> dict[str, Any]:
         "eval",
         "gsm8k",
         "--base-url",
-        f"{ROUTER}/v1",
+        f"{base}/v1",
         "--data",
         str(data),
-        "--num-questions",
-        "20",
-        "--max-tokens",
-        "64",
+        *extra,
         "--output",
         str(report),
         "--quiet",
@@ -862,10 +913,121 @@ def run_gsm8k(out: Path, data: Path) -> dict[str, Any]:
     }
     if report.exists():
         data_ = json.loads(report.read_text())
+        result["report"] = str(report)
         result["report_keys"] = sorted(data_)
-        result["accuracy"] = data_.get("accuracy")
-        result["status"] = data_.get("status")
+        for key in ("accuracy", "status", "truncation_rate", "num_questions", "gate", "baseline"):
+            if key in data_:
+                result[key] = data_[key]
     return result
+
+
+#: The trained model's stage: its served name, the question it must answer, the word its answer holds.
+SMOLLM2 = "smollm2-135m-instruct"
+CAPITAL_QUESTION, CAPITAL_ANSWER = "What is the capital of France?", "paris"
+#: The gate on SmolLM2: enough questions for its interval to mean something, answers long enough
+#: for a small model's reasoning, and every run scored whatever it truncates (the report says how much).
+SMOLLM2_GSM8K = (
+    "--num-questions",
+    "200",
+    "--max-tokens",
+    "256",
+    "--max-truncation-rate",
+    "1",
+    "--max-invalid-rate",
+    "1",
+)
+
+
+def smollm2_topology(out: Path, model_dir: Path) -> Path:
+    """The `single-h200` preset serving SmolLM2 (a Llama: GQA attention, no MoE) from `model_dir`."""
+    import yaml
+
+    preset = REPO / "deploy/spec/presets/single-h200.yaml"
+    t = yaml.safe_load(preset.read_text())
+    t["name"] = "single-h200-smollm2"
+    t["model"].update(path=str(model_dir), served_name=SMOLLM2, config_json=str(model_dir / "config.json"))
+    path = out / "single-h200-smollm2.yaml"
+    path.write_text(yaml.safe_dump(t, sort_keys=False))
+    return path
+
+
+def ask_capital(base: str) -> dict[str, Any]:
+    """The capital question as a greedy chat; the verdict wants the answer's word in the reply."""
+    r = httpx.post(
+        f"{base}/v1/chat/completions",
+        json={
+            "model": SMOLLM2,
+            "messages": [{"role": "user", "content": CAPITAL_QUESTION}],
+            "temperature": 0,
+            "max_tokens": 48,
+        },
+        timeout=120,
+    )
+    text = r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else None
+    return {"status": r.status_code, "text": text, "body": None if text is not None else r.text[:300]}
+
+
+def stage_smollm2(stack: Stack, report: dict[str, Any], gsm8k: Path | None) -> None:
+    """SmolLM2-135M-Instruct on one plain server, then through `up`: the capital question, and the
+    gsm8k gate on both, the PD run judged against the single server's report with the gate's own
+    paired rule (`--baseline`)."""
+    import smollm2_model
+
+    from sglang_pd.deploy.refengine.sources import converted_gguf_dir
+
+    stage: dict[str, Any] = {}
+    report["smollm2"] = stage
+    t0 = time.monotonic()
+    gguf = smollm2_model.path()
+    model_dir = converted_gguf_dir(gguf)
+    stage["model"] = {"gguf": str(gguf), "hf_dir": str(model_dir), "converted_in_s": round(time.monotonic() - t0, 1)}
+    topology = smollm2_topology(stack.out, model_dir)
+    plan = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "sglang_pd.deploy.cli", "plan", str(topology), "--format", "json"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
+    argv = single_server_argv(plan)
+    base = f"http://127.0.0.1:{SINGLE_PORT}"
+    stage["single"] = {"argv": argv}
+    stack.start("smollm2-single", argv)
+    stage["single"].update(wait_server(stack, "smollm2-single", base, READY_S))
+    stage["single"]["capital"] = ask_capital(base)
+    if gsm8k is not None:
+        stage["single"]["gsm8k"] = run_gsm8k(
+            stack.out, gsm8k, name="smollm2-gsm8k-single", base=base, extra=SMOLLM2_GSM8K
+        )
+    stack.stop("smollm2-single")
+
+    up = [sys.executable, "-m", "sglang_pd.deploy.cli", "up", str(topology), "--engine", "sglang"]
+    up += ["--log-dir", str(stack.out / "smollm2-engines")]
+    stage["pd"] = {"argv": up[1:]}
+    stack.start("up", up, env={ENV_WORKER_API_KEY: ENGINE_KEY})
+    stage["pd"].update(wait_stack(stack, READY_S))
+    stage["pd"]["capital"] = ask_capital(ROUTER)
+    for side in ("single", "pd"):
+        text = stage[side]["capital"]["text"] or ""
+        verdict(
+            report,
+            f"smollm2_capital_{side}",
+            None if CAPITAL_ANSWER in text.lower() else f"SmolLM2 ({side}) did not name Paris: {text!r}",
+        )
+    single_report = stack.out / "smollm2-gsm8k-single.json"
+    if gsm8k is not None and single_report.exists():
+        paired = (*SMOLLM2_GSM8K, "--baseline", str(single_report))
+        stage["pd"]["gsm8k"] = run_gsm8k(stack.out, gsm8k, name="smollm2-gsm8k-pd", extra=paired)
+        code = stage["pd"]["gsm8k"]["exit_code"]
+        verdict(
+            report,
+            "smollm2_gsm8k_paired",
+            None
+            if code == 0
+            else f"the PD run's gsm8k is not within the gate's interval of the single server's (exit {code})",
+        )
+    stack.stop("up", signal.SIGINT, grace_s=60)
 
 
 def gpu_description() -> str | None:
@@ -959,6 +1121,8 @@ def main() -> int:
                     ref = stage_single(stack, report, recording, table)
                 elif stage == "pd":
                     stage_pd(stack, report, ref, args.gsm8k_data, recording, table)
+                elif stage == "smollm2":
+                    stage_smollm2(stack, report, args.gsm8k_data)
                 elif stage == "doctor":
                     p = subprocess.run(
                         [sys.executable, "-m", "sglang_pd.deploy.cli", "doctor"],

@@ -13,12 +13,15 @@
 # report says how it differs.
 set -euo pipefail
 out=${1:?usage: gpu_pd_run.sh OUT_DIR [STAGES]}
-stages=${2:-single,pd,doctor}
+stages=${2:-single,pd,doctor}  # and `smollm2` once its parts are held
 export PYTHONUNBUFFERED=1
 mkdir -p "$out"
 dirty=()
 if [ "${PD_ALLOW_DIRTY:-0}" = 1 ]; then dirty=(--allow-dirty); fi
 python3 scripts/gpu/tree_commit.py verify ${dirty[@]+"${dirty[@]}"} --out "$out/tree.json"
+# SmolLM2's GGUF travels in parts of its own (`smollm2_model.py`); keep what this call carries
+# before use_bundle, which ends a call that still lacks a part of the sglang bundle.
+if [ -d .gpu_bundle/smollm2 ]; then python3 scripts/gpu/smollm2_model.py hold; fi
 source scripts/gpu/use_bundle.sh
 use_bundle
 python3 - <<'PY' >"$out/versions.txt" 2>&1 || true

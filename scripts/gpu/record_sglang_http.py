@@ -131,9 +131,9 @@ async def _aborted_stream(s: aiohttp.ClientSession, base: str) -> dict[str, Any]
     }
 
 
-async def record(base: str, role: str) -> dict[str, Any]:
+async def record(base: str, role: str, headers: dict[str, str] | None = None) -> dict[str, Any]:
     timeout = aiohttp.ClientTimeout(total=120)
-    async with aiohttp.ClientSession(timeout=timeout) as s:
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as s:
         models = await _get(s, f"{base}/v1/models")
         model = models["body"]["data"][0]["id"] if models["status"] == 200 else "default"
         info = await _get(s, f"{base}/server_info")

@@ -94,7 +94,20 @@ class _Engines(BaseHTTPRequestHandler):
     fault_flag: Path | None = None
     fault_log: Path | None = None
 
+    #: How many flushes each port refuses before it accepts one (sglang refuses while a request runs).
+    busy: dict[str, int]
+
     def do_POST(self) -> None:
+        if self.path == "/flush_cache":
+            name = type(self).ports[self.server.server_address[1]]  # type: ignore[attr-defined]
+            type(self).seen.append({"path": self.path, "to": name})
+            refuse = type(self).busy.get(name, 0) > 0
+            if refuse:
+                type(self).busy[name] -= 1
+            self.send_response(400 if refuse else 200)
+            self.send_header("content-length", "0")
+            self.end_headers()
+            return
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
         type(self).seen.append({"path": self.path, "port": self.server.server_address[1], **body})
         if self.path == "/generate":
@@ -124,7 +137,7 @@ class _Engines(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def engines(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[_Engines]]:
-    handler = type("Engines", (_Engines,), {"seen": []})
+    handler = type("Engines", (_Engines,), {"seen": [], "busy": {}})
     servers = [ThreadingHTTPServer(("127.0.0.1", 0), handler) for _ in range(3)]
     for s in servers:
         threading.Thread(target=s.serve_forever, daemon=True).start()
@@ -160,7 +173,7 @@ def test_the_fault_control_turns_the_fault_on_only_for_its_prompts(engines: type
     env = check.fault_env(tmp_path)
     engines.fault_flag, engines.fault_log = Path(env[check.FAULT_FLAG_ENV]), Path(env[check.FAULT_LOG_ENV])
     controls = check.control_prompts()
-    ref = asyncio.run(check.generate_all(check.ROUTER, controls))  # flag absent: the clean outputs
+    ref = asyncio.run(check.generate_all(check.ROUTER, controls, []))  # flag absent: the clean outputs
     got = check.fault_control(env, ref)
     assert got["verdict"] == "passed" and len(got["faults"]) == len(controls)
     assert all(c["pd_with_fault"] == [99] * check.MAX_NEW_TOKENS for c in got["controls"])
@@ -170,6 +183,29 @@ def test_the_fault_control_turns_the_fault_on_only_for_its_prompts(engines: type
     engines.fault_flag = None
     failed = check.fault_control(env, ref)
     assert "no fault" in failed["verdict"]
+
+
+def test_compared_requests_go_one_at_a_time_each_after_the_caches_are_emptied(engines: type[_Engines]) -> None:
+    controls = check.control_prompts()
+    engines.busy["prefill"] = 2  # refused twice (a request still running), then emptied
+    got = asyncio.run(check.generate_all(check.ROUTER, controls, check.pd_caches()))
+    assert [g["status"] for g in got] == [200] * len(controls)
+    order = [s.get("to") or s["path"] for s in engines.seen]
+    # Per prompt: the prefill's cache (retried until emptied), the decode's, then the request alone.
+    first = ["prefill", "prefill", "prefill", "decode", "/generate"]
+    assert order == first + ["prefill", "decode", "/generate"] * (len(controls) - 1)
+
+
+def test_a_cache_that_cannot_be_emptied_stops_the_comparison(engines: type[_Engines]) -> None:
+    # Control: the prefill never empties its cache, so no compared request may be sent.
+    engines.busy["prefill"] = 10**6
+    with pytest.raises(RuntimeError, match="flush_cache answered 400"):
+        asyncio.run(check.generate_all(check.ROUTER, check.control_prompts(), check.pd_caches()))
+    assert not [s for s in engines.seen if s["path"] == "/generate"]
+    # The decode's flush is tried, not required: a decode that refuses it is compared all the same.
+    engines.busy = {"decode": 10**6}
+    got = asyncio.run(check.generate_all(check.ROUTER, check.control_prompts()[:1], check.pd_caches()))
+    assert got[0]["status"] == 200
 
 
 def test_a_failed_requirement_fails_the_run() -> None:
