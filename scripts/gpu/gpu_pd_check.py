@@ -95,6 +95,9 @@ ENGINE_AUTH = {"Authorization": f"Bearer {ENGINE_KEY}"}
 #: Servers whose radix cache is emptied before each compared request: (base URL, must succeed).
 Caches = list[tuple[str, bool]]
 FLUSH_TRIES = 50
+#: The GPU machine has no iptables, so `up` with a worker key refuses to start unless told the KV
+#: ports stay open (deploy/ops/up.py); nothing else runs on that machine.
+UP_OPEN_KV = ("--allow-open-kv-ports",)
 FLUSH_RETRY_S = 0.1
 
 
@@ -768,6 +771,7 @@ def stage_pd(
         "sglang",
         "--log-dir",
         str(engine_logs),
+        *UP_OPEN_KV,
     ]
     pd["argv"] = up[1:]
     env = fault_env(stack.out)
@@ -1003,7 +1007,7 @@ def stage_smollm2(stack: Stack, report: dict[str, Any], gsm8k: Path | None) -> N
     stack.stop("smollm2-single")
 
     up = [sys.executable, "-m", "sglang_pd.deploy.cli", "up", str(topology), "--engine", "sglang"]
-    up += ["--log-dir", str(stack.out / "smollm2-engines")]
+    up += ["--log-dir", str(stack.out / "smollm2-engines"), *UP_OPEN_KV]
     stage["pd"] = {"argv": up[1:]}
     stack.start("up", up, env={ENV_WORKER_API_KEY: ENGINE_KEY})
     stage["pd"].update(wait_stack(stack, READY_S))
