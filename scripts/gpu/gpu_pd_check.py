@@ -688,6 +688,15 @@ def stage_single(
     ref["controls"] = asyncio.run(generate_all(base, control_prompts(), caches))
     ref["context_pair"] = asyncio.run(generate_all(base, list(CONTEXT_PAIR), caches))
     single["statuses"] = statuses(ref["forms"])
+    single["forms"] = {
+        form: [{"status": o.get("status"), "ids": o.get("ids")} for o in rows] for form, rows in ref["forms"].items()
+    }
+    # The server against itself: the same prompt in two forms gives the same tokens when every
+    # request runs alone from an empty cache; a spread here would bound what identity can show.
+    single["self_agreement"] = {
+        f"{a} vs {b}": pd_verdicts.compare_form(ref["forms"][a], ref["forms"][b], MAX_NEW_TOKENS)["identical"]
+        for a, b in (("generate", "generate_stream"), ("chat", "chat_stream"), ("chat", "openai"))
+    }
     first, second = ref["context_pair"]
     context = pd_verdicts.context_verdict(first, second, MAX_NEW_TOKENS)
     single["context_control"] = {
