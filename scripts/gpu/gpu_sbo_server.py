@@ -285,7 +285,8 @@ def measure_server(stack: Stack, name: str, result: dict[str, Any], texts: list[
 
 
 def compare(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, Any]:
-    """Greedy agreement of two runs of the same prompts, and the largest logprob gap where they agree."""
+    """Greedy agreement of two runs of the same prompts, and the largest logprob gap where they agree.
+    Outputs agree when their ids are equal; one that stops early diverges where it stops."""
     same, max_gap = 0, 0.0
     first_divergence: list[int | str | None] = []
     for x, y in zip(a, b, strict=True):
@@ -293,6 +294,8 @@ def compare(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, Any]:
             first_divergence.append("error")
             continue
         n = next((i for i, (p, q) in enumerate(zip(x["ids"], y["ids"], strict=False)) if p != q), None)
+        if n is None and len(x["ids"]) != len(y["ids"]):
+            n = min(len(x["ids"]), len(y["ids"]))  # a shorter output ends where the other goes on: a mismatch
         same += n is None
         first_divergence.append(n)
         agree = len(x["ids"]) if n is None else n

@@ -17,6 +17,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts/gpu"))
 run = importlib.import_module("gpu_sbo_server")
 
 
+def test_an_output_that_stops_early_is_no_match_even_where_its_prefix_agrees() -> None:
+    full = {"status": 200, "ids": [1, 2, 3, 4], "logprobs": [-0.1] * 4}
+    short = {"status": 200, "ids": [1, 2], "logprobs": [-0.1] * 2}
+    got = run.compare([full, short], [short, full])
+    assert got["identical"] == "0/2"
+    assert got["first_divergence_per_prompt"] == [2, 2]
+    # Control: equal outputs still count as identical.
+    assert run.compare([full], [dict(full)])["identical"] == "1/1"
+
+
 @pytest.mark.parametrize("sbo", [True, False])
 def test_the_server_is_the_presets_decode_without_pd(tmp_path: Path, sbo: bool) -> None:
     topology = run.derived_topology(tmp_path)
