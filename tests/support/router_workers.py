@@ -62,6 +62,7 @@ _SETTINGS = frozenset(
     {
         "fail_status", "fail_count", "token_delay", "prefill_delay", "tokens", "keep_log", "health_status",
         "health_delay", "health_tick_s", "health_timeout_s", "starting_s", "frozen", "models_status", "models_delay",
+        "done_delay",
     }
 )  # fmt: skip
 SSE = "text/event-stream"
@@ -180,6 +181,9 @@ class FakeWorker:
     tokens: int = 8
     token_delay: float = 0.0
     prefill_delay: float = 0.0
+    # A stream's body ends this long after its `data: [DONE]` (the chunked terminator can reach
+    # the router after the client already read [DONE] and hung up).
+    done_delay: float = 0.0
     handshake_timeout: float = 10.0
     keep_log: bool = True
     # Failure injection: the next `fail_count` requests get `fail_status` (500 when 0).
@@ -523,6 +527,8 @@ class FakeWorker:
             if path != "/generate" and isinstance(options, dict) and options.get("include_usage"):
                 yield _sse(_openai(path, rids[0], self.model, [], chunk=True, usage=_usage(prompt, produced)))
             yield b"data: [DONE]\n\n"
+            if self.done_delay:
+                await asyncio.sleep(self.done_delay)
         finally:
             self.in_flight -= 1
 

@@ -4,6 +4,12 @@ The relay owns the open stream; whoever started it learns the outcome through `S
 exactly one call per stream: `completed`, `failed` (the decode broke mid-stream: the client gets
 an OpenAI-shaped SSE error event and `[DONE]`, since nothing can be retried once bytes reached
 it), or `abandoned` (the client went away, or sending to it failed).
+
+A stream is complete once its final event `data: [DONE]` has been relayed, whether or not the
+decode's end of body follows before the client hangs up: OpenAI's clients stop reading at
+`[DONE]` and may close at once, and sglang sends `[DONE]` only after every choice finished
+(`srt/entrypoints/openai/serving_chat.py`, `http_server.py`'s generate stream). Such a client is
+no 499, and its finished request gets no `/abort_request`.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from ..api.connection import CLIENT_GONE
 from ..exceptions import UpstreamError
 from ..transport.client import Body, Reply
 
-__all__ = ["ClientWatch", "RelayResponse", "StreamOutcome", "openai_finish_reasons"]
+__all__ = ["ClientWatch", "RelayResponse", "StreamOutcome", "ends_with_done", "openai_finish_reasons"]
 
 # sglang's OpenAI routes report an aborted request (aborted by /abort_request, by the scheduler
 # under memory pressure, or for a prompt over the context) as `finish_reason: "abort"`, which is not
@@ -30,6 +36,7 @@ __all__ = ["ClientWatch", "RelayResponse", "StreamOutcome", "openai_finish_reaso
 # "stop" would tell the client the answer is complete. Done on bytes, and only when the chunk holds
 # the word, so the common chunk costs one `in` test.
 _ABORT = re.compile(rb'("finish_reason"\s*:\s*)"abort"')
+_DONE = b"data: [DONE]"
 
 
 def openai_finish_reasons(chunk: bytes) -> bytes:
@@ -37,6 +44,15 @@ def openai_finish_reasons(chunk: bytes) -> bytes:
     if b'"abort"' not in chunk:
         return chunk
     return _ABORT.sub(rb'\1"length"', chunk)
+
+
+def ends_with_done(tail: bytes, chunk: bytes) -> bool:
+    """Whether an SSE stream whose bytes so far end with `tail` (its last few) then `chunk` ends
+    with the final event `data: [DONE]`; a chunk boundary may split the event."""
+    end = chunk.rstrip()
+    if len(end) < len(_DONE):
+        end = (tail + chunk).rstrip()
+    return end.endswith(_DONE)
 
 
 class StreamOutcome(Protocol):
@@ -85,6 +101,7 @@ class RelayResponse(Response):
         self.outcome = outcome
         self.watch = watch
         self.finished = False
+        self.delivered = False  # the client got `data: [DONE]`: the answer is whole
         self.abandoned = False  # the client left mid-stream: logged and counted as 499
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -105,19 +122,28 @@ class RelayResponse(Response):
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         if self.first:
             await send({"type": "http.response.body", "body": self.first, "more_body": True})
+            self.delivered = ends_with_done(b"", self.first)
+        tail = self.first[-len(_DONE) :]
         try:
             waiting, progressed = self.outcome.waiting, self.outcome.progressed
             while True:
-                waiting()
+                if not self.delivered:  # after [DONE] a late end of body is no stall
+                    waiting()
                 if not (chunk := await self.stream.next_chunk()):
                     break
                 progressed()
                 if self.openai:
                     chunk = openai_finish_reasons(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if not self.delivered:
+                    self.delivered = ends_with_done(tail, chunk)
+                    tail = chunk[-len(_DONE) :]
             self.finished = True
             self.outcome.completed()
         except UpstreamError as exc:
+            if self.delivered:  # the answer is whole; only the decode's end of body went wrong
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
             self.finished = True
             self.outcome.failed(exc)
             # The error text (with the worker's URL) is logged by outcome.failed, not sent.
@@ -130,10 +156,14 @@ class RelayResponse(Response):
         # A finished stream goes back to the pool; an unfinished one closes its connection.
         if self.finished:
             self.stream.release()
-        else:
-            self.stream.close()
-            self.abandoned = True
-            self.outcome.abandoned()
+            return
+        self.stream.close()
+        if self.delivered:  # the client left after [DONE] (or the body's end failed): a success
+            self.finished = True
+            self.outcome.completed()
+            return
+        self.abandoned = True
+        self.outcome.abandoned()
 
 
 class ClientWatch:

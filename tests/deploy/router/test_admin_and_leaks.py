@@ -1,6 +1,6 @@
 """The admin API is closed whenever any key is configured, worker URLs are checked, clients see
-no internal address, a client leaving mid-stream is a logged 499 with both legs aborted, and
-finish reasons are OpenAI's."""
+no internal address, a client leaving mid-stream is a logged 499 with both legs aborted (one
+leaving right after `data: [DONE]` a 200 with nothing aborted), and finish reasons are OpenAI's."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import httpx
 import orjson
 import pytest
 
-from sglang_pd.deploy.router.pd.relay import openai_finish_reasons
+from sglang_pd.deploy.router.pd.relay import ends_with_done, openai_finish_reasons
 
-from .conftest import Cluster
+from .conftest import Cluster, RouterLog
 from .test_bad_input import assert_openai_error
 
 CHAT = "/v1/chat/completions"
@@ -79,6 +79,40 @@ def test_mid_stream_disconnect_is_499_and_aborts_both_legs(
     assert any(getattr(r, "status", None) == 499 for r in finished), [vars(r) for r in finished]
 
 
+@pytest.mark.parametrize("endpoint", [CHAT, "/generate"])
+def test_client_leaving_after_done_is_a_success_without_aborts(
+    cluster_factory: Callable[..., Cluster], router_log: RouterLog, endpoint: str
+) -> None:
+    # The decode's body ends a second after its `data: [DONE]`: the client has read the whole
+    # answer and hangs up before the router sees the end of the upstream body.
+    cluster = cluster_factory(1, 1, done_delay=1.0)
+    with cluster.serve(cluster.config()) as running:
+
+        async def read_to_done() -> bytes:
+            if endpoint == CHAT:
+                body: dict[str, object] = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
+            else:
+                body = {"text": "x", "sampling_params": {"max_new_tokens": 4}}
+            async with httpx.AsyncClient(timeout=10) as client:
+                headers = {"x-request-id": "done-reader"}
+                stream = client.stream("POST", running.url + endpoint, json={**body, "stream": True}, headers=headers)
+                async with stream as resp:
+                    seen = b""
+                    async for chunk in resp.aiter_raw():
+                        seen += chunk
+                        if b"data: [DONE]" in seen:
+                            break
+            return seen
+
+        assert b"data: [DONE]" in asyncio.run(read_to_done())
+        (line,) = router_log.finished("done-reader")
+        assert line["status"] == 200, line
+        time.sleep(1.2)  # past the decode's end of body: an abort sent on leaving would be there
+        for worker in cluster.prefills + cluster.decodes:
+            assert worker.aborts == [], (worker.url, worker.aborts)
+    assert all(entry["msg"] != "stream stalled" for entry in router_log.entries)
+
+
 def test_aborted_answer_reports_an_openai_finish_reason(cluster_factory: Callable[..., Cluster]) -> None:
     cluster = cluster_factory(1, 1, token_delay=0.02)
     decode = cluster.decodes[0]
@@ -103,3 +137,10 @@ def test_finish_reason_mapping_on_bytes() -> None:
     assert openai_finish_reasons(b'{"finish_reason": "abort"}') == b'{"finish_reason": "length"}'
     untouched = b'{"finish_reason": "stop", "text": "abort"}'
     assert openai_finish_reasons(untouched) is untouched
+
+
+def test_done_is_found_across_chunk_boundaries() -> None:
+    assert ends_with_done(b"", b'data: {"x": 1}\n\ndata: [DONE]\n\n')
+    assert ends_with_done(b'{"x": 1}\n\ndata: [DO', b"NE]\n\n")
+    assert not ends_with_done(b"", b'data: {"text": "data: [DONE] is the end"}\n\n')
+    assert not ends_with_done(b"", b'data: {"x": 1}\n\n')
