@@ -15,9 +15,13 @@ sglang loads. Then, in order:
    (`faults/pd_check_kv_fault.py`); the same prompts must give the same token ids in all five forms;
    then the fault is switched on for the control prompts, whose outputs must differ; usage counts;
    client disconnects abort both servers; 200 aborted requests leave KV usage at idle;
-   `sglang-pd eval gsm8k` end to end; TTFT/ITL through the router and straight to the two servers,
-   interleaved (the latency the router adds); the decode server killed mid-stream.
-3. `doctor`: `sglang-pd doctor` on this machine.
+   `sglang-pd eval gsm8k` end to end; our router, smg (where its wheel was carried) and the two
+   servers directly, rotated round by round at concurrency 1, 8, 32 and 64, streamed and unary
+   (what each router adds); the decode server killed mid-stream.
+   `single` keeps its outputs in --reference, so that `pd` may run in a later call on the machine.
+4. `smollm2`: SmolLM2-135M-Instruct on a plain server and through `up`: the capital question and
+   `eval gsm8k` on 200 questions, the PD run judged against the plain one by the gate's paired rule.
+3. `doctor`: `sglang-pd doctor` on this machine (listed before `smollm2` in the usual order).
 
 What must hold is in `pd_verdicts.py`: identity by token ids in every form, the context control
 (two prompts that end alike answer differently) and the fault control (a corrupted page shows).
@@ -42,7 +46,6 @@ import os
 import re
 import secrets
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -86,8 +89,13 @@ CONTEXT_PAIR = (
 #: 0.5.17, `_generate_stream_content` in srt/entrypoints/openai/serving_chat.py, lines 749-781);
 #: `<s>`, `</s>` and `<unk>` would decode to nothing with skip_special_tokens on.
 CHAT_EXTRA = {"ignore_eos": True, "skip_special_tokens": False}
-#: The router-overhead measurement alternates its arms over this many rounds.
-LATENCY_ROUNDS = 2
+#: The router comparison: our router, smg and the two servers directly, rotated over this many
+#: rounds at each concurrency, streamed and unary.
+ROUTER_ROUNDS = 3
+ROUTER_CONCURRENCIES = (1, 8, 32, 64)
+SMG_PORT = 8300
+SMG = f"http://127.0.0.1:{SMG_PORT}"
+SMG_READY_S = 90.0
 #: The engines' worker key in the PD stage (`up` passes it to both servers and the router); the
 #: check's own calls to the engines (cache flushes, the direct arm, metrics) carry it.
 ENGINE_KEY = secrets.token_hex(16)
@@ -386,16 +394,20 @@ async def latency_samples(
     n_requests: int,
     tag: str,
     *,
+    stream: bool = True,
     prompt_len: int = 512,
     max_tokens: int = 64,
     direct_pd: bool = False,
 ) -> dict[str, Any]:
-    """Streamed completions in a closed loop: each TTFT (includes the KV hand-off in PD) and ITL, in ms.
-    Every prompt starts with `tag` and its number, so no request reads another's prefix from the
-    radix cache. `direct_pd`: to the two PD servers without the router (`base` unused)."""
+    """Completions in a closed loop, in ms: each request's end-to-end time, and when streamed its
+    TTFT (the KV hand-off included in PD) and ITL. Every prompt starts with its number and `tag`,
+    so that its first KV page is its own and no request reads another's prefix from the radix cache.
+    `direct_pd`: to the two PD servers without a router (`base` unused)."""
     prompt = ("benchmark text " * 200)[:prompt_len]
     ttft: list[float] = []
     itl: list[float] = []
+    e2e: list[float] = []
+    statuses: dict[str, int] = {}
     queue = list(range(n_requests))
 
     async def worker(s: aiohttp.ClientSession) -> None:
@@ -403,72 +415,141 @@ async def latency_samples(
             i = queue.pop()
             body = {
                 "model": MODEL,
-                "prompt": f"{tag} {i} {prompt}",
+                "prompt": f"{i} {tag} {prompt}",
                 "max_tokens": max_tokens,
                 "temperature": 0,
                 "ignore_eos": True,
-                "stream": True,
+                "stream": stream,
             }
             t0 = time.perf_counter()
             last = None
             opened = _direct_pd_stream(s, body) if direct_pd else s.post(f"{base}/v1/completions", json=body)
             async with await opened as r:
-                async for raw in r.content:
-                    if _sse(raw) is None:
-                        continue
-                    now = time.perf_counter()
-                    if last is None:
-                        ttft.append((now - t0) * 1e3)
-                    else:
-                        itl.append((now - last) * 1e3)
-                    last = now
+                statuses[str(r.status)] = statuses.get(str(r.status), 0) + 1
+                if not stream:
+                    await r.read()
+                else:
+                    async for raw in r.content:
+                        if _sse(raw) is None:
+                            continue
+                        now = time.perf_counter()
+                        if last is None:
+                            ttft.append((now - t0) * 1e3)
+                        else:
+                            itl.append((now - last) * 1e3)
+                        last = now
+            e2e.append((time.perf_counter() - t0) * 1e3)
 
     t0 = time.perf_counter()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120), headers=ENGINE_AUTH) as s:
         await asyncio.gather(*(worker(s) for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
         if _BACKGROUND:
             await asyncio.wait(list(_BACKGROUND), timeout=30)
-    return {"ttft": ttft, "itl": itl, "wall_s": time.perf_counter() - t0, "tokens": n_requests * max_tokens}
-
-
-def summarize(concurrency: int, samples: list[dict[str, Any]]) -> dict[str, float]:
-    """TTFT and ITL medians and means over every sample of one arm, and its output rate."""
-    ttft = [t for one in samples for t in one["ttft"]]
-    itl = [t for one in samples for t in one["itl"]]
     return {
-        "concurrency": concurrency,
-        "requests": len(ttft),
-        "ttft_p50_ms": statistics.median(ttft),
-        "ttft_mean_ms": statistics.fmean(ttft),
-        "itl_p50_ms": statistics.median(itl),
-        "itl_mean_ms": statistics.fmean(itl),
-        "output_tok_per_s": sum(one["tokens"] for one in samples) / sum(one["wall_s"] for one in samples),
+        "ttft": ttft,
+        "itl": itl,
+        "e2e": e2e,
+        "statuses": statuses,
+        "wall_s": wall,
+        "tokens": n_requests * max_tokens,
     }
 
 
-def latency(base: str, concurrency: int) -> dict[str, float]:
+def _quantile(values: list[float], q: float) -> float | None:
+    """The q-quantile by linear interpolation (None without values)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    at = q * (len(ordered) - 1)
+    low = int(at)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
+
+
+def summarize(concurrency: int, samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """p50/p99 of TTFT, ITL and end-to-end time over every sample of one arm, and its output rate."""
+    out: dict[str, Any] = {"concurrency": concurrency, "requests": sum(len(one["e2e"]) for one in samples)}
+    for key in ("ttft", "itl", "e2e"):
+        values = [t for one in samples for t in one[key]]
+        out[f"{key}_p50_ms"] = _quantile(values, 0.5)
+        out[f"{key}_p99_ms"] = _quantile(values, 0.99)
+    statuses: dict[str, int] = {}
+    for one in samples:
+        for code, n in one.get("statuses", {}).items():
+            statuses[code] = statuses.get(code, 0) + n
+    out["statuses"] = statuses
+    out["output_tok_per_s"] = sum(one["tokens"] for one in samples) / sum(one["wall_s"] for one in samples)
+    return out
+
+
+def latency(base: str, concurrency: int) -> dict[str, Any]:
     """One server's TTFT/ITL at `concurrency`."""
     n = latency_requests(concurrency)
     return summarize(concurrency, [asyncio.run(latency_samples(base, concurrency, n, "single"))])
 
 
-def arm_order(rounds: int) -> list[tuple[int, str]]:
-    """(round, arm) in the order measured: the arms alternate which goes first, so that neither
-    always runs on a warmer or a busier machine."""
-    return [(r, arm) for r in range(rounds) for arm in (("router", "direct") if r % 2 == 0 else ("direct", "router"))]
+def arm_order(rounds: int, arms: list[str]) -> list[tuple[int, str]]:
+    """(round, arm) in the order measured: each round starts one arm later (A B C, B C A, C A B), so
+    that no arm always runs first, on a warmer or a busier machine."""
+    k = len(arms)
+    return [(r, arms[(i + r) % k]) for r in range(rounds) for i in range(k)]
 
 
-def router_overhead(concurrency: int, rounds: int = LATENCY_ROUNDS) -> dict[str, Any]:
-    """TTFT/ITL through the router and straight to the two PD servers, interleaved round by round,
-    each arm and round with prompts of its own (prefixed by both); as many requests in all as one
-    arm measured before the two were interleaved."""
-    per_round = max(latency_requests(concurrency) // rounds, concurrency)
-    samples: dict[str, list[dict[str, Any]]] = {"router": [], "direct": []}
-    for r, arm in arm_order(rounds):
-        tag = f"{arm} r{r}"
-        one = latency_samples(ROUTER, concurrency, per_round, tag, direct_pd=arm == "direct")
-        samples[arm].append(asyncio.run(one))
-    return {arm: summarize(concurrency, got) for arm, got in samples.items()}
+def routers_compared(
+    concurrency: int, arms: dict[str, str | None], *, stream: bool, rounds: int = ROUTER_ROUNDS
+) -> dict[str, Any]:
+    """Each arm (name: base URL, None for the two PD servers directly) at `concurrency`, interleaved
+    round by round, each arm and round with prompts of its own; per arm the whole summary and each
+    round's, and what each router adds over direct per round (its spread)."""
+    per_round = max(concurrency, 8)
+    mode = "stream" if stream else "unary"
+    raw: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
+    for r, arm in arm_order(rounds, list(arms)):
+        base = arms[arm]
+        one = latency_samples(
+            base or "", concurrency, per_round, f"{arm} r{r} {mode}", stream=stream, direct_pd=base is None
+        )
+        raw[arm].append(asyncio.run(one))
+    cell: dict[str, Any] = {"concurrency": concurrency, "mode": mode, "order": arm_order(rounds, list(arms))}
+    cell["arms"] = {arm: summarize(concurrency, got) for arm, got in raw.items()}
+    cell["rounds"] = {arm: [summarize(concurrency, [one]) for one in got] for arm, got in raw.items()}
+    key = "ttft_p50_ms" if stream else "e2e_p50_ms"
+    if "direct" in raw:
+        cell["adds_over_direct_ms"] = {
+            arm: [
+                round(mine[key] - theirs[key], 2)
+                for mine, theirs in zip(cell["rounds"][arm], cell["rounds"]["direct"], strict=True)
+            ]
+            for arm in raw
+            if arm != "direct"
+        }
+    return cell
+
+
+def start_smg(stack: Stack) -> dict[str, Any]:
+    """smg (PyPI `smg`, the SGLang model gateway) in PD mode in front of the same two servers, where
+    gpu_pd_run.sh installed its wheel (SMG_SITE); ready once a one-token completion through it is a 200."""
+    site = os.environ.get("SMG_SITE")
+    if not site:
+        return {"started": False, "why": "no smg wheel was carried (SMG_SITE unset)"}
+    argv = [sys.executable, "-m", "smg", "launch", "--pd-disaggregation", "--host", "127.0.0.1"]
+    argv += ["--port", str(SMG_PORT), "--policy", "round_robin", "--log-level", "warn", "--disable-retries"]
+    argv += ["--prefill", PREFILL, str(BOOTSTRAP_PORT), "--decode", DECODE, "--api-key", ENGINE_KEY]
+    inherited = os.environ.get("PYTHONPATH")
+    stack.start("smg", argv, env={"PYTHONPATH": os.pathsep.join([site, *([inherited] if inherited else [])])})
+    body = {"model": MODEL, "prompt": "ready?", "max_tokens": 1, "temperature": 0}
+    t0, last = time.monotonic(), "no answer"
+    while time.monotonic() - t0 < SMG_READY_S:
+        if not stack.children["smg"].alive():
+            return {"started": False, "why": f"smg exited: {_log_tail(stack.out / 'smg.log')}"}
+        with contextlib.suppress(httpx.HTTPError):
+            r = httpx.post(f"{SMG}/v1/completions", json=body, timeout=10, headers=ENGINE_AUTH)
+            if r.status_code == 200:
+                return {"started": True, "argv": argv[1:], "ready_s": round(time.monotonic() - t0, 1)}
+            last = f"{r.status_code} {r.text[:200]}"
+        time.sleep(1.0)
+    return {"started": False, "why": f"smg was not ready within {SMG_READY_S:g} s: {last}"}
 
 
 def metric(base: str, name: str) -> float | None:
@@ -711,6 +792,32 @@ def stage_single(
     return ref
 
 
+#: A warm machine keeps /tmp between calls, so `single` and `pd` can each take a call of their own.
+REFERENCE = Path("/tmp/pd-check-single-reference.json")
+
+
+def save_reference(path: Path, report: dict[str, Any], ref: dict[str, Any]) -> None:
+    """The single server's outputs, with the commit and weights they came from."""
+    key = {"commit": report["commit"], "weights_sha256": report["model"]["weights_sha256"]}
+    path.write_text(json.dumps({**key, "single": report["single"], "ref": ref}))
+
+
+def load_reference(path: Path, report: dict[str, Any]) -> dict[str, Any] | None:
+    """The outputs an earlier `single` kept, when they came from this commit and these weights;
+    their single-server report goes into this report too. None otherwise (the identity verdict
+    then says that no reference was run)."""
+    if not path.is_file():
+        return None
+    kept = json.loads(path.read_text())
+    if (kept["commit"], kept["weights_sha256"]) != (report["commit"], report["model"]["weights_sha256"]):
+        report["reference_refused"] = f"{path} is from {kept['commit']}, weights {kept['weights_sha256'][:12]}"
+        return None
+    report.setdefault("single", kept["single"])
+    report["single_from"] = str(path)
+    ref: dict[str, Any] = kept["ref"]
+    return ref
+
+
 def verdict(report: dict[str, Any], name: str, failure: str | None) -> None:
     """Record one requirement's outcome; a failure makes the run exit 1."""
     report.setdefault("verdicts", {})[name] = failure or "passed"
@@ -810,18 +917,12 @@ def stage_pd(
             None if pd["fault_control"]["verdict"] == "passed" else pd["fault_control"]["verdict"],
         )
     pd["openai"] = check_openai_client()
-    overhead = [router_overhead(c) for c in CONCURRENCIES]
-    pd["latency"] = [o["router"] for o in overhead]
-    pd["latency_direct_pd"] = [o["direct"] for o in overhead]
-    pd["latency_order"] = [f"round {r}: {arm}" for r, arm in arm_order(LATENCY_ROUNDS)]
-    pd["router_adds_ms"] = [
-        {
-            "concurrency": o["router"]["concurrency"],
-            "ttft_p50": o["router"]["ttft_p50_ms"] - o["direct"]["ttft_p50_ms"],
-            "itl_p50": o["router"]["itl_p50_ms"] - o["direct"]["itl_p50_ms"],
-        }
-        for o in overhead
-    ]
+    arms: dict[str, str | None] = {"router": ROUTER, "direct": None}
+    pd["smg"] = start_smg(stack)
+    if pd["smg"]["started"]:
+        arms = {"router": ROUTER, "smg": SMG, "direct": None}
+    pd["routers"] = [routers_compared(c, arms, stream=stream) for stream in (True, False) for c in ROUTER_CONCURRENCIES]
+    stack.stop("smg")
     recording["servers"]["prefill"] = asyncio.run(record(PREFILL, "prefill", ENGINE_AUTH))
     recording["servers"]["decode"] = asyncio.run(record(DECODE, "decode", ENGINE_AUTH))
     with contextlib.suppress(httpx.HTTPError):
@@ -1095,6 +1196,12 @@ def main() -> int:
         "--allow-dirty", action="store_true", help="run on a tree that is not the recorded commit, and say so"
     )
     parser.add_argument("--deadline-s", type=float, default=560.0, help="stop every stage after this long")
+    parser.add_argument(
+        "--reference",
+        type=Path,
+        default=REFERENCE,
+        help="where `single` keeps its outputs for a `pd` stage run in a later call on the same machine",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     try:
@@ -1132,7 +1239,10 @@ def main() -> int:
             try:
                 if stage == "single":
                     ref = stage_single(stack, report, recording, table)
+                    save_reference(args.reference, report, ref)
                 elif stage == "pd":
+                    if ref is None:
+                        ref = load_reference(args.reference, report)
                     stage_pd(stack, report, ref, args.gsm8k_data, recording, table)
                 elif stage == "smollm2":
                     stage_smollm2(stack, report, args.gsm8k_data)

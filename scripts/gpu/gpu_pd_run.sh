@@ -22,8 +22,14 @@ python3 scripts/gpu/tree_commit.py verify ${dirty[@]+"${dirty[@]}"} --out "$out/
 # SmolLM2's GGUF travels in parts of its own (`smollm2_model.py`); keep what this call carries
 # before use_bundle, which ends a call that still lacks a part of the sglang bundle.
 if [ -d .gpu_bundle/smollm2 ]; then python3 scripts/gpu/smollm2_model.py hold; fi
+# smg's wheel (PyPI smg, the router the check compares ours with) travels the same way, in one piece.
+if compgen -G ".gpu_bundle/smg/*.whl" >/dev/null; then mkdir -p /tmp/smg-wheel && cp .gpu_bundle/smg/*.whl /tmp/smg-wheel/; fi
 source scripts/gpu/use_bundle.sh
 use_bundle
+if compgen -G "/tmp/smg-wheel/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/smg-site /tmp/smg-wheel/*.whl
+  export SMG_SITE=/tmp/smg-site
+fi
 python3 - <<'PY' >"$out/versions.txt" 2>&1 || true
 import importlib, torch
 print("torch", torch.__version__, torch.cuda.get_device_name(0))

@@ -154,19 +154,53 @@ def engines(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[_Engines]]:
         s.server_close()
 
 
-def test_router_overhead_interleaves_its_arms_with_prompts_of_their_own(engines: type[_Engines]) -> None:
-    got = check.router_overhead(1, rounds=2)
-    streamed = [r for r in engines.seen if r.get("stream")]  # the router's, and the decode's in the direct arm
-    tags = [" ".join(str(r["prompt"]).split()[:2]) for r in streamed]
-    runs = [t for i, t in enumerate(tags) if i == 0 or tags[i - 1] != t]
-    assert runs == ["router r0", "direct r0", "direct r1", "router r1"]  # alternating which arm goes first
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_router_comparison_rotates_its_arms_with_prompts_of_their_own(
+    engines: type[_Engines], stream: bool
+) -> None:
+    # The prefill's port stands in for smg here: a third server, measured like the router.
+    arms = {"router": check.ROUTER, "smg": check.PREFILL, "direct": None}
+    got = check.routers_compared(1, arms, stream=stream, rounds=3)
+    mode = "stream" if stream else "unary"
     ports = engines.ports  # type: ignore[attr-defined]
-    assert {ports[r["port"]] for r in streamed if str(r["prompt"]).startswith("router")} == {"router"}
-    assert {ports[r["port"]] for r in streamed if str(r["prompt"]).startswith("direct")} == {"decode"}
-    # No two requests share their first KV page (16 tokens, a character each), so none reads another's
-    # prefix from the radix cache; and the two arms together send what one arm sent before.
-    assert len({str(r["prompt"])[:16] for r in streamed}) == len(streamed) == 2 * check.latency_requests(1)
-    assert got["router"]["requests"] == got["direct"]["requests"] == check.latency_requests(1)
+    tagged = [r for r in engines.seen if str(r.get("prompt", " ")).split()[1:2] in (["router"], ["smg"], ["direct"])]
+    # The direct arm's prefill leg (drained in the background) is not a request of its own.
+    drains = [r for r in tagged if ports[r["port"]] == "prefill" and str(r["prompt"]).split()[1] == "direct"]
+    sent = [r for r in tagged if r not in drains]
+    arm_of = {id(r): str(r["prompt"]).split()[1] for r in sent}
+    tags = [" ".join(str(r["prompt"]).split()[1:3]) for r in sent]
+    runs = [t for i, t in enumerate(tags) if i == 0 or tags[i - 1] != t]
+    # Each round starts one arm later: no arm always goes first.
+    assert runs == [
+        "router r0",
+        "smg r0",
+        "direct r0",
+        "smg r1",
+        "direct r1",
+        "router r1",
+        "direct r2",
+        "router r2",
+        "smg r2",
+    ]
+    for arm, where in (("router", "router"), ("smg", "prefill"), ("direct", "decode")):
+        assert {ports[r["port"]] for r in sent if arm_of[id(r)] == arm} == {where}
+    assert sorted(str(r["prompt"]) for r in drains) == sorted(
+        str(r["prompt"]) for r in sent if arm_of[id(r)] == "direct"
+    )
+    assert all(f" {mode} " in str(r["prompt"]) for r in sent)
+    # No two requests share their first KV page (16 tokens, a character each): no arm reads another's prefix.
+    assert len({str(r["prompt"])[:16] for r in sent}) == len(sent) == 3 * 3 * 8
+    assert all(got["arms"][arm]["requests"] == 3 * 8 for arm in arms)
+    assert set(got["adds_over_direct_ms"]) == {"router", "smg"} and len(got["adds_over_direct_ms"]["smg"]) == 3
+    timed = "ttft_p50_ms" if stream else "e2e_p50_ms"
+    assert got["arms"]["router"][timed] is not None and got["arms"]["router"]["statuses"] == {"200": 24}
+    assert (got["arms"]["router"]["ttft_p50_ms"] is None) is not stream  # unary has no first token to time
+
+
+def test_quantiles_interpolate_and_say_none_without_samples() -> None:
+    assert check._quantile([], 0.5) is None
+    assert check._quantile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert check._quantile([0.0, 10.0], 0.99) == pytest.approx(9.9)
 
 
 def test_the_fault_control_turns_the_fault_on_only_for_its_prompts(engines: type[_Engines], tmp_path: Path) -> None:
@@ -214,3 +248,18 @@ def test_a_failed_requirement_fails_the_run() -> None:
     assert report == {"verdicts": {"identity": "passed"}}
     check.verdict(report, "fault_control", "fault control: control 0 gave the single server's 32 tokens")
     assert report["failures"] == ["fault control: control 0 gave the single server's 32 tokens"]
+
+
+def test_a_later_pd_call_uses_the_single_outputs_of_the_same_commit_and_weights_only(tmp_path: Path) -> None:
+    path = tmp_path / "ref.json"
+    first = {"commit": "abc", "model": {"weights_sha256": "f" * 64}, "single": {"ready_s": 1.0}}
+    ref = {"forms": {"generate": [{"status": 200, "ids": [1, 2]}]}}
+    check.save_reference(path, first, ref)
+    later: dict[str, object] = {"commit": "abc", "model": {"weights_sha256": "f" * 64}}
+    assert check.load_reference(path, later) == ref
+    assert later["single"] == {"ready_s": 1.0}
+    # Control: another commit's (or other weights') outputs are no reference for this one.
+    other: dict[str, object] = {"commit": "abd", "model": {"weights_sha256": "f" * 64}}
+    assert check.load_reference(path, other) is None
+    assert "abc" in str(other["reference_refused"])
+    assert check.load_reference(tmp_path / "none.json", later) is None
