@@ -27,11 +27,12 @@ from .api.validation import ENDPOINTS, parse_body, validate
 from .config import RouterConfig
 from .exceptions import ClientGone
 from .log import client_request_id_var, logger, request_id_var
-from .metrics import CONTENT_TYPE_LATEST, RouterMetrics
-from .pd.legs import Legs
+from .metrics import CONTENT_TYPE_LATEST, OUTCOMES, TTFT_PARTS, RouterMetrics, outcome
+from .pd.legs import Legs, PairStreamOutcome
 from .pd.proxy import PDProxy
 from .pd.relay import ClientWatch, RelayResponse
 from .policies import make_policy
+from .timing import ARRIVED, QUEUED, Timing, timing_wanted
 from .transport.client import HttpWorkerClient, WorkerClient
 from .workers.health import HealthChecker
 from .workers.owner import LocalWorkers, WorkerOwner
@@ -88,9 +89,10 @@ class RouterApp:
         self.legs.health = self.health  # a worker's 5xx counts against it once a probe confirms it
         self.owner.attach(self.registry, self.health, self._refresh_gauges)
         # Metric children of the hot path, looked up once.
-        self._ttfb = {e: self.metrics.ttfb.labels(e) for e in ENDPOINTS}
-        self._latency = {e: self.metrics.latency.labels(e) for e in ENDPOINTS}
+        self._ttft = {e: self.metrics.ttft.labels(e) for e in ENDPOINTS}
+        self._e2e = {(e, o): self.metrics.e2e.labels(e, o) for e in ENDPOINTS for o in OUTCOMES}
         self._requests: dict[tuple[str, int], Any] = {}
+        self._ttft_parts: dict[tuple[str, str], Any] = {}
         self.fastapi = self._build_fastapi()
         # The one routing table of the inference endpoints.
         self._inference = {e: e for e in ENDPOINTS}
@@ -101,13 +103,20 @@ class RouterApp:
             max_queued=config.max_queued_requests,
             queue_timeout_s=config.queue_timeout_s,
             metrics=self.metrics,
+            on_reject=self._rejected,
         )
         body_limit = BodyLimitMiddleware(
-            self.admission, max_bytes=config.max_body_bytes, max_in_flight=config.max_body_bytes_in_flight
+            self.admission,
+            max_bytes=config.max_body_bytes,
+            max_in_flight=config.max_body_bytes_in_flight,
+            on_reject=self._rejected,
         )
-        self.asgi: ASGIApp = AuthMiddleware(body_limit, api_keys=config.api_keys, admin_key=config.admin_key)
+        self.asgi: ASGIApp = AuthMiddleware(
+            body_limit, api_keys=config.api_keys, admin_key=config.admin_key, on_reject=self._rejected
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope[ARRIVED] = time.perf_counter()
         await self.asgi(scope, receive, send)
 
     async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -120,23 +129,22 @@ class RouterApp:
         if scope["method"] != "POST":
             await _NOT_ALLOWED(scope, receive, send)
             return
-        started = time.perf_counter()
+        timing = Timing(scope.get(ARRIVED) or time.perf_counter(), scope.get(QUEUED, 0.0), wanted=timing_wanted(scope))
         ids = request_ids(scope)
         # Every log line of the request, its relayed stream's included, carries both ids.
         tokens = request_id_var.set(ids.router), client_request_id_var.set(ids.client)
         try:
             try:
-                response = await self.serve(endpoint, scope, receive, ids)
+                response = await self.serve(endpoint, scope, receive, ids, timing)
             except Exception as exc:
                 response = await _internal_error(None, exc)
                 response.headers.update(ids.headers)
-            self._ttfb[endpoint].observe(time.perf_counter() - started)
             try:
                 await response(scope, receive, send)  # a relayed stream returns once it has ended
             finally:
                 # A stream the client left is a 499 (nginx's "client closed request"), not a 200.
                 status = 499 if isinstance(response, RelayResponse) and response.abandoned else response.status_code
-                self._observe(endpoint, status, started)
+                self._observe(endpoint, status, timing, response)
         finally:
             request_id_var.reset(tokens[0])
             client_request_id_var.reset(tokens[1])
@@ -192,7 +200,7 @@ class RouterApp:
         app.add_exception_handler(Exception, _internal_error)
         return app
 
-    async def serve(self, endpoint: str, scope: Scope, receive: Receive, ids: RequestIds) -> Response:
+    async def serve(self, endpoint: str, scope: Scope, receive: Receive, ids: RequestIds, timing: Timing) -> Response:
         """Validate the body and hand it to the proxy; errors become OpenAI-shaped answers."""
         try:
             raw = await _read_body(receive)
@@ -202,8 +210,8 @@ class RouterApp:
             else:
                 payload = self._checked_body(endpoint, raw, admin)
             if payload.get("stream"):
-                return await self.proxy.stream(endpoint, payload, ids, ClientWatch(scope, receive))
-            return await self.proxy.unary(endpoint, payload, ids, ClientWatch(scope, receive))
+                return await self.proxy.stream(endpoint, payload, ids, ClientWatch(scope, receive), timing)
+            return await self.proxy.unary(endpoint, payload, ids, ClientWatch(scope, receive), timing)
         except ApiError as exc:
             response = exc.response()
             response.headers.update(ids.headers)
@@ -216,20 +224,62 @@ class RouterApp:
         validate(endpoint, payload, self.registry.models(), admin=admin)
         return payload
 
-    def _observe(self, endpoint: str, status: int, started: float) -> None:
-        elapsed = time.perf_counter() - started
+    def _observe(self, endpoint: str, status: int, timing: Timing, response: Response) -> None:
+        elapsed = time.perf_counter() - timing.arrived
+        self._count(endpoint, status)
+        result = outcome(status)
+        stream = response.outcome if isinstance(response, RelayResponse) else None
+        parts: dict[str, float] = {}
+        if isinstance(stream, PairStreamOutcome):
+            if stream.ending == "failed":  # broke after its 200: the client got an error event
+                result = "upstream_error"
+            self._ttft[endpoint].observe(timing.answered - timing.arrived)
+            if (per_chunk := stream.time_per_chunk()) is not None:
+                self.metrics.tpot.labels(endpoint, result).observe(per_chunk)
+            parts = timing.parts()
+            for part in TTFT_PARTS:
+                self._ttft_part(part, timing).observe(parts[part])
+        elif timing.answered:
+            parts = timing.parts()
+        self._e2e[endpoint, result].observe(elapsed)
+        level = logging.WARNING if status >= 500 or result == "upstream_error" else logging.INFO
+        if logger.isEnabledFor(level):
+            extra: dict[str, Any] = {
+                "endpoint": endpoint,
+                "status": status,
+                "outcome": result,
+                "duration_ms": round(elapsed * 1000, 3),
+            }
+            if parts:  # unary: the parts of the whole answer; streamed: of its first token
+                extra["timing_ms"] = {name: round(seconds * 1000, 3) for name, seconds in parts.items()}
+            logger.log(level, "request finished", extra=extra)
+
+    def _count(self, endpoint: str, status: int) -> None:
         counter = self._requests.get((endpoint, status))
         if counter is None:
             counter = self._requests[endpoint, status] = self.metrics.requests.labels(endpoint, str(status))
         counter.inc()
-        self._latency[endpoint].observe(elapsed)
-        level = logging.WARNING if status >= 500 else logging.INFO
-        if logger.isEnabledFor(level):
-            logger.log(
-                level,
-                "request finished",
-                extra={"endpoint": endpoint, "status": status, "duration_ms": round(elapsed * 1000, 3)},
-            )
+
+    def _ttft_part(self, part: str, timing: Timing) -> Any:
+        worker = timing.prefill if part == "prefill" else timing.decode if part == "decode" else None
+        key = (part, worker.url if worker is not None else "")
+        child = self._ttft_parts.get(key)
+        if child is None:
+            role = worker.role if worker is not None else ""
+            child = self._ttft_parts[key] = self.metrics.ttft_part.labels(part, role, key[1])
+        return child
+
+    def _rejected(self, scope: Scope, status: int) -> None:
+        """A middleware answered the request itself (401, 403, 413, 429, 503): counted by its
+        endpoint (inference endpoints and /workers; "other" for any other path) and, for the
+        inference endpoints, timed under its outcome."""
+        path = scope["path"]
+        endpoint = self._inference.get(path)
+        self._count(endpoint or (path if path == "/workers" else "other"), status)
+        if endpoint is not None:
+            arrived = scope.get(ARRIVED)
+            if arrived is not None:
+                self._e2e[endpoint, outcome(status)].observe(time.perf_counter() - arrived)
 
     async def models(self) -> Response:
         created = 0

@@ -5,6 +5,13 @@ PROMETHEUS_MULTIPROC_DIR set: prometheus_client then keeps each process's values
 and a scrape of any process renders all of them (counters and histograms summed; each gauge as its
 `multiprocess_mode` says, over the live processes). The files cannot drop a series: the
 per-worker gauges of a removed worker stay, at 0, until the group restarts.
+
+Names follow Prometheus's conventions (base units, `_seconds`, counters `_total`), and reuse
+sglang's where the meaning is the same (sglang 0.5.23 `srt/observability/metrics_collector.py`:
+`time_to_first_token_seconds`, `request_time_per_output_token_seconds`,
+`e2e_request_latency_seconds`), so a panel can put the router's curve beside the engines'.
+Latencies carry an `outcome` label (`outcome()`): an error answer, the router's own (401, 429,
+503, ...) included, is never in the `ok` series.
 """
 
 from __future__ import annotations
@@ -16,9 +23,27 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.multiprocess import MultiProcessCollector
 
-__all__ = ["CONTENT_TYPE_LATEST", "RouterMetrics"]
+__all__ = ["CONTENT_TYPE_LATEST", "OUTCOMES", "TTFT_PARTS", "RouterMetrics", "outcome"]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Per output token: sglang's inter-token buckets span 2 ms to 8 s.
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
+
+OUTCOMES = ("ok", "client_error", "upstream_error", "rejected")
+# The parts of a streamed request's time to first token (timing.py), in the order they happen.
+TTFT_PARTS = ("queue", "retry", "prefill", "decode", "router")
+
+
+def outcome(status: int) -> str:
+    """The `outcome` label of an answer with HTTP `status`: `rejected` for 429 and 503 (the router's
+    admission, draining, no healthy worker, or the workers full: retry later), `client_error` for
+    other 4xx and 499 (the client left), `upstream_error` for other 5xx (a worker failed or timed
+    out; a stream that broke after its 200 is labelled by its caller)."""
+    if status < 400:
+        return "ok"
+    if status in (429, 503):
+        return "rejected"
+    return "client_error" if status < 500 else "upstream_error"
 
 
 class RouterMetrics:
@@ -29,11 +54,27 @@ class RouterMetrics:
         by_worker = ["role", "worker"]
         self.requests = Counter(f"{ns}_requests", "Requests answered, by endpoint and HTTP status.",
                                 ["endpoint", "status"], registry=r)  # fmt: skip
-        self.latency = Histogram(f"{ns}_request_duration_seconds", "Time from request to the last byte of the answer.",
-                                 ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.ttfb = Histogram(f"{ns}_time_to_first_byte_seconds",
-                              "Time from request to the first byte of the answer body.", ["endpoint"],
+        self.e2e = Histogram(f"{ns}_e2e_request_latency_seconds",
+                             "Time from the request's arrival to the last byte of its answer, by outcome "
+                             "(ok, client_error, upstream_error, rejected).", ["endpoint", "outcome"],
+                             buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.ttft = Histogram(f"{ns}_time_to_first_token_seconds",
+                              "Streamed requests only: time from the request's arrival to the decode's first "
+                              "chunk (its first token) going to the client.", ["endpoint"],
                               buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.tpot = Histogram(f"{ns}_request_time_per_output_token_seconds",
+                              "Streamed requests of two chunks or more: (last chunk - first chunk) / (chunks - 1) "
+                              "of the decode's stream, by outcome. A chunk is one sglang output step (one token "
+                              "at sglang's default --stream-interval 1; the final [DONE] may come as a chunk "
+                              "of its own).", ["endpoint", "outcome"], buckets=_TOKEN_BUCKETS,
+                              registry=r)  # fmt: skip
+        self.ttft_part = Histogram(f"{ns}_time_to_first_token_part_seconds",
+                                   "Streamed requests: where the time to first token went (part: queue = "
+                                   "admission and capacity waits, retry = failed attempts and their backoff, "
+                                   "prefill = prefill leg sent to answered, decode = decode's first token after "
+                                   "that, router = the rest, the router's own work), by the worker of the part.",
+                                   ["part", "role", "worker"], buckets=_LATENCY_BUCKETS,
+                                   registry=r)  # fmt: skip
         self.in_flight = Gauge(f"{ns}_worker_in_flight", "Requests in flight per worker.", by_worker, registry=r,
                                multiprocess_mode="livesum")  # fmt: skip
         self.retries = Counter(f"{ns}_retries", "Requests retried on another worker pair, by the failing role.",

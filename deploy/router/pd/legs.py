@@ -168,12 +168,17 @@ class PairStreamOutcome:
     clock runs only while the relay waits for the decode's next bytes (`waiting_since`), not while
     the relay is sending to a slow client: that is no sign of the worker's health."""
 
-    __slots__ = ("legs", "pair", "waiting_since")
+    __slots__ = ("chunks", "ending", "first_at", "last_at", "legs", "pair", "waiting_since")
 
     def __init__(self, legs: Legs, pair: Pair) -> None:
         self.legs = legs
         self.pair = pair
         self.waiting_since = math.inf
+        # For the router's time per output token: the first chunk's arrival (now), the latest's,
+        # and the chunks after the first.
+        self.first_at = self.last_at = time.monotonic()
+        self.chunks = 0
+        self.ending = ""  # "completed", "failed" or "abandoned", once the stream ended
         pair.decode.stream_opened(self)
 
     def waiting(self) -> None:
@@ -181,19 +186,28 @@ class PairStreamOutcome:
 
     def progressed(self) -> None:
         self.waiting_since = math.inf
-        self.pair.decode.stream_progressed(time.monotonic())
+        self.last_at = now = time.monotonic()
+        self.chunks += 1
+        self.pair.decode.stream_progressed(now)
+
+    def time_per_chunk(self) -> float | None:
+        """Mean time between the decode's chunks after the first; None for a one-chunk stream."""
+        return (self.last_at - self.first_at) / self.chunks if self.chunks else None
 
     def completed(self) -> None:
+        self.ending = "completed"
         self.legs.succeeded(self.pair.decode)
         self._close()
 
     def failed(self, error: UpstreamError) -> None:
+        self.ending = "failed"
         self.legs.failed(error, rid=self.pair.bodies.rids[0] if self.pair.bodies.rids else "")
         # The decode broke: the prefill may still hold the request (or its KV pages); free it now.
         self.legs.abort(self.pair.prefill, self.pair.bodies.rids)
         self._close()
 
     def abandoned(self) -> None:
+        self.ending = "abandoned"
         # The client is gone: stop both legs (the prefill may still be sending KV pages). The
         # stream gave no verdict on the decode: a half-open probe slot it held is freed.
         self.pair.decode.breaker.release_probe()

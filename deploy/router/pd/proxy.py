@@ -18,6 +18,7 @@ import asyncio
 import functools
 import math
 import random
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -37,6 +38,7 @@ from ..exceptions import (
     WorkerAtCapacity,
 )
 from ..log import logger
+from ..timing import Timing
 from ..transport.client import Body, Reply
 from ..workers.capacity import CapacityGate, Demand, Reservation, check_max_tokens, estimate
 from ..workers.pairs import Pair, PairPicker
@@ -69,9 +71,13 @@ class PDProxy:
             max_waiting=config.max_queued_requests, timeout_s=config.queue_timeout_s, on_depth=depth.set
         )
 
-    async def unary(self, endpoint: str, payload: dict[str, Any], ids: RequestIds, watch: ClientWatch) -> Response:
+    async def unary(
+        self, endpoint: str, payload: dict[str, Any], ids: RequestIds, watch: ClientWatch, timing: Timing
+    ) -> Response:
         try:
-            _, reply, prefill_t = await self._attempts(endpoint, payload, ids.router, self.legs.post, watch.gone)
+            _, reply, prefill_t = await self._attempts(
+                endpoint, payload, ids.router, self.legs.post, watch.gone, timing
+            )
         finally:
             watch.stop()
         body = reply.body
@@ -82,13 +88,18 @@ class PDProxy:
             return _refused(reply, ids)
         if endpoint != "/generate":
             body = openai_finish_reasons(body)
-        return Response(body, status_code=reply.status, media_type=reply.content_type, headers=ids.headers)
+        headers = _headers(ids, timing, body)
+        return Response(body, status_code=reply.status, media_type=reply.content_type, headers=headers)
 
-    async def stream(self, endpoint: str, payload: dict[str, Any], ids: RequestIds, watch: ClientWatch) -> Response:
+    async def stream(
+        self, endpoint: str, payload: dict[str, Any], ids: RequestIds, watch: ClientWatch, timing: Timing
+    ) -> Response:
         # One watch on the client for the whole request: the relay takes it over.
         try:
             open_decode = self.legs.open_stream
-            pair, reply, prefill_t = await self._attempts(endpoint, payload, ids.router, open_decode, watch.gone)
+            pair, reply, prefill_t = await self._attempts(
+                endpoint, payload, ids.router, open_decode, watch.gone, timing
+            )
             if reply.stream is None:  # decode refused (4xx)
                 self._watch_prefill(prefill_t)
                 watch.stop()
@@ -105,10 +116,17 @@ class PDProxy:
             raise
         self._watch_prefill(prefill_t)
         outcome = PairStreamOutcome(self.legs, pair)
-        return RelayResponse(reply, first, outcome, headers=ids.headers, watch=watch, openai=endpoint != "/generate")
+        headers = _headers(ids, timing, first)
+        return RelayResponse(reply, first, outcome, headers=headers, watch=watch, openai=endpoint != "/generate")
 
     async def _attempts(
-        self, endpoint: str, payload: dict[str, Any], rid: str, open_decode: OpenLeg, disconnect: asyncio.Future[None]
+        self,
+        endpoint: str,
+        payload: dict[str, Any],
+        rid: str,
+        open_decode: OpenLeg,
+        disconnect: asyncio.Future[None],
+        timing: Timing,
     ) -> tuple[Pair, Reply, asyncio.Task[Reply]]:
         """Run attempts until decode gives an answer (or its first chunk), or `disconnect` (the
         client left) ends them. `rid`: the router's id of the request (never the client's: the
@@ -127,7 +145,9 @@ class PDProxy:
             # the retry, and sglang refuses a rid that is still in flight.
             attempt_rid = rid if attempt == 0 else f"{rid}.{attempt}"
             try:
-                pair = await self._pick(endpoint, payload, attempt_rid, exclude, demand, disconnect, first=not attempt)
+                pair = await self._pick(
+                    endpoint, payload, attempt_rid, exclude, demand, disconnect, timing if not attempt else None
+                )
             except (NoHealthyWorker, WorkerAtCapacity) as exc:
                 if last_error is not None:
                     raise _gave_up(last_error, attempt) from exc
@@ -141,6 +161,7 @@ class PDProxy:
             assert reservation is not None
             prefill_t = asyncio.ensure_future(self.legs.post(pair.prefill, endpoint, pair.bodies.prefill, attempt_rid))
             prefill_t.add_done_callback(reservation.release_prefill)
+            timing.legs_sent(prefill_t)
             if pair.dp_ranks:
                 prefill_t.add_done_callback(pair.release_ranks)
             decode_t = asyncio.ensure_future(open_decode(pair.decode, endpoint, pair.bodies.decode, attempt_rid))
@@ -152,6 +173,8 @@ class PDProxy:
                 self._abort_unfinished(pair, decode_t)
                 raise
             if isinstance(outcome, Reply):
+                timing.first = time.perf_counter()
+                timing.prefill, timing.decode = pair.prefill, pair.decode
                 return pair, outcome, prefill_t
             last_error = outcome
             exclude.append(outcome.worker)
@@ -167,12 +190,12 @@ class PDProxy:
         exclude: list[Worker],
         demand: Demand,
         disconnect: asyncio.Future[None],
-        *,
-        first: bool,
+        timing: Timing | None,
     ) -> Pair:
-        """A pair with room for `demand`, its capacity reserved. The first attempt waits its turn in
-        the gate while every pair is full (or others wait already: no request jumps the queue); a
-        retry does not wait, it raises WorkerAtCapacity."""
+        """A pair with room for `demand`, its capacity reserved. The first attempt (the one with
+        `timing`, which learns the wait) waits its turn in the gate while every pair is full (or
+        others wait already: no request jumps the queue); a retry does not wait, it raises
+        WorkerAtCapacity."""
 
         def pick() -> Pair:
             pair = self.pairs.pick(endpoint, payload, rid, exclude, demand)
@@ -180,14 +203,18 @@ class PDProxy:
             pair.reservation = Reservation(pair.prefill, pair.decode, demand, self.gate.notify)
             return pair
 
-        if not first:
+        if timing is None:
             return pick()
         if not self.gate.waiting:
             try:
                 return pick()
             except WorkerAtCapacity:
                 pass
-        return await self.gate.wait(pick, disconnect)
+        started = time.perf_counter()
+        try:
+            return await self.gate.wait(pick, disconnect)
+        finally:
+            timing.queued += time.perf_counter() - started
 
     async def _race(
         self,
@@ -304,6 +331,15 @@ def _release_unless_streaming(reservation: Reservation, task: asyncio.Task[Reply
     owner releases it when the stream closes)."""
     if not finished_ok(task) or task.result().stream is None:
         reservation.release_decode()
+
+
+def _headers(ids: RequestIds, timing: Timing, body: bytes) -> dict[str, str]:
+    """The answer's headers: its ids, and the TTFT breakdown when the client asked (timing.py)."""
+    timing.answered = time.perf_counter()
+    headers = ids.headers
+    if timing.wanted:
+        headers["server-timing"] = timing.server_timing(body)
+    return headers
 
 
 def _refused(reply: Reply, ids: RequestIds) -> Response:

@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import time
 from collections import deque
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ....common.openai_errors import error_body
 from ...metrics import RouterMetrics
+from ...timing import QUEUED
 from .respond import send_json
 
 __all__ = ["AdmissionMiddleware"]
@@ -37,8 +40,11 @@ class AdmissionMiddleware:
         max_queued: int,
         queue_timeout_s: float,
         metrics: RouterMetrics,
+        on_reject: Callable[[Scope, int], None] | None = None,
     ) -> None:
+        """`on_reject(scope, status)`: told of each request this middleware answers itself."""
         self.app = app
+        self.on_reject = on_reject
         self.paths = paths
         self.max_concurrent = max_concurrent
         self.max_queued = max_queued
@@ -61,9 +67,10 @@ class AdmissionMiddleware:
             await self.app(scope, receive, send)
             return
         if self.draining:
+            self._rejected(scope, 503)
             await _reject(send, 503, self._draining_body, "5")
             return
-        if self.max_concurrent and not await self._acquire(send):
+        if self.max_concurrent and not await self._acquire(scope, send):
             return
         self.metrics.active.inc()
         try:
@@ -73,16 +80,22 @@ class AdmissionMiddleware:
             if self.max_concurrent:
                 self._release()
 
-    async def _acquire(self, send: Send) -> bool:
+    def _rejected(self, scope: Scope, status: int) -> None:
+        if self.on_reject is not None:
+            self.on_reject(scope, status)
+
+    async def _acquire(self, scope: Scope, send: Send) -> bool:
         if self.active < self.max_concurrent and not self._waiters:
             self.active += 1
             return True
         if len(self._waiters) >= self.max_queued:
+            self._rejected(scope, 429)
             await _reject(send, 429, self._full_body, self._retry_after)
             return False
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         self.metrics.queue_depth.inc()
+        started = time.perf_counter()
         try:
             async with asyncio.timeout(self.queue_timeout_s):
                 await asyncio.shield(waiter)
@@ -91,6 +104,7 @@ class AdmissionMiddleware:
             if waiter.done() and not waiter.cancelled():
                 return True  # the slot arrived as the timer fired: keep it
             waiter.cancel()
+            self._rejected(scope, 429)
             await _reject(send, 429, self._timeout_body, self._retry_after)
             return False
         except BaseException:
@@ -99,6 +113,7 @@ class AdmissionMiddleware:
             waiter.cancel()
             raise
         finally:
+            scope[QUEUED] = time.perf_counter() - started  # the request's `queue` part (timing.py)
             self.metrics.queue_depth.dec()
             with contextlib.suppress(ValueError):
                 self._waiters.remove(waiter)

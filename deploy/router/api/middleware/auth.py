@@ -7,6 +7,7 @@ may set engine-internal fields (`router/api/fields.py`)."""
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -30,8 +31,17 @@ _NO_ADMIN = (
 
 
 class AuthMiddleware:
-    def __init__(self, app: ASGIApp, *, api_keys: tuple[str, ...], admin_key: str) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        api_keys: tuple[str, ...],
+        admin_key: str,
+        on_reject: Callable[[Scope, int], None] | None = None,
+    ) -> None:
+        """`on_reject(scope, status)`: told of each request this middleware answers itself."""
         self.app = app
+        self.on_reject = on_reject
         self.api_keys = tuple(k.encode() for k in api_keys)
         self.admin_key = admin_key.encode()
         self._bad_key = error_body(401, _BAD_KEY, code="invalid_api_key")
@@ -49,12 +59,12 @@ class AuthMiddleware:
         if path == "/workers" or path.startswith("/workers/"):
             if self.admin_key:
                 if not _matches(_bearer(scope), (self.admin_key,)):
-                    await _deny(send, 401, self._bad_admin)
+                    await self._deny(scope, send, 401, self._bad_admin)
                     return
             elif self.api_keys or scope["method"] not in ("GET", "HEAD"):
                 # With client keys configured the router is not open, so neither is its worker
                 # list (internal addresses); with no key at all it is a dev setup and GET is fine.
-                await _deny(send, 403, self._no_admin)
+                await self._deny(scope, send, 403, self._no_admin)
                 return
         else:
             token = _bearer(scope)
@@ -62,10 +72,15 @@ class AuthMiddleware:
             # fields through (router/api/fields.py).
             admin = bool(self.admin_key) and _matches(token, (self.admin_key,))
             if self.api_keys and not admin and not _matches(token, self.api_keys):
-                await _deny(send, 401, self._bad_key)
+                await self._deny(scope, send, 401, self._bad_key)
                 return
             scope[ADMIN_SCOPE_KEY] = admin
         await self.app(scope, receive, send)
+
+    async def _deny(self, scope: Scope, send: Send, status: int, body: bytes) -> None:
+        if self.on_reject is not None:
+            self.on_reject(scope, status)
+        await send_json(send, status, body, (b"www-authenticate", b"Bearer"))
 
 
 def _bearer(scope: Scope) -> bytes:
@@ -82,7 +97,3 @@ def _matches(token: bytes, keys: tuple[bytes, ...]) -> bool:
     for key in keys:
         ok |= hmac.compare_digest(token, key)
     return ok and bool(token)
-
-
-async def _deny(send: Send, status: int, body: bytes) -> None:
-    await send_json(send, status, body, (b"www-authenticate", b"Bearer"))

@@ -9,6 +9,8 @@ that long; a Content-Length body reserves its whole length before a byte is read
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ....common.openai_errors import error_body
@@ -18,8 +20,17 @@ __all__ = ["BodyLimitMiddleware"]
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, *, max_bytes: int, max_in_flight: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        max_bytes: int,
+        max_in_flight: int,
+        on_reject: Callable[[Scope, int], None] | None = None,
+    ) -> None:
+        """`on_reject(scope, status)`: told of each request this middleware answers itself."""
         self.app = app
+        self.on_reject = on_reject
         self.max_bytes = max_bytes
         self.max_in_flight = max_in_flight
         self.in_flight = 0  # bytes of the bodies held now (one event loop: no lock needed)
@@ -42,13 +53,14 @@ class BodyLimitMiddleware:
             return
         declared = _content_length(scope)
         if declared > self.max_bytes:
+            self._rejected(scope, 413)
             await send_json(send, 413, self._too_large, (b"connection", b"close"))
             return
         held = 0  # this request's share of in_flight
         try:
             if declared > 0:
                 if not self._reserve(declared):
-                    await self._busy(send)
+                    await self._busy(scope, send)
                     return
                 held = declared
             chunks: list[bytes] = []
@@ -60,11 +72,12 @@ class BodyLimitMiddleware:
                 chunk = message.get("body", b"")
                 size += len(chunk)
                 if size > self.max_bytes:
+                    self._rejected(scope, 413)
                     await send_json(send, 413, self._too_large, (b"connection", b"close"))
                     return
                 if size > held:  # chunked, or more than declared: reserve as the bytes come
                     if not self._reserve(size - held):
-                        await self._busy(send)
+                        await self._busy(scope, send)
                         return
                     held = size
                 chunks.append(chunk)
@@ -89,7 +102,12 @@ class BodyLimitMiddleware:
         self.in_flight += size
         return True
 
-    async def _busy(self, send: Send) -> None:
+    def _rejected(self, scope: Scope, status: int) -> None:
+        if self.on_reject is not None:
+            self.on_reject(scope, status)
+
+    async def _busy(self, scope: Scope, send: Send) -> None:
+        self._rejected(scope, 503)
         await send_json(send, 503, self._too_many, (b"retry-after", b"1"), (b"connection", b"close"))
 
 

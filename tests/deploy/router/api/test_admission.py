@@ -107,8 +107,9 @@ def test_metrics_after_traffic(cluster_1p1d: Cluster, router_1p1d) -> None:  # t
     for needle in (
         'sglang_pd_router_requests_total{endpoint="/v1/chat/completions",status="200"}',
         'sglang_pd_router_requests_total{endpoint="/v1/chat/completions",status="400"}',
-        "sglang_pd_router_request_duration_seconds_bucket",
-        "sglang_pd_router_time_to_first_byte_seconds_bucket",
+        'sglang_pd_router_e2e_request_latency_seconds_bucket{endpoint="/v1/chat/completions",le="+Inf",outcome="ok"}',
+        'sglang_pd_router_time_to_first_token_seconds_bucket{endpoint="/v1/chat/completions",le="+Inf"}',
+        'sglang_pd_router_time_to_first_token_part_seconds_bucket{le="+Inf",part="prefill",role="prefill"',
         f'sglang_pd_router_worker_in_flight{{role="decode",worker="{cluster_1p1d.decodes[0].url}"}} 0.0',
         "sglang_pd_router_worker_breaker_state",
         "sglang_pd_router_queue_depth",
