@@ -302,5 +302,38 @@ def test_the_reference_image_installs_the_reference_extra_as_pinned() -> None:
     extras: dict[str, list[str]] = PYPROJECT["project"]["optional-dependencies"]
     assert ".[kv-cpu,reference]" in args
     torch = next(a for a in args if a.startswith("torch=="))
-    assert torch in extras["reference"], f"Dockerfile.reference installs {torch}; the reference extra pins it otherwise"
+    assert _torch_range("reference").contains(torch.removeprefix("torch==")), (
+        f"Dockerfile.reference installs {torch}; the reference extra pins it otherwise"
+    )
     assert not {_name(r) for r in extras["reference"]} & (GPU_ONLY - {"torch"}), "GPU-only packages in the extra"
+
+
+def _torch_range(extra: str) -> SpecifierSet:
+    requirement = next(r for r in PYPROJECT["project"]["optional-dependencies"][extra] if _name(r) == "torch")
+    return SpecifierSet(requirement.removeprefix("torch"))
+
+
+def test_make_run_installs_a_cpu_torch_the_reference_extra_admits_and_test_installs_the_rest() -> None:
+    # `make run` takes the CPU build (no CUDA libraries); `make test` then installs the validate extra's
+    # torch over it, which the reference extra must admit too, or one venv could not serve both.
+    run_torch = _make_variable("RUN_TORCH")
+    assert run_torch == "torch==2.13.0"
+    assert _torch_range("reference").contains("2.13.0")
+    validate_torch = next(r for r in PYPROJECT["project"]["optional-dependencies"]["validate"] if _name(r) == "torch")
+    assert _torch_range("reference").contains(validate_torch.removeprefix("torch=="))
+    # The run install is the subset: the dev and validate extras and sglang come only with the test install.
+    make = _make_dry_run("install-run")
+    assert "'.[reference,kv-cpu]'" in make and "torch==2.13.0" in make
+    for test_only in ("dev,", "validate", "sglang=="):
+        assert test_only not in make, f"make run's install would bring {test_only}"
+    make = _make_dry_run("install-test")
+    assert "'.[dev,validate,kv-cpu]'" in make and "sglang==" in make
+    assert make.index("'.[reference,kv-cpu]'") < make.index("'.[dev,validate,kv-cpu]'")
+    assert "--quiet" not in make, "an install that prints nothing for minutes looks hung"
+
+
+def _make_dry_run(target: str) -> str:
+    """What `make TARGET` would run in a venv that does not exist yet (a fresh machine)."""
+    return subprocess.run(
+        ["make", "-s", "-n", target, "VENV=/nonexistent/venv"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
