@@ -158,6 +158,24 @@ def endpoints(t: Topology, overrides: dict[str, int] | None = None) -> dict[str,
     return out
 
 
+def shared_ports(eps: dict[str, list[InstanceEndpoint]], router_port: int) -> list[str]:
+    """One line per port that two components of the local stack would both bind (`--port`/`--ports`
+    can move them onto each other, which the topology's own rules cannot see), naming both."""
+    users: list[tuple[str, int]] = [("router (--port)", router_port)]
+    for role_eps in eps.values():
+        for ep in role_eps:
+            users.append((ep.name, ep.port))
+            if ep.bootstrap_port is not None:
+                users.append((f"{ep.name}.bootstrap", ep.bootstrap_port))
+    first: dict[int, str] = {}
+    problems = []
+    for name, port in users:
+        if port in first:
+            problems.append(f"port {port} is given to both {first[port]} and {name}")
+        first.setdefault(port, name)
+    return problems
+
+
 def local_children(
     t: Topology,
     *,
@@ -177,6 +195,9 @@ def local_children(
     if t.model.context_length is not None:  # as `launch` renders it for sglang
         common += ["--context-length", str(t.model.context_length)]
     eps = endpoints(t, ports)
+    clashes = shared_ports(eps, port)
+    if clashes:
+        raise TopologyError("; ".join(clashes) + ". Give each its own port with --port / --ports.")
     children = []
     for ep in eps["prefill"]:
         mrr = str(t.prefill.max_running_requests or 64)

@@ -71,6 +71,32 @@ def test_bad_ports_are_clear_errors(tmp_path: Path, text: str) -> None:
         local_children(t, host="127.0.0.1", port=28400, ports=parse_ports(text))
 
 
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--ports", "prefill-0=28111,decode-0=28111"], "port 28111 is given to both prefill-0 and decode-0"),
+        (["--port", "28112", "--ports", "decode-0=28112"], "port 28112 is given to both router (--port) and decode-0"),
+        (
+            ["--ports", "prefill-0=28113,prefill-0.bootstrap=28113"],
+            "port 28113 is given to both prefill-0 and prefill-0.bootstrap",
+        ),
+    ],
+)
+def test_one_port_given_to_two_components_is_refused_before_anything_starts(
+    tmp_path: Path, flags: list[str], named: str
+) -> None:
+    topo, _ = _topology(tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-m", "sglang_pd.deploy.cli", "up", str(topo), "--log-dir", str(tmp_path / "logs"), *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.startswith(f"error: {named}. Give each its own port with --port / --ports."), r.stderr
+    assert "engine logs" not in r.stdout and not (tmp_path / "logs").exists(), "nothing was started"
+
+
 def test_sglang_runs_only_topologies_whose_instances_share_this_node() -> None:
     check_fits_this_machine(load_checked_topology("single-h200")[0])
     r1, _ = load_checked_topology("deepseek-r1-h200-1p1d")
