@@ -8,6 +8,7 @@ Per-field checks live on the models; checks that relate fields of different sect
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 from dataclasses import dataclass
@@ -74,7 +75,12 @@ Positive = Annotated[int, Field(ge=1)]
 # Compute capability of each GPU type a topology may name: sglang's predicates (SBO halves,
 # attention defaults, the sm_90 SBO refusal) depend on it, and `plan --check` evaluates them
 # with it. `hardware.compute_capability` covers a type missing here.
+# Values from NVIDIA's CUDA GPU list (developer.nvidia.com/cuda-gpus); Ampere and Ada serve PD but not SBO.
 GPU_CAPABILITY: dict[str, tuple[int, int]] = {
+    "A100": (8, 0),
+    "A800": (8, 0),
+    "L40S": (8, 9),
+    "L20": (8, 9),
     "H100": (9, 0),
     "H200": (9, 0),
     "H20": (9, 0),
@@ -90,6 +96,33 @@ GPU_CAPABILITY: dict[str, tuple[int, int]] = {
 
 class TopologyError(ValueError):
     """A topology file that cannot be loaded or deployed; the message names the field and the fix."""
+
+
+# `hardware.gpu` of the local reference stack.
+CPU_GPU = "cpu"
+# The field reference (scripts/gen_fields_doc.py writes it from these models).
+FIELDS_DOC = "docs/fields.md"
+
+
+def canonical_gpu(name: str) -> str | None:
+    """`name` as GPU_CAPABILITY spells it (case-insensitive), `cpu`, or None for a GPU type not in the table."""
+    key = name.strip().upper()
+    if key == CPU_GPU.upper():
+        return CPU_GPU
+    return key if key in GPU_CAPABILITY else None
+
+
+def gpu_problem(name: str, compute_capability: str | None) -> str | None:
+    """Why `hardware.gpu: name` cannot be planned, with the nearest known names; None when it can."""
+    if canonical_gpu(name) is not None or compute_capability:
+        return None
+    known = [*GPU_CAPABILITY, CPU_GPU]
+    near = difflib.get_close_matches(name.strip().upper(), [k.upper() for k in known], n=3, cutoff=0.5)
+    hint = f"Did you mean {' or '.join(canonical_gpu(n) or n for n in near)}? " if near else ""
+    return (
+        f"hardware.gpu: {name!r} is not a GPU type sglang-pd knows (known: {', '.join(known)}; case does not "
+        f"matter). {hint}For another GPU type, set hardware.compute_capability (e.g. '9.0') as well."
+    )
 
 
 class _Strict(BaseModel):
@@ -121,7 +154,10 @@ class ModelSpec(_Strict):
 class HardwareSpec(_Strict):
     """The machines each role runs on."""
 
-    gpu: str = Field(description="GPU type, e.g. H200, H20, H100; `cpu` for the local reference stack.")
+    gpu: str = Field(
+        description=f"GPU type, one of {', '.join(GPU_CAPABILITY)} (any case), or `cpu` for the local reference "
+        "stack; another type needs compute_capability too."
+    )
     gpu_memory_gib: float = Field(gt=0)
     gpus_per_node: Positive
     rdma_devices: list[str] = Field(
@@ -146,6 +182,14 @@ class HardwareSpec(_Strict):
         description="Prefill and decode run on one node and share its GPUs, each taking part of their memory "
         "(mem_fraction_static), as `sglang-pd up` runs them; false: each instance has nodes of its own.",
     )
+
+    @field_validator("gpu")
+    @classmethod
+    def _gpu_as_the_table_spells_it(cls, v: str) -> str:
+        # `h200` and `H200` are one GPU: every table keyed by the name (GPU_CAPABILITY, the estimate's
+        # hardware.yaml, the SBO send-SM defaults) then finds it. An unknown name is a rule error
+        # (`gpu_problem`), so that it is reported with the other rules.
+        return canonical_gpu(v) or v.strip()
 
     def capability(self) -> tuple[int, int] | None:
         """The GPUs' compute capability: the explicit field, else the known GPU type's, else None."""
@@ -380,12 +424,33 @@ class InstanceEndpoint:
         return f"http://{self.host}:{self.port}"
 
 
+def _section_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The model whose keys sit at `loc` inside a topology (`()` is the top level), or None (a dict's keys)."""
+    model: type[BaseModel] = Topology
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        annotation = field.annotation if field is not None else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    return model
+
+
+def _unknown_key_message(loc: tuple[int | str, ...]) -> str:
+    section = _section_at(loc[:-1])
+    where = ".".join(str(p) for p in loc[:-1]) or "the top level"
+    allowed = f"; {where} takes {', '.join(section.model_fields)}" if section is not None else ""
+    near = difflib.get_close_matches(str(loc[-1]), list(section.model_fields), n=1) if section is not None else []
+    hint = f" (did you mean {near[0]}?)" if near else ""
+    return f"unknown key{hint}{allowed}. Every field is described in {FIELDS_DOC}."
+
+
 def _format_validation_error(exc: ValidationError, source: str) -> str:
     lines = [f"{source}: invalid topology"]
     for err in exc.errors():
         path = ".".join(str(p) for p in err["loc"]) or "(top level)"
         if err["type"] == "extra_forbidden":
-            msg = "unknown key; remove it or check its spelling against the documented fields"
+            msg = _unknown_key_message(tuple(err["loc"]))
         elif err["type"] == "missing":
             msg = "required key is missing"
         else:
@@ -637,6 +702,9 @@ def check_rules(t: Topology, pod: PodSettings | None = None) -> RuleReport:
     warnings: list[str] = []
     p, d = t.prefill, t.decode
 
+    gpu_error = gpu_problem(t.hardware.gpu, t.hardware.compute_capability)
+    if gpu_error is not None:
+        errors.append(gpu_error)
     _role_rules(t, "prefill", p, errors)
     _role_rules(t, "decode", d, errors)
 
@@ -755,14 +823,26 @@ def check_rules(t: Topology, pod: PodSettings | None = None) -> RuleReport:
         if not 0 <= gpu < t.hardware.gpus_per_node:
             errors.append(f"transfer.ib_devices.{gpu}: GPU index out of range 0..{t.hardware.gpus_per_node - 1}.")
     rdma = t.hardware.rdma_devices
-    if len(rdma) > 1 and t.transfer.ib_devices:
+    if rdma and t.transfer.ib_devices:
+        # KV transfer (Mooncake) and NCCL/NVSHMEM would use different NICs of the same node: one list is stale.
         unknown = sorted(set(t.transfer.ib_devices.values()) - set(rdma))
         if unknown:
             errors.append(
-                f"transfer.ib_devices: {', '.join(unknown)} not among hardware.rdma_devices ({', '.join(rdma)})."
+                f"transfer.ib_devices: {', '.join(unknown)} not among hardware.rdma_devices ({', '.join(rdma)}); "
+                "name the same devices in both, or leave transfer.ib_devices empty (Mooncake then picks them)."
             )
 
-    cfg = t.load_model_config()
+    try:
+        cfg = t.load_model_config()
+    except TopologyError as exc:  # reported with the other rules rather than alone
+        errors.append(str(exc))
+        cfg = None
+    if t.model.config_json is None:
+        warnings.append(
+            "model.config_json: unset, so the checks against the model's shape are skipped (attention heads against "
+            "attention TP, routed experts against ep, the decode's SBO send SMs against the GEMM's tiles, and the "
+            "checkpoint size behind a pod's startup budget). Set it to the model's config.json."
+        )
     if cfg is not None:
         _shape_rules(t, cfg, errors)
     _sbo_send_sms_rule(t, cfg, errors, warnings)
@@ -824,7 +904,11 @@ def _pod_rules(t: Topology, pod: PodSettings, cfg: dict[str, Any] | None, errors
         if pod.weight_bytes is not None:
             size = pod.weight_bytes
         elif cfg is not None:
-            size = estimate_weight_bytes(cfg)
+            try:
+                size = estimate_weight_bytes(cfg)
+            except TopologyError as exc:
+                errors.append(str(exc))
+                return
         else:
             errors.append(
                 "model.config_json: the pod's startup budget can be checked only against the model's size; "
