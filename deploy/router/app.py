@@ -34,6 +34,7 @@ from .pd.relay import ClientWatch, RelayResponse
 from .policies import make_policy
 from .timing import ARRIVED, QUEUED, Timing, timing_wanted
 from .transport.client import HttpWorkerClient, WorkerClient
+from .workers.fairness import client_identity, client_var
 from .workers.health import HealthChecker
 from .workers.owner import LocalWorkers, WorkerOwner
 from .workers.pairs import PairPicker
@@ -133,6 +134,7 @@ class RouterApp:
         ids = request_ids(scope)
         # Every log line of the request, its relayed stream's included, carries both ids.
         tokens = request_id_var.set(ids.router), client_request_id_var.set(ids.client)
+        client = client_var.set(client_identity(scope, keyed=bool(self.config.api_keys)))  # the fair share's
         try:
             try:
                 response = await self.serve(endpoint, scope, receive, ids, timing)
@@ -148,6 +150,7 @@ class RouterApp:
         finally:
             request_id_var.reset(tokens[0])
             client_request_id_var.reset(tokens[1])
+            client_var.reset(client)
 
     @property
     def draining(self) -> bool:

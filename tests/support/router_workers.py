@@ -184,6 +184,9 @@ class FakeWorker:
     # A stream's body ends this long after its `data: [DONE]` (the chunked terminator can reach
     # the router after the client already read [DONE] and hung up).
     done_delay: float = 0.0
+    # The capacity /server_info reports (sglang's max_running_requests, max_total_num_tokens).
+    max_running_requests: int = 64
+    max_total_num_tokens: int = 1 << 20
     handshake_timeout: float = 10.0
     keep_log: bool = True
     # Failure injection: the next `fail_count` requests get `fail_status` (500 when 0).
@@ -328,8 +331,8 @@ class FakeWorker:
             "disaggregation_mode": self.role,
             **layout,
             "tp_size": 1,
-            "max_running_requests": 64,
-            "max_total_num_tokens": 1 << 20,
+            "max_running_requests": self.max_running_requests,
+            "max_total_num_tokens": self.max_total_num_tokens,
             "context_length": _CONTEXT_LEN,
             "page_size": 16,
             "chunked_prefill_size": 8192,

@@ -40,7 +40,7 @@ from ..exceptions import (
 from ..log import logger
 from ..timing import Timing
 from ..transport.client import Body, Reply
-from ..workers.capacity import CapacityGate, Demand, Reservation, check_max_tokens, estimate
+from ..workers.capacity import CapacityGate, Demand, Reservation, check_max_tokens, check_prompt, estimate
 from ..workers.pairs import Pair, PairPicker
 from ..workers.registry import Worker
 from .legs import Legs, PairStreamOutcome
@@ -68,7 +68,10 @@ class PDProxy:
         # Requests waiting for a pair with room share the admission queue's bounds (capacity.py).
         depth = legs.metrics.capacity_queue_depth
         self.gate = CapacityGate(
-            max_waiting=config.max_queued_requests, timeout_s=config.queue_timeout_s, on_depth=depth.set
+            max_waiting=config.max_queued_requests,
+            timeout_s=config.queue_timeout_s,
+            on_depth=depth.set,
+            registry=pairs.registry,
         )
 
     async def unary(
@@ -134,6 +137,7 @@ class PDProxy:
         still running)."""
         check_max_tokens(endpoint, payload, self.pairs.registry)
         demand = estimate(endpoint, payload, batch_size(endpoint, payload))
+        check_prompt(endpoint, payload, demand, self.pairs.registry)  # one that can never run: refused now
         exclude: list[Worker] = []
         last_error: UpstreamError | None = None
         deadline: float | None = None
@@ -200,7 +204,7 @@ class PDProxy:
         def pick() -> Pair:
             pair = self.pairs.pick(endpoint, payload, rid, exclude, demand)
             # Reserved in the same tick as the pick: no other request can take the same room.
-            pair.reservation = Reservation(pair.prefill, pair.decode, demand, self.gate.notify)
+            pair.reservation = Reservation(pair.prefill, pair.decode, demand, self.gate.notify, self.gate.ledger)
             return pair
 
         if timing is None:
@@ -212,7 +216,7 @@ class PDProxy:
                 pass
         started = time.perf_counter()
         try:
-            return await self.gate.wait(pick, disconnect)
+            return await self.gate.wait(pick, disconnect, demand)
         finally:
             timing.queued += time.perf_counter() - started
 

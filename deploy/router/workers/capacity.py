@@ -1,4 +1,5 @@
-"""What each engine can take, and the requests that wait in the router until a pair can take them.
+"""What each engine can take, and the requests that wait in the router until a pair can take them
+(docs/admission.md has the policy and how it compares with smg's and llm-d's).
 
 An engine says in `/server_info` how many requests it runs at once (`max_running_requests`) and
 how many tokens its KV pool holds (`max_total_num_tokens`); its context length is in the same place
@@ -10,30 +11,41 @@ out nor answers 429. Worse, a stream queued there sends no byte until it runs, s
 engine it would end with the router's stream idle timeout (504) instead. A worker with nothing
 admitted always takes the next request, so one request larger than the estimate allows still runs.
 
-A request that finds every healthy pair full waits in the `CapacityGate`, first come first served,
-for at most the router's queue timeout (`--queue-timeout`) and behind at most `--max-queued-requests`
-others; beyond either it gets a 429 with Retry-After, as the admission queue answers
-(`middleware/admission.py`). Reservations are made when a pair is picked (`Reservation`), so that
-two requests picked in the same tick cannot both take a worker's last slot, and released when each
-leg ends.
+A request reserves its prompt and what its completion likely uses, not its whole max_tokens: per
+sequence at most 1/RESERVE_SHARE of the worker's pool (sglang's scheduler likewise counts a
+clipped, ratio-scaled max_new_tokens when it admits: `SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION` and
+`new_token_ratio`, `srt/managers/schedule_policy.py`). The engine itself retracts or queues when
+the completions grow past the estimate; the reservation is released in full when its leg ends. A
+request whose largest prompt alone cannot run (longer than the context, or than every prefill's
+or every decode's pool) is refused at once (`check_prompt`: 400, 413), never queued.
+
+A request that finds every healthy pair full waits in the `CapacityGate` for at most the router's
+queue timeout (`--queue-timeout`) and behind at most `--max-queued-requests` others; beyond either
+it gets a 429 with Retry-After, as the admission queue answers (`middleware/admission.py`). At each
+release the waiting requests that fit are served in arrival order: one that does not fit is passed
+by later ones that do until it has waited 1/PASS_LIMIT_SHARE of the queue timeout, then the
+requests behind it wait for it. A client (fairness.py) that holds 1/k of the healthy decodes'
+slots or tokens, k the clients holding or waiting, is passed over while another client's request
+waits. Reservations are made when a pair is picked (`Reservation`), so that two requests picked in
+the same tick cannot both take a worker's last slot, and released when each leg ends.
 
 In a router process group (`group.py`) each serving process counts its own reservations against a
-worker's whole capacity.
+worker's whole capacity, and its own clients' shares.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ...common.openai_errors import ApiError
 from ..api.validation import routing_text
 from ..exceptions import ClientGone, WorkerAtCapacity
+from .fairness import ClientLedger, client_var
 
 if TYPE_CHECKING:
     from .registry import Worker, WorkerRegistry
@@ -41,10 +53,13 @@ if TYPE_CHECKING:
 __all__ = [
     "BYTES_PER_TOKEN",
     "DEFAULT_NEW_TOKENS",
+    "REFUSE_BYTES_PER_TOKEN",
+    "RESERVE_SHARE",
     "CapacityGate",
     "Demand",
     "Reservation",
     "check_max_tokens",
+    "check_prompt",
     "estimate",
     "has_room",
     "take_server_info",
@@ -56,6 +71,15 @@ __all__ = [
 # runs: an engine short of KV pages queues the request itself.
 BYTES_PER_TOKEN = 4
 DEFAULT_NEW_TOKENS = 128
+# A request reserves its prompt and, per sequence, at most 1/RESERVE_SHARE of the worker's KV pool
+# for its completion (never less than DEFAULT_NEW_TOKENS), not its whole max_tokens.
+RESERVE_SHARE = 8
+# A text prompt is refused as too long only when it is, even counted at this many bytes a token:
+# common tokenizers average 3-5 bytes a token on text, so no prompt that fits is refused.
+REFUSE_BYTES_PER_TOKEN = 6
+# A waiting request that does not fit is passed by later ones that do until it has waited this
+# share of the queue timeout; then the requests behind it wait for it, so it cannot starve.
+PASS_LIMIT_SHARE = 4
 # A waiting request looks again this often even without a release (a worker became healthy, or
 # was added).
 _RECHECK_S = 0.5
@@ -94,14 +118,51 @@ def take_model_card(worker: Worker, card: dict[str, Any]) -> None:
 
 class Demand:
     """What one request is estimated to take: `slots` running requests (a batch counts each
-    prompt), and tokens on the prefill (its prompts) and on the decode (prompts and completions)."""
+    prompt), `prompt_tokens` (all its prompts), `new_tokens` asked per sequence and `sequences`
+    (prompts × n); `prompt_floor`, a lower bound of its largest prompt (the refusal's measure);
+    `client`, whose request it is (fairness.py)."""
 
-    __slots__ = ("decode_tokens", "prefill_tokens", "slots")
+    __slots__ = ("client", "new_tokens", "prompt_floor", "prompt_tokens", "sequences", "slots")
 
-    def __init__(self, slots: int, prefill_tokens: int, decode_tokens: int) -> None:
+    def __init__(
+        self,
+        slots: int,
+        prompt_tokens: int,
+        new_tokens: int,
+        sequences: int = 1,
+        *,
+        prompt_floor: int = 0,
+        client: str = "",
+    ) -> None:
         self.slots = slots
-        self.prefill_tokens = prefill_tokens
-        self.decode_tokens = decode_tokens
+        self.prompt_tokens = prompt_tokens
+        self.new_tokens = new_tokens
+        self.sequences = sequences
+        self.prompt_floor = prompt_floor
+        self.client = client
+
+    @property
+    def prefill_tokens(self) -> int:
+        return self.prompt_tokens
+
+    def decode_tokens(self, worker: Worker) -> int:
+        """The prompts plus what the completions likely use on `worker`: per sequence its
+        `new_tokens`, at most 1/RESERVE_SHARE of the worker's pool (module docstring)."""
+        new = self.new_tokens
+        if worker.max_total_tokens is not None:
+            new = min(new, max(DEFAULT_NEW_TOKENS, worker.max_total_tokens // RESERVE_SHARE))
+        return self.prompt_tokens + new * self.sequences
+
+    def tokens_on(self, worker: Worker) -> int:
+        return self.prefill_tokens if worker.role == "prefill" else self.decode_tokens(worker)
+
+    def covers(self, other: Demand) -> bool:
+        """Whether this request needs at least what `other` needs, everywhere."""
+        return (
+            self.slots >= other.slots
+            and self.prompt_tokens >= other.prompt_tokens
+            and self.new_tokens * self.sequences >= other.new_tokens * other.sequences
+        )
 
 
 def _asked_new_tokens(endpoint: str, payload: dict[str, Any]) -> Iterator[tuple[str, Any]]:
@@ -120,19 +181,28 @@ def _asked_new_tokens(endpoint: str, payload: dict[str, Any]) -> Iterator[tuple[
 
 
 def estimate(endpoint: str, payload: dict[str, Any], batch: int | None) -> Demand:
-    """The request's `Demand` (the module docstring says how tokens are estimated)."""
+    """The request's `Demand` (the module docstring says how tokens are estimated), for the
+    client of the request being served."""
     ids = payload.get("input_ids")
     if endpoint == "/generate" and isinstance(ids, list) and ids:
-        prompt = sum(len(one) for one in ids if isinstance(one, list)) or len(ids)
+        lists = [len(one) for one in ids if isinstance(one, list)]
+        prompt = sum(lists) or len(ids)
+        floor = max(lists, default=len(ids))
     else:
-        prompt = max(1, len(routing_text(payload).encode()) // BYTES_PER_TOKEN)
+        text = routing_text(payload).encode()
+        prompt = max(1, len(text) // BYTES_PER_TOKEN)
+        texts = payload.get("text") if endpoint == "/generate" else None
+        if isinstance(texts, list):  # a batch: its largest prompt
+            biggest = max((len(t.encode()) for t in texts if isinstance(t, str)), default=0)
+        else:
+            biggest = len(text)
+        floor = biggest // REFUSE_BYTES_PER_TOKEN
     asked = [v for _, v in _asked_new_tokens(endpoint, payload) if isinstance(v, int) and not isinstance(v, bool)]
     new = max(asked) if asked else DEFAULT_NEW_TOKENS
     prompts = batch or 1
     n = payload.get("n")
     samples = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
-    new_total = max(0, new) * samples * prompts
-    return Demand(prompts, prompt, prompt + new_total)
+    return Demand(prompts, prompt, max(0, new), samples * prompts, prompt_floor=floor, client=client_var.get())
 
 
 def has_room(worker: Worker, slots: int, tokens: int) -> bool:
@@ -146,17 +216,30 @@ def has_room(worker: Worker, slots: int, tokens: int) -> bool:
 
 class Reservation:
     """One request's share of its pair's capacity, from the pick until each leg has ended;
-    `release` is idempotent per role, so every path may call it."""
+    `release` is idempotent per role, so every path may call it. The decode's share also counts
+    for the request's client in `ledger` (the gate's fair share)."""
 
-    __slots__ = ("_decode", "_demand", "_on_release", "_prefill")
+    __slots__ = ("_decode", "_decode_tokens", "_demand", "_ledger", "_on_release", "_prefill")
 
-    def __init__(self, prefill: Worker, decode: Worker, demand: Demand, on_release: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        prefill: Worker,
+        decode: Worker,
+        demand: Demand,
+        on_release: Callable[[], None],
+        ledger: ClientLedger | None = None,
+    ) -> None:
         self._prefill: Worker | None = prefill
         self._decode: Worker | None = decode
         self._demand = demand
         self._on_release = on_release
+        self._ledger = ledger
+        # Kept: the worker's pool (hence the share) may be reported anew before the release.
+        self._decode_tokens = demand.decode_tokens(decode)
         prefill.admit(demand.slots, demand.prefill_tokens)
-        decode.admit(demand.slots, demand.decode_tokens)
+        decode.admit(demand.slots, self._decode_tokens)
+        if ledger is not None:
+            ledger.add(demand.client, demand.slots, self._decode_tokens)
 
     def release_prefill(self, _: object = None) -> None:
         """The prefill leg ended (also a done callback)."""
@@ -168,8 +251,10 @@ class Reservation:
     def release_decode(self, _: object = None) -> None:
         """The decode leg ended: its answer was read, its stream closed, or it failed."""
         if self._decode is not None:
-            self._decode.release(self._demand.slots, self._demand.decode_tokens)
+            self._decode.release(self._demand.slots, self._decode_tokens)
             self._decode = None
+            if self._ledger is not None:
+                self._ledger.sub(self._demand.client, self._demand.slots, self._decode_tokens)
             self._on_release()
 
     def release(self) -> None:
@@ -177,62 +262,145 @@ class Reservation:
         self.release_decode()
 
 
-class CapacityGate:
-    """Requests waiting for a pair with room, served first come first served (module docstring)."""
+class _Waiter:
+    __slots__ = ("attempt", "demand", "result", "since")
 
-    def __init__(self, *, max_waiting: int, timeout_s: float, on_depth: Callable[[int], None] | None = None) -> None:
+    def __init__(self, attempt: Callable[[], Any], demand: Demand, result: asyncio.Future[Any]) -> None:
+        self.attempt = attempt
+        self.demand = demand
+        self.result = result
+        self.since = time.monotonic()
+
+
+class CapacityGate:
+    """Requests waiting for a pair with room (module docstring: who goes first)."""
+
+    def __init__(
+        self,
+        *,
+        max_waiting: int,
+        timeout_s: float,
+        on_depth: Callable[[int], None] | None = None,
+        registry: WorkerRegistry | None = None,
+    ) -> None:
         self.max_waiting = max_waiting
         self.timeout_s = timeout_s
+        self.ledger = ClientLedger()
         self._on_depth = on_depth
-        self._queue: deque[list[asyncio.Future[None] | None]] = deque()
+        self._registry = registry  # the decodes whose capacity the clients share
+        self._queue: deque[_Waiter] = deque()
+        self._clients: Counter[str] = Counter()  # waiting requests per client
         self._retry_after = str(max(1, math.ceil(timeout_s / 4)))
+        self._pass_limit_s = timeout_s / PASS_LIMIT_SHARE
 
     @property
     def waiting(self) -> int:
         return len(self._queue)
 
     def notify(self) -> None:
-        """Capacity was released: the first waiting request looks again."""
+        """Capacity was released: the waiting requests that fit now get it (`_dispatch`)."""
         if self._queue:
-            wake = self._queue[0][0]
-            if wake is not None and not wake.done():
-                wake.set_result(None)
+            self._dispatch()
 
-    async def wait(self, attempt: Callable[[], T], disconnect: asyncio.Future[None]) -> T:
-        """Call `attempt` (a pick that raises WorkerAtCapacity while every pair is full) when this
-        request's turn comes and capacity frees, until it returns; raises a 429 ApiError after the
-        queue timeout or when the queue is full, ClientGone when the client leaves."""
+    async def wait(self, attempt: Callable[[], T], disconnect: asyncio.Future[None], demand: Demand) -> T:
+        """Call `attempt` (a pick that reserves, or raises WorkerAtCapacity while no pair has room
+        for `demand`) when its turn comes, until it returns; raises a 429 ApiError after the queue
+        timeout or when the queue is full, ClientGone when the client leaves."""
         if len(self._queue) >= self.max_waiting:
             raise self._refusal(_FULL.format(queued=len(self._queue)), "capacity_queue_full")
-        entry: list[asyncio.Future[None] | None] = [None]
-        self._queue.append(entry)
-        self._depth()
         loop = asyncio.get_running_loop()
+        waiter = _Waiter(attempt, demand, loop.create_future())
+        # A newcomer tries at once unless the queue's head is past passing or its client holds
+        # its share while others wait: every earlier waiter was tried at the last release.
+        if not (self._queue and self._head_is_old()) and not self._over_share(demand.client):
+            try:
+                return attempt()
+            except WorkerAtCapacity:
+                pass
+        self._queue.append(waiter)
+        self._clients[demand.client] += 1
+        self._depth()
         deadline = time.monotonic() + self.timeout_s
         try:
-            while True:
-                if self._queue[0] is entry:
-                    try:
-                        picked = attempt()
-                    except WorkerAtCapacity:
-                        pass
-                    else:
-                        return picked
+            while not waiter.result.done():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise self._refusal(_TIMEOUT.format(timeout=self.timeout_s), "capacity_queue_timeout")
-                wake = entry[0] = loop.create_future()
-                try:
-                    await asyncio.wait({wake, disconnect}, timeout=min(left, _RECHECK_S))
-                finally:
-                    wake.cancel()
+                await asyncio.wait({waiter.result, disconnect}, timeout=min(left, _RECHECK_S))
+                if waiter.result.done():
+                    break
                 if disconnect.done():
                     raise ClientGone()
+                if self._queue and self._queue[0] is waiter:
+                    # No release for a while: a worker may have become healthy or been added.
+                    self._dispatch()
+            picked: T = waiter.result.result()
+            return picked
+        except BaseException:
+            if waiter.result.done() and not waiter.result.cancelled() and waiter.result.exception() is None:
+                _give_back(waiter.result.result())  # picked for a request that is gone
+            raise
         finally:
-            with contextlib.suppress(ValueError):
-                self._queue.remove(entry)
-            self._depth()
-            self.notify()  # the next request's turn: room may be left, or this one gave up its place
+            self._forget(waiter)
+
+    def _dispatch(self) -> None:
+        """Serve the waiting requests that fit, first come first served: a request that does not
+        fit is passed by later ones that do (unless it has waited past the passing limit: then
+        the requests behind it wait for it), and a client holding its share waits while another
+        client's request waits."""
+        failed: list[Demand] = []
+        share = self._share()
+        for waiter in list(self._queue):
+            if waiter.result.done():
+                continue
+            demand = waiter.demand
+            if self._over_share(demand.client, share):
+                continue
+            if not any(demand.covers(f) for f in failed):
+                try:
+                    waiter.result.set_result(waiter.attempt())
+                    self._forget(waiter)
+                    continue
+                except WorkerAtCapacity:
+                    failed.append(demand)
+                except Exception as exc:  # NoHealthyWorker and the like: that request's answer
+                    waiter.result.set_exception(exc)
+                    self._forget(waiter)
+                    continue
+            if time.monotonic() - waiter.since >= self._pass_limit_s:
+                return  # the requests behind it wait until it fits
+
+    def _head_is_old(self) -> bool:
+        return time.monotonic() - self._queue[0].since >= self._pass_limit_s
+
+    def _share(self) -> tuple[int, int, int]:
+        """The healthy decodes' slots and tokens, and the number of clients holding or waiting."""
+        if self._registry is None:
+            return 0, 0, 1
+        decodes = self._registry.available("decode")
+        active = len(self.ledger.clients() | set(self._clients))
+        return sum(w.max_running or 0 for w in decodes), sum(w.max_total_tokens or 0 for w in decodes), active
+
+    def _over_share(self, client: str, share: tuple[int, int, int] | None = None) -> bool:
+        """Whether `client` holds its share of the decodes (1/k of their slots or tokens, k the
+        clients holding or waiting) while another client's request waits."""
+        if len(self._queue) - self._clients.get(client, 0) <= 0:
+            return False
+        slots, tokens = self.ledger.held(client)
+        if not slots:
+            return False
+        total_slots, total_tokens, active = share or self._share()
+        return (0 < total_slots <= slots * active) or (0 < total_tokens <= tokens * active)
+
+    def _forget(self, waiter: _Waiter) -> None:
+        try:
+            self._queue.remove(waiter)
+        except ValueError:
+            return
+        self._clients[waiter.demand.client] -= 1
+        if self._clients[waiter.demand.client] <= 0:
+            del self._clients[waiter.demand.client]
+        self._depth()
 
     def _refusal(self, message: str, code: str) -> ApiError:
         return ApiError(429, message, code=code, headers={"retry-after": self._retry_after})
@@ -240,6 +408,52 @@ class CapacityGate:
     def _depth(self) -> None:
         if self._on_depth is not None:
             self._on_depth(len(self._queue))
+
+
+def _give_back(picked: Any) -> None:
+    """Undo a pick whose request left before taking it: its reservation and DP ranks."""
+    reservation = getattr(picked, "reservation", None)
+    if reservation is not None:
+        reservation.release()
+    release_ranks = getattr(picked, "release_ranks", None)
+    if release_ranks is not None and getattr(picked, "dp_ranks", None):
+        release_ranks()
+
+
+def check_prompt(endpoint: str, payload: dict[str, Any], demand: Demand, registry: WorkerRegistry) -> None:
+    """Refuse at once a request whose largest prompt alone cannot run: 400 when it is longer than
+    the served model's context length, 413 when no prefill's or no decode's KV pool can hold it.
+    A limit no worker reports is not checked."""
+    prompt = demand.prompt_floor
+    model = payload.get("model") if endpoint != "/generate" else None
+    param = {"/generate": "input_ids" if "input_ids" in payload else "text", "/v1/completions": "prompt"}.get(
+        endpoint, "messages"
+    )
+    how = "" if param == "input_ids" else f" (counting {REFUSE_BYTES_PER_TOKEN} bytes a token, a lower bound)"
+    contexts = [
+        w.context_length
+        for w in registry.all()
+        if w.context_length is not None and (not isinstance(model, str) or not w.models or model in w.models)
+    ]
+    if contexts and prompt > min(contexts):
+        raise ApiError(
+            400,
+            f"The prompt is at least {prompt} tokens{how}, more than the context length of {min(contexts)} "
+            f"tokens. Shorten '{param}'.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    for role in ("prefill", "decode"):
+        pools = [w.max_total_tokens for w in registry.of(role) if w.max_total_tokens is not None]
+        if pools and prompt > max(pools):
+            raise ApiError(
+                413,
+                f"The prompt is at least {prompt} tokens{how}, more than the largest {role} KV cache pool holds "
+                f"({max(pools)} tokens, max_total_num_tokens): no {role} worker can run it. Shorten '{param}', "
+                "or serve it with workers that have more KV cache memory.",
+                param=param,
+                code="prompt_exceeds_kv_pool",
+            )
 
 
 def check_max_tokens(endpoint: str, payload: dict[str, Any], registry: WorkerRegistry) -> None:

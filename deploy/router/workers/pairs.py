@@ -63,8 +63,8 @@ class PairPicker:
         """Select a pair with the policies among the workers with room for `demand` (None: any) and
         write the legs' bodies; raises NoHealthyWorker, or WorkerAtCapacity when healthy workers of
         a role have no room."""
-        prefills = self._with_room("prefill", exclude, demand, "prefill_tokens")
-        decodes = self._with_room("decode", exclude, demand, "decode_tokens")
+        prefills = self._with_room("prefill", exclude, demand)
+        decodes = self._with_room("decode", exclude, demand)
         text = routing_text(payload) if self._needs_text else None
         request = RoutingRequest(text=text or "")
         prefill = self.policies["prefill"].select(prefills, request)
@@ -86,13 +86,13 @@ class PairPicker:
         )  # fmt: skip
         return Pair(prefill, decode, bodies, ranks)
 
-    def _with_room(self, role: Role, exclude: list[Worker], demand: Demand | None, tokens: str) -> list[Worker]:
+    def _with_room(self, role: Role, exclude: list[Worker], demand: Demand | None) -> list[Worker]:
         workers = self.registry.available(role, exclude)
         if not workers:
             raise NoHealthyWorker(role)
         if demand is None:
             return workers
-        roomy = [w for w in workers if has_room(w, demand.slots, getattr(demand, tokens))]
+        roomy = [w for w in workers if has_room(w, demand.slots, demand.tokens_on(w))]
         if not roomy:
             raise WorkerAtCapacity(role)
         return roomy

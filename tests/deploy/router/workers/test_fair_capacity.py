@@ -1,0 +1,146 @@
+"""No client can starve another at the engines' capacity (workers/capacity.py, workers/fairness.py):
+a prompt that cannot fit is refused at once, a request reserves what it likely uses rather than
+its whole max_tokens, a request that fits passes a queue head that does not, and a client that
+holds its share of the decodes waits behind another client's request. A router on loopback in
+front of test workers that report a small capacity."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from ..conftest import Cluster
+
+CHAT = "/v1/chat/completions"
+KEY_A, KEY_B = "sk-fair-a", "sk-fair-b"
+_open: list[object] = []
+
+
+def _chat(content: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, **extra}
+
+
+async def _hold(stack: contextlib.AsyncExitStack, client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> None:
+    """Open a stream and read its first bytes: it is admitted and runs until `stack` closes it."""
+    resp = await stack.enter_async_context(client.stream("POST", url + CHAT, json={**body, "stream": True}))
+    assert resp.status_code == 200, await resp.aread()
+    chunks = resp.aiter_raw()
+    await anext(chunks)
+    _open.append(chunks)  # a reader dropped unfinished closes its stream when collected
+
+
+def _capacity(url: str) -> dict[str, Any]:
+    (decode,) = httpx.get(url + "/workers").json()["decode"]
+    return dict(decode["capacity"])
+
+
+def test_a_prompt_that_cannot_fit_is_refused_at_once(cluster_factory: Callable[..., Cluster]) -> None:
+    # The pools hold 2048 tokens, the context 4096 (the test workers' /server_info).
+    cluster = cluster_factory(1, 1, max_total_num_tokens=2048)
+    with cluster.serve(cluster.config(queue_timeout_s=30)) as running:
+        cases = [
+            (CHAT, _chat("word " * 4800, 8), 413, "2048"),  # 24 KB: at least 4000 tokens, over the pool
+            (CHAT, _chat("word " * 12000, 8), 400, "4096"),  # 60 KB: over the context
+            ("/generate", {"input_ids": [7] * 5000, "sampling_params": {"max_new_tokens": 8}}, 400, "4096"),
+        ]
+        for path, body, status, limit in cases:
+            tic = time.monotonic()
+            resp = httpx.post(running.url + path, json=body, timeout=40)
+            assert time.monotonic() - tic < 2.0, "refused at once, not after waiting for room"
+            assert resp.status_code == status, resp.text
+            assert limit in resp.json()["error"]["message"], resp.text
+        assert cluster.decodes[0].requests == [], "no engine saw a refused prompt"
+        # A prompt that fits is served.
+        assert httpx.post(running.url + CHAT, json=_chat("word " * 400, 8), timeout=10).status_code == 200
+
+
+def test_long_max_tokens_do_not_reserve_the_whole_pool(cluster_factory: Callable[..., Cluster]) -> None:
+    # sglang's numbers: a decode pool of 11648 tokens, three streams asking for 3860 tokens each.
+    cluster = cluster_factory(1, 1, token_delay=0.05, max_total_num_tokens=11648)
+    with cluster.serve(cluster.config(queue_timeout_s=2.0)) as running:
+
+        async def scenario() -> list[int]:
+            async with httpx.AsyncClient(timeout=30) as client, contextlib.AsyncExitStack() as stack:
+                for _ in range(3):
+                    await _hold(stack, client, running.url, _chat("tell me a story", 3860))
+                assert _capacity(running.url)["admitted_tokens"] <= 11648 // 2
+                small = [client.post(running.url + CHAT, json=_chat("hi", 100)) for _ in range(4)]
+                return [r.status_code for r in await asyncio.gather(*small)]
+
+        assert asyncio.run(scenario()) == [200] * 4
+        assert _capacity(running.url)["admitted_tokens"] == 0
+
+
+def test_a_request_that_fits_passes_a_queue_head_that_does_not(cluster_factory: Callable[..., Cluster]) -> None:
+    cluster = cluster_factory(1, 1, token_delay=0.05, max_total_num_tokens=4096)
+    with cluster.serve(cluster.config(queue_timeout_s=3.0)) as running:
+
+        async def scenario() -> tuple[float, int, int]:
+            async with httpx.AsyncClient(timeout=30) as client:
+                async with contextlib.AsyncExitStack() as stack:
+                    for _ in range(3):  # 3 × 401 tokens reserved
+                        await _hold(stack, client, running.url, _chat("tell me a story", 400))
+                    # About 3000 prompt tokens: it fits an empty pool, not this one.
+                    head = asyncio.ensure_future(client.post(running.url + CHAT, json=_chat("word " * 2400, 16)))
+                    await asyncio.sleep(0.3)
+                    assert not head.done() and running.app.proxy.gate.waiting == 1, _capacity(running.url)
+                    tic = time.monotonic()
+                    small = await client.post(running.url + CHAT, json=_chat("hi", 8))
+                    passed_in = time.monotonic() - tic
+                    assert not head.done()
+                # The streams are closed: the head fits now.
+                return passed_in, small.status_code, (await head).status_code
+
+        passed_in, small_status, head_status = asyncio.run(scenario())
+        assert small_status == 200 and passed_in < 1.5, (small_status, passed_in)
+        assert head_status == 200
+
+
+@pytest.mark.parametrize("identity", ["api key", "address"])
+def test_a_client_holding_its_share_waits_behind_another_client(
+    cluster_factory: Callable[..., Cluster], identity: str
+) -> None:
+    # A decode that runs 4 requests; client A holds all 4 and queues a fifth, then B asks for one.
+    # Without fairness the freed slot goes to A's fifth, the queue's head, and B waits 3 s.
+    cluster = cluster_factory(1, 1, token_delay=0.05, max_running_requests=4)
+    keys = (KEY_A, KEY_B) if identity == "api key" else ()
+    with cluster.serve(cluster.config(queue_timeout_s=3.0, api_keys=keys)) as running:
+
+        def client(key: str, address: str) -> httpx.AsyncClient:
+            if identity == "api key":
+                return httpx.AsyncClient(timeout=30, headers={"authorization": f"Bearer {key}"})
+            # Loopback answers on all of 127.0.0.0/8: B connects from another address.
+            return httpx.AsyncClient(timeout=30, transport=httpx.AsyncHTTPTransport(local_address=address))
+
+        async def scenario() -> tuple[int, float, bool, int]:
+            async with client(KEY_A, "127.0.0.1") as a, client(KEY_B, "127.0.0.2") as b:
+                async with contextlib.AsyncExitStack() as a_streams:
+                    closers = []
+                    for _ in range(4):
+                        inner = contextlib.AsyncExitStack()
+                        await _hold(inner, a, running.url, _chat("tell me a story", 400))
+                        closers.append(inner)
+                        a_streams.push_async_callback(inner.aclose)
+                    # A's fifth runs 3 s once admitted: if it took the freed slot, B would wait that long.
+                    a_fifth = asyncio.ensure_future(a.post(running.url + CHAT, json=_chat("hi", 60)))
+                    await asyncio.sleep(0.2)
+                    b_first = asyncio.ensure_future(b.post(running.url + CHAT, json=_chat("hi", 8)))
+                    await asyncio.sleep(0.2)
+                    assert running.app.proxy.gate.waiting == 2
+                    tic = time.monotonic()
+                    await closers[0].aclose()  # one of A's streams ends: its slot goes to B
+                    b_status = (await b_first).status_code
+                    b_waited = time.monotonic() - tic
+                    a_still_waits = not a_fifth.done()
+                return b_status, b_waited, a_still_waits, (await a_fifth).status_code
+
+        b_status, b_waited, a_still_waits, a_status = asyncio.run(scenario())
+        assert b_status == 200 and b_waited < 1.5, (b_status, b_waited)
+        assert a_still_waits, "A's queued request took the freed slot ahead of B"
+        assert a_status == 200, "A is served once its streams end"
