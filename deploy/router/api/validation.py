@@ -18,7 +18,17 @@ import orjson
 from ...common.openai_errors import ApiError
 from .fields import refused_fields
 
-__all__ = ["ENDPOINTS", "MAX_JSON_DEPTH", "MAX_STOP", "ROLES", "batch_size", "parse_body", "routing_text", "validate"]
+__all__ = [
+    "ENDPOINTS",
+    "MAX_JSON_DEPTH",
+    "MAX_STOP",
+    "ROLES",
+    "Payload",
+    "batch_size",
+    "parse_body",
+    "routing_text",
+    "validate",
+]
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/generate")
 
@@ -60,7 +70,21 @@ _MAX_METADATA = 16
 _LOGIT_BIAS = 100
 
 
-def parse_body(raw: bytes) -> dict[str, Any]:
+class Payload(dict[str, Any]):
+    """A parsed request body that remembers its routing text and batch size: several steps of one
+    request read them (the capacity estimate, the pair's policies, the prefix's DP rank), and the
+    text of a long prompt is a join and copy of all of it. The router never changes the prompt of
+    a body it has parsed, so the first answer stays right."""
+
+    __slots__ = ("batch", "text")
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        super().__init__(fields)
+        self.text: str | None = None
+        self.batch: tuple[str, int | None] | None = None  # (endpoint, batch size)
+
+
+def parse_body(raw: bytes) -> Payload:
     if not raw:
         raise ApiError(400, "The request body is empty. Send a JSON object.", code="invalid_json")
     try:
@@ -76,7 +100,7 @@ def parse_body(raw: bytes) -> dict[str, Any]:
             code="invalid_json",
         )
     _check_depth(raw, payload)
-    return payload
+    return Payload(payload)
 
 
 def _check_depth(raw: bytes, payload: Any) -> None:
@@ -344,6 +368,14 @@ def batch_size(endpoint: str, payload: dict[str, Any]) -> int | None:
     """The number of prompts of a batch `/generate` request, or None for a single request."""
     if endpoint != "/generate":
         return None
+    if isinstance(payload, Payload):
+        if payload.batch is None or payload.batch[0] != endpoint:
+            payload.batch = (endpoint, _batch_size(payload))
+        return payload.batch[1]
+    return _batch_size(payload)
+
+
+def _batch_size(payload: dict[str, Any]) -> int | None:
     text = payload.get("text")
     if isinstance(text, list):
         return len(text)
@@ -354,7 +386,15 @@ def batch_size(endpoint: str, payload: dict[str, Any]) -> int | None:
 
 
 def routing_text(payload: dict[str, Any]) -> str:
-    """The prompt as text, for prefix-affinity routing."""
+    """The prompt as text, for prefix-affinity routing and the capacity estimate (once per `Payload`)."""
+    if isinstance(payload, Payload):
+        if payload.text is None:
+            payload.text = _routing_text(payload)
+        return payload.text
+    return _routing_text(payload)
+
+
+def _routing_text(payload: dict[str, Any]) -> str:
     messages = payload.get("messages")
     if isinstance(messages, list):
         parts = []
