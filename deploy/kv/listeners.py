@@ -112,5 +112,5 @@ def exposure_warning(listeners: Iterable[Listener], *, hostname: str, handshake_
     return (
         f"{EXPOSURE_MARK}: {named}, although its host name is {hostname} (Mooncake has no bind-address option); "
         f"anyone reaching these ports can read and write this engine's registered KV memory, so firewall TCP "
-        f"{low}-{high} (MC_MIN_RPC_PORT/MC_MAX_RPC_PORT) to the other PD engines only (README: Ports and auth)."
+        f"{low}-{high} (MC_MIN_RPC_PORT/MC_MAX_RPC_PORT) to the other PD engines only (docs/ports-and-auth.md)."
     )

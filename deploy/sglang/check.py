@@ -169,7 +169,7 @@ def check_with_sglang(t: Topology, python: str | None = None, local_deepep: bool
         raise SglangUnavailable(
             "sglang is not installed here, so its own argument checks cannot run; install the "
             "`validate` extra and sglang without its GPU dependencies: "
-            "pip install 'sglang-pd[validate]' && pip install --no-deps sglang==0.5.23"
+            "pip install -e '.[validate]' (in the sglang-pd checkout) && pip install --no-deps sglang==0.5.23"
         )
     config = t.load_model_config()
     if config is None:

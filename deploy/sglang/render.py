@@ -1,7 +1,7 @@
 """Render a topology into the exact sglang 0.5.23 command and environment of every node.
 
-`plan`, `up`, `launch` and the Helm chart all go through `render_plan` / `render_node` (DESIGN.md
-"One source of truth"). It writes only the options and environment variables that
+`plan`, `up`, `launch` and the Helm chart all go through `render_plan` / `render_node` (docs/topology.md:
+the topology is the only source of truth). It writes only the options and environment variables that
 deploy/spec/rendered.py declares with the topology field each comes from; the rules read the same
 declarations to keep `extra_args` and `env` from overriding them.
 """
