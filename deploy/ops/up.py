@@ -10,7 +10,8 @@ exchange through the router (the smoke request, sent with the first key of
 SGLANG_PD_ROUTER_API_KEYS when that is set; `--no-smoke` skips it) and a curl example. On Ctrl-C
 or SIGTERM the router is stopped first with its drain time, then the engines (their whole process
 groups; children also die with this process: `procs.py`). A child that dies once the stack is up
-is restarted with a doubling back-off while the others keep running.
+is restarted with a back-off while the others keep running: it doubles per restart, and starts
+again once a child has run for a healthy minute.
 
 The worker key (SGLANG_PD_WORKER_API_KEY) reaches the children as it does in the cluster: sglang
 engines get `--api-key` from `launch.worker_key_args`, the reference engines and the router read it
@@ -103,6 +104,9 @@ class ChildSpec:
 # The router's drain time on SIGTERM (RouterConfig.drain_timeout_s), and the extra it gets to exit.
 ROUTER_DRAIN_S = 30.0
 MAX_RESTART_BACKOFF_S = 30.0  # a child that keeps dying is retried at most this far apart
+# A child that ran this long before it exited was healthy: its next restart waits the first
+# back-off again, not the doubled one of crashes that may be hours old.
+HEALTHY_RESET_S = 60.0
 
 
 def _cli(*args: str) -> list[str]:
@@ -371,9 +375,11 @@ class Stack:
         out: TextIO | None = None,
         log_dir: Path | None = None,
         restart_backoff_s: float = 1.0,
+        healthy_reset_s: float = HEALTHY_RESET_S,
     ) -> None:
         """`log_dir`: where children with `log_to_file` write `<name>.log` (None: all to `out`);
-        `restart_backoff_s`: the first wait before `supervise` restarts a child that exited."""
+        `restart_backoff_s`: the first wait before `supervise` restarts a child that exited;
+        `healthy_reset_s`: a child that ran this long before exiting starts its back-off again."""
         self.specs = specs
         self.procs: dict[str, Child] = {}
         self._out = out or sys.stdout
@@ -385,6 +391,7 @@ class Stack:
         self._file_pumps: dict[str, threading.Thread] = {}
         self._started: dict[str, float] = {}
         self.restart_backoff_s = restart_backoff_s
+        self.healthy_reset_s = healthy_reset_s
         self._backoff: dict[str, float] = {}
         self._restart_at: dict[str, float] = {}
         self.restarts: collections.Counter[str] = collections.Counter()
@@ -455,8 +462,9 @@ class Stack:
 
     def supervise(self) -> None:
         """Restart children that exited, each after a back-off that doubles per restart (up to
-        `MAX_RESTART_BACKOFF_S`). Meanwhile the rest keeps running: the router answers 503 while
-        no pair is healthy and routes again once the restarted engine is."""
+        `MAX_RESTART_BACKOFF_S`) and starts again after a run of `healthy_reset_s`. Meanwhile the
+        rest keeps running: the router answers 503 while no pair is healthy and routes again once
+        the restarted engine is."""
         now = time.monotonic()
         for spec in self.specs:
             child = self.procs.get(spec.name)
@@ -464,6 +472,8 @@ class Stack:
                 continue
             due = self._restart_at.get(spec.name)
             if due is None:
+                if now - self._started.get(spec.name, now) >= self.healthy_reset_s:
+                    self._backoff.pop(spec.name, None)  # it ran healthy for a while: no crash loop
                 delay = self._backoff.get(spec.name, self.restart_backoff_s)
                 self._backoff[spec.name] = min(delay * 2, MAX_RESTART_BACKOFF_S)
                 self._restart_at[spec.name] = now + delay

@@ -195,3 +195,23 @@ def test_a_dead_child_is_restarted_with_a_doubling_back_off(tmp_path: Path) -> N
     for delay in ("0.1", "0.2", "0.4"):
         assert f"flaky: exited with code 3; restarting in {delay} s" in text, text
     assert "flaky: restarting (restart 3)" in text
+
+
+def test_the_back_off_starts_again_after_a_healthy_run(tmp_path: Path) -> None:
+    # Each life lasts 0.4 s, past the 0.3 s the stack counts as healthy: every restart waits the
+    # first back-off again (a doubling that never reset reached 16 s at the fifth restart).
+    out = io.StringIO()
+    spec = ChildSpec(
+        "rare", [sys.executable, "-c", "import sys, time; time.sleep(0.4); sys.exit(3)"], "http://127.0.0.1:1/"
+    )
+    stack = Stack([spec], out=out, log_dir=tmp_path, restart_backoff_s=0.1, healthy_reset_s=0.3)
+    stack.start()
+    deadline = time.monotonic() + 15
+    while stack.restarts["rare"] < 3 and time.monotonic() < deadline:
+        stack.supervise()
+        time.sleep(0.02)
+    stack.stop()
+    text = out.getvalue()
+    assert stack.restarts["rare"] >= 3, text
+    assert text.count("rare: exited with code 3; restarting in 0.1 s") >= 3, text
+    assert "restarting in 0.2 s" not in text, text
