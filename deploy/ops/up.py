@@ -15,7 +15,9 @@ again once a child has run for a healthy minute.
 
 The worker key (SGLANG_PD_WORKER_API_KEY) reaches the children as it does in the cluster: sglang
 engines get `--api-key` from `launch.worker_key_args`, the reference engines and the router read it
-from the environment they inherit. What `up` prints or logs from a child shows the key masked.
+from the environment they inherit. Without one `up` generates a random key for its children, so
+that its engines answer only the router and its own probes. What `up` prints or logs from a child
+shows the key masked.
 
 Mooncake's KV ports (TCP MC_MIN_RPC_PORT..MC_MAX_RPC_PORT) authenticate no one, so `up` fences
 them (kv/firewall.py): the engines run with the group KV_ENGINE_GID, and netfilter rules named
@@ -33,6 +35,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -283,6 +286,19 @@ def worker_key(env: Mapping[str, str]) -> str | None:
     """SGLANG_PD_WORKER_API_KEY from `env`, checked as `sglang-pd launch` checks a pod's (LaunchError
     when empty or unsendable in a header); None when unset."""
     return checked_worker_key(env, ENV_WORKER_API_KEY)
+
+
+def ensure_worker_key(env: dict[str, str] | os._Environ[str]) -> str:
+    """Give this run's children a worker key: a random one in `env` when none is set there (the
+    children inherit it: engines then answer only the router and `up`'s probes). Returns the line
+    that says the engines are keyed."""
+    if ENV_WORKER_API_KEY in env:
+        return f"engines are keyed: they answer only requests with the worker key ({ENV_WORKER_API_KEY})"
+    env[ENV_WORKER_API_KEY] = "wk-" + secrets.token_urlsafe(24)
+    return (
+        "engines are keyed: a worker key was generated for this run (set "
+        f"{ENV_WORKER_API_KEY} to choose it); only the router and `up` send it"
+    )
 
 
 def _key_probe(key: str | None) -> dict[str, str]:
@@ -772,6 +788,8 @@ def run(args: argparse.Namespace) -> int:
     except TopologyError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INVALID
+    asked_env = dict(os.environ)  # what the user set: a key generated below does not demand the fence
+    keyed_note = ensure_worker_key(os.environ)
     if engine == "sglang":
         if overrides:
             print(
@@ -823,11 +841,12 @@ def run(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir) if args.log_dir else runs / f"{t.name}-{stamp}"
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"engine logs: {log_dir}", flush=True)
+    print(keyed_note, flush=True)
     # Before any engine starts, so that no moment exists in which their KV ports are open.
     try:
         specs, firewall = fence_kv_ports(
             specs,
-            os.environ,
+            asked_env,
             allow_open=args.allow_open_kv_ports,
             off=args.no_kv_firewall,
             echo=lambda line: print(line, file=sys.stderr, flush=True),

@@ -163,3 +163,44 @@ def test_reference_stack_with_the_key_serves_through_the_router_and_refuses_dire
     assert KEY not in printed
     for log in logs.iterdir():
         assert KEY not in log.read_text(errors="replace"), log
+
+
+def test_up_without_a_key_generates_one_and_its_engines_refuse_unkeyed_calls(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real `up local-cpu` with no SGLANG_PD_WORKER_API_KEY: it says the engines are keyed, the
+    router serves, and an engine called directly without the key answers 401."""
+    monkeypatch.delenv(ENV_WORKER_API_KEY, raising=False)
+    monkeypatch.delenv("SGLANG_PD_ROUTER_WORKER_API_KEY", raising=False)
+    prefill, bootstrap, decode, router = free_ports(4)
+    t = yaml.safe_load((PRESETS / "local-cpu.yaml").read_text())
+    t["prefill"].update(port=prefill, bootstrap_port=bootstrap)
+    t["decode"]["port"] = decode
+    t["router"]["port"] = router
+    t["model"]["config_json"] = str(PRESETS / t["model"]["config_json"])
+    topo = tmp_path / "local.yaml"
+    topo.write_text(yaml.safe_dump(t))
+    argv = [sys.executable, "-m", "sglang_pd.deploy.cli", "up", str(topo), "--log-dir", str(tmp_path / "logs"),
+            "--no-kv-firewall", "--no-smoke"]  # fmt: skip
+    proc = spawn("up", argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT).proc
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+    seen: list[str] = []
+    t0 = time.monotonic()
+    try:
+        while not any("ready in" in ln or "OpenAI base URL" in ln for ln in seen):
+            assert time.monotonic() - t0 < 120, "not ready within 120 s:\n" + "".join(seen[-40:])
+            try:
+                seen.append(lines.get(timeout=1))
+            except queue.Empty:
+                assert proc.poll() is None, "".join(seen[-40:])
+        assert any(ln.startswith("engines are keyed: a worker key was generated") for ln in seen), "".join(seen)
+        body = {"model": t["model"]["served_name"], "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        r = httpx.post(f"http://127.0.0.1:{router}/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        for port in (prefill, decode):
+            bare = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
+            assert bare.status_code == 401, (port, bare.text)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
