@@ -21,6 +21,15 @@ __all__ = ["main"]
 def _cmd_plan(args: argparse.Namespace) -> int:
     from sglang_pd.deploy.ops.plan import build_plan, format_plan
 
+    given = [flag for flag, value in _ESTIMATE_INPUTS.items() if getattr(args, value) is not None]
+    if given and not args.estimate:
+        print(
+            f"error: {' and '.join(given)} appl{'ies' if len(given) == 1 else 'y'} only to the performance "
+            f"estimate; add --estimate (sglang-pd plan {args.topology} --estimate "
+            f"{' '.join(f'{g} N' for g in given)}).",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     t, rules = load_checked_topology(args.topology)
     if args.estimate:
         from sglang_pd.deploy.ops.plan import estimate_report
@@ -28,7 +37,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if args.format not in ("table", "json"):
             print(f"error: --estimate prints a table or JSON, not {args.format}.", file=sys.stderr)
             return EXIT_USAGE
-        print(estimate_report(t, args.format, args.input_len, args.output_len, args.decode_batch))
+        input_len = args.input_len or DEFAULT_INPUT_LEN
+        output_len = args.output_len or DEFAULT_OUTPUT_LEN
+        print(estimate_report(t, args.format, input_len, output_len, args.decode_batch))
         return EXIT_OK
     plan = build_plan(t, rules)
     status = EXIT_OK
@@ -40,6 +51,21 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             print(f"note: {note}", file=sys.stderr)
     print(format_plan(plan, args.format))
     return status
+
+
+# `plan --estimate`'s inputs (flag -> argparse dest); their defaults apply only with --estimate.
+_ESTIMATE_INPUTS = {"--input-len": "input_len", "--output-len": "output_len", "--decode-batch": "decode_batch"}
+DEFAULT_INPUT_LEN = 4096
+DEFAULT_OUTPUT_LEN = 1536
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sglang-pd")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
 
 
 # Verbs whose implementation lives in its own subpackage: verb -> (module, help).
@@ -60,6 +86,7 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         prog="sglang-pd",
         description="Prefill/decode-disaggregated SGLang: plan, run and check a PD deployment.",
     )
+    parser.add_argument("--version", action="version", version=f"sglang-pd {_version()}")
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     p = sub.add_parser("plan", help="show and check a topology: nodes, GPUs, per-node sglang commands")
@@ -80,10 +107,23 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         action="store_true",
         help="predict prefill tok/s and TTFT, decode ITL and tok/s, the P:D ratio and the KV fit (docs/estimate.md)",
     )
-    p.add_argument("--input-len", type=positive_int, default=4096, metavar="N", help="prompt tokens (default 4096)")
-    p.add_argument("--output-len", type=positive_int, default=1536, metavar="M", help="generated tokens (default 1536)")
     p.add_argument(
-        "--decode-batch", type=positive_int, metavar="B", help="requests per decode rank (default: the topology's)"
+        "--input-len",
+        type=positive_int,
+        metavar="N",
+        help=f"with --estimate: prompt tokens (default {DEFAULT_INPUT_LEN})",
+    )
+    p.add_argument(
+        "--output-len",
+        type=positive_int,
+        metavar="M",
+        help=f"with --estimate: generated tokens (default {DEFAULT_OUTPUT_LEN})",
+    )
+    p.add_argument(
+        "--decode-batch",
+        type=positive_int,
+        metavar="B",
+        help="with --estimate: requests per decode rank (default: the topology's)",
     )
     p.set_defaults(func=_cmd_plan)
 

@@ -179,6 +179,13 @@ def _table(p: Plan) -> str:
         f"x{t.hardware.gpus_per_node} per node; {_count(p.total_nodes, 'node')}, {_count(p.total_gpus, 'GPU')}{shared}",
         "",
     ]
+    if t.is_local:
+        lines += [
+            f"`sglang-pd up {t.name}` (and `make run`) runs these roles with the reference engine "
+            "(`sglang-pd engine`, PyTorch on this machine's CPU), not with the sglang commands below, which "
+            "show what sglang would be given.",
+            "",
+        ]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     for role, cmds in p.commands.items():
         for c in cmds:

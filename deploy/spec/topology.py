@@ -476,6 +476,13 @@ def parse_topology(data: Any, source: str = "<topology>", source_dir: Path | Non
 def find_topology(name: str | Path) -> Path:
     """A topology file path, or the name of a shipped preset (`local-cpu`, ...)."""
     path = Path(name)
+    if path.is_dir():
+        inside = sorted(p.name for p in path.glob("*.y*ml"))
+        hint = f" It holds {', '.join(inside)}." if inside else ""
+        raise TopologyError(
+            f"{name}: is a folder, not a topology file; give a topology YAML file or a preset name "
+            f"(e.g. local-cpu).{hint}"
+        )
     if path.exists():
         return path
     preset = PRESETS_DIR / f"{path.name.removesuffix('.yaml')}.yaml"
