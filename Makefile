@@ -54,7 +54,7 @@ $(VENV)/.run-installed: pyproject.toml Makefile
 
 # `make test`'s install: the rest (tests, lint, sglang's argument code and its CUDA torch pin).
 $(VENV)/.installed: $(VENV)/.run-installed
-	@echo "== [1/3] sglang-pd with the dev, validate and kv-cpu extras (torch $(SGLANG_VERSION)'s pin: several GB)"
+	@echo "== [1/3] sglang-pd with the dev, validate and kv-cpu extras (sglang $(SGLANG_VERSION)'s CUDA torch pin: several GB)"
 	$(PIP) -e '.[dev,validate,kv-cpu]'
 	@# sglang's own pins pull CUDA-only wheels; its argument code needs only the `validate` extra.
 	@echo "== [2/3] sglang $(SGLANG_VERSION) without its dependencies"
