@@ -22,7 +22,7 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 
-from .errors import EndpointUnreachable
+from .errors import EndpointUnreachable, UsageError
 from .prompt import STOP
 
 __all__ = [
@@ -219,6 +219,14 @@ class EndpointClient:
                     raise EndpointUnreachable(f"{_describe(status, url, body)}. {hint}.")
                 else:
                     models = _model_ids(url, body)
+                    if models and self.model is not None and self.model not in models:
+                        # Every question would get the server's 404 for an unknown model: a wrong flag, not
+                        # an endpoint to judge (exit 2, not 4).
+                        raise UsageError(
+                            f"--model {self.model!r} is not served at {self.base_url}: {url} lists "
+                            f"{', '.join(repr(m) for m in models)}. Pass one of them with --model, or leave "
+                            "--model out to use the first."
+                        )
                     if models:
                         self.model = self.model or models[0]
                         return self.model

@@ -78,7 +78,7 @@ def test_report_fields(dataset: Dataset, serve: Serve, eval_cli: Any) -> None:
 
 
 def test_chat_api(dataset: Dataset, serve: Serve, eval_cli: Any) -> None:
-    server = serve(_script(dataset, lambda i: i % 2 == 0))
+    server = serve(_script(dataset, lambda i: i % 2 == 0, model="mine"))  # --model must be one it serves
     result = eval_cli(server.base_url, "--api", "chat", "--num-questions", "10", "--model", "mine")
     assert result.code == 0 and result.report["metrics"]["correct"] == 5
     body = server.bodies[0]
