@@ -29,7 +29,9 @@ LINK = re.compile(r"(?<!!)\[(?:[^\]\[]|\[[^\]]*\])*\]\(([^)\s]+)(?:\s+\"[^\"]*\"
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 MAKE = re.compile(r"\bmake\s+([a-z][a-z0-9-]*)((?:\s+[A-Z][A-Z0-9_]*=(?:\"[^\"]*\"|'[^']*'|\S+))*)")
 MAKE_VAR = re.compile(r"([A-Z][A-Z0-9_]*)=(\"[^\"]*\"|'[^']*'|\S+)")
-CLI = re.compile(r"\bsglang-pd\s+([a-z][a-z0-9-]*)(?![\w:.-])([^`|;&\n]*)")
+# A command: `sglang-pd` where a shell command starts (a line or code span, after `$ `, `&&`, `;`, `|`), with
+# or without a path (.venv/bin/sglang-pd); "sglang-pd knows" inside a quoted message is not one.
+CLI = re.compile(r"(?:^\s*(?:\$\s+)?|[;&|(]\s*)(?:[\w./-]*/)?sglang-pd\s+([a-z][a-z0-9-]*)(?![\w:.-])([^`|;&\n]*)")
 INLINE_CODE = re.compile(r"(`+)(.+?)\1")
 FLAG = re.compile(r"(?<![\w-])(--?[A-Za-z][A-Za-z0-9-]*)")
 
