@@ -439,7 +439,9 @@ def _section_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
 def _unknown_key_message(loc: tuple[int | str, ...]) -> str:
     section = _section_at(loc[:-1])
     where = ".".join(str(p) for p in loc[:-1]) or "the top level"
-    allowed = f"; {where} takes {', '.join(section.model_fields)}" if section is not None else ""
+    # Sorted, and in the chart's words (`sglang-pd.unknownKeys` in templates/_helpers.tpl), which
+    # has no string similarity: the "did you mean" hint is launch's alone.
+    allowed = f"; {where} takes {', '.join(sorted(section.model_fields))}" if section is not None else ""
     near = difflib.get_close_matches(str(loc[-1]), list(section.model_fields), n=1) if section is not None else []
     hint = f" (did you mean {near[0]}?)" if near else ""
     return f"unknown key{hint}{allowed}. Every field is described in {FIELDS_DOC}."

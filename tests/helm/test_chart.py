@@ -498,13 +498,13 @@ def _set_file(change) -> str:
     [
         (
             lambda t: t.update(hardwre=t.pop("hardware")),
-            "topology.hardwre: unknown key; remove it or check its spelling against the documented fields "
-            "(decode, hardware, model, name, prefill, router, transfer)",
+            "topology.hardwre: unknown key; the top level takes decode, hardware, model, name, prefill, router, "
+            "transfer. Every field is described in docs/fields.md.",
         ),
         (
             lambda t: t["decode"].update(grups=2),
-            "topology.decode.grups: unknown key; remove it or check its spelling against the documented fields "
-            "(attention_backend, attn_dp_size, chunked_prefill_size, cuda_graph_max_bs, deepep_mode, ",
+            "topology.decode.grups: unknown key; decode takes attention_backend, attn_dp_size, chunked_prefill_size, "
+            "cuda_graph_max_bs, deepep_mode, ",
         ),
         (
             lambda t: t.update(hardware="h200"),

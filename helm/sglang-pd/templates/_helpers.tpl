@@ -224,7 +224,7 @@ check covers a topology given as values; this covers one given as a string (--se
 {{- range $k, $v := .data -}}
 {{- $where := printf "%s.%s" $.path $k -}}
 {{- if not (hasKey $fields $k) }}
-{{ $where }}: unknown key; remove it or check its spelling against the documented fields ({{ keys $fields | sortAlpha | join ", " }})
+{{ $where }}: unknown key; {{ ternary "the top level" (trimPrefix "topology." $.path) (eq $.path "topology") }} takes {{ keys $fields | sortAlpha | join ", " }}. Every field is described in docs/fields.md.
 {{- else if and (kindIs "map" $v) (kindIs "map" (get $fields $k)) }}
 {{- include "sglang-pd.unknownKeys" (dict "data" $v "fields" (get $fields $k) "path" $where) }}
 {{- end -}}

@@ -67,7 +67,10 @@ def test_top_level_must_be_mapping(write_topology) -> None:
 def test_unknown_key_names_its_path(preset_dict) -> None:
     d = preset_dict()
     d["decode"]["sbo_mode"] = "full"
-    with pytest.raises(TopologyError, match=r"decode\.sbo_mode: unknown key; decode takes nodes, tp, .*fields\.md"):
+    with pytest.raises(
+        TopologyError,
+        match=r"decode\.sbo_mode: unknown key; decode takes attention_backend, attn_dp_size, .*fields\.md",
+    ):
         parse_topology(d)
 
 

@@ -98,7 +98,7 @@ def test_unknown_key_lists_the_allowed_fields_and_the_field_reference(
     d["model"]["served_nmae"] = "r1"
     r = _plan(write_topology(d))
     assert r.returncode == 1
-    allowed = ", ".join(ModelSpec.model_fields)
+    allowed = ", ".join(sorted(ModelSpec.model_fields))
     assert f"model.served_nmae: unknown key (did you mean served_name?); model takes {allowed}." in r.stderr
     assert f"Every field is described in {FIELDS_DOC}" in r.stderr and (REPO / FIELDS_DOC).is_file()
 
