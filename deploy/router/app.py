@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..common.contract import as_role
 from ..common.openai_errors import ApiError, error_response
+from ..spec.revision import revision_problem
 from .api.middleware import ADMIN_SCOPE_KEY, AdmissionMiddleware, AuthMiddleware, BodyLimitMiddleware
 from .api.openapi import OPENAPI
 from .api.request_ids import RequestIds, request_ids
@@ -73,7 +74,9 @@ class RouterApp:
         )
         if client is None:
             client = HttpWorkerClient(timeouts=config.timeouts, api_key=worker_api_key)
-        self.pairs = PairPicker(self.registry, make_policy(config.prefill_policy), make_policy(config.decode_policy))
+        self.pairs = PairPicker(
+            self.registry, make_policy(config.prefill_policy), make_policy(config.decode_policy), metrics=self.metrics
+        )
         self.legs = Legs(client, self.metrics)
         self.proxy = PDProxy(config, self.pairs, self.legs)
         self.health = HealthChecker(
@@ -339,7 +342,11 @@ class RouterApp:
             raise ApiError(
                 400, "'bootstrap_port' must be an integer port.", param="bootstrap_port", code="invalid_type"
             )
-        status, shown = await self.owner.add(url, role, port)
+        revision = payload.get("revision")
+        if revision is not None and (not isinstance(revision, str) or revision_problem(revision) is not None):
+            problem = revision_problem(revision) if isinstance(revision, str) else "it must be a string"
+            raise ApiError(400, f"'revision': {problem}", param="revision", code="invalid_value")
+        status, shown = await self.owner.add(url, role, port, revision)
         return _json(shown, status=status)
 
     async def remove_worker(self, request: Request) -> Response:

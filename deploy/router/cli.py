@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 from sglang_pd.deploy.common import contract
+from sglang_pd.deploy.spec.revision import split_revision
 from sglang_pd.deploy.spec.topology import RouterSpec, load_topology
 
 from .config import KubernetesDiscoveryConfig, RouterConfig
@@ -31,11 +32,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         action="append",
         default=[],
-        metavar=("URL", "BOOTSTRAP_PORT"),
+        metavar=("URL[@REVISION]", "BOOTSTRAP_PORT"),
         help=f"a prefill worker and its bootstrap port (default {contract.DEFAULT_BOOTSTRAP_PORT}; "
-        "'none' for the default); repeatable",
+        "'none' for the default); repeatable. URL@REVISION gives its revision (`python -m "
+        "sglang_pd.deploy.spec.revision TOPOLOGY --image IMAGE` prints a topology's; the chart's pods carry it as "
+        "the sglang-pd/revision label): a prefill pairs only with "
+        "decodes of its revision, a worker without one only with workers without one",
     )
-    workers.add_argument("--decode", action="append", default=[], metavar="URL", help="a decode worker; repeatable")
+    workers.add_argument(
+        "--decode",
+        action="append",
+        default=[],
+        metavar="URL[@REVISION]",
+        help="a decode worker, and its revision after '@' (as --prefill); repeatable",
+    )
     workers.add_argument("--kubernetes", action="store_true", help="discover workers from pods by label selector")
     workers.add_argument("--k8s-namespace", default=None, help="namespace to watch (default: default)")
     workers.add_argument("--k8s-release", default=None, help="only the pods of this Helm release (default: every one)")
@@ -230,6 +240,8 @@ def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None
     if args.prefill or args.decode:  # workers on the command line replace the topology's
         prefill = [_parse_prefill(v) for v in args.prefill]
         decode = list(args.decode)
+    for option in [url for url, _ in prefill] + decode:
+        split_revision(option)  # a bad revision is refused here, with the fix
     api_keys = list(args.api_key or [])
     api_keys += [k for k in env.get(contract.ENV_ROUTER_API_KEYS, "").split(",") if k.strip()]
     fields["api_keys"] = tuple(k.strip() for k in api_keys)

@@ -128,6 +128,7 @@ class RouterConfig:
     drain_timeout_s: float = 30.0
     log_level: str = "info"
     kubernetes: KubernetesDiscoveryConfig | None = None
+    # Static workers: each URL may end in `@REVISION`, the worker's revision (registry.add_configured).
     prefill_workers: tuple[tuple[str, int | None], ...] = field(default=())
     decode_workers: tuple[str, ...] = field(default=())
 

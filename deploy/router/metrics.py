@@ -100,6 +100,14 @@ class RouterMetrics:
         self.active = Gauge(f"{ns}_active_requests", "Requests admitted and not finished.", registry=r,
                             multiprocess_mode="livesum")  # fmt: skip
         self.aborts = Counter(f"{ns}_aborts", "abort_request calls sent to workers, by role.", ["role"], registry=r)
+        # Pairs within one revision (workers/revisions.py): a cross-revision pair would send KV to a decode
+        # that may not read it, so its counter must stay 0.
+        self.revision_requests = Counter(f"{ns}_revision_requests",
+                                         "Requests sent to a prefill/decode pair, by the pair's revision (a retried "
+                                         "request counts once per pair).", ["revision"], registry=r)  # fmt: skip
+        self.cross_revision_pairs = Counter(f"{ns}_cross_revision_pairs",
+                                            "Pairs whose prefill and decode have different revisions; always 0.",
+                                            registry=r)  # fmt: skip
 
     def render(self) -> bytes:
         if not self.shared_dir:

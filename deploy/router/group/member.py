@@ -58,9 +58,11 @@ class GroupMember:
             await asyncio.sleep(period_s)
             self._refresh_gauges()
 
-    async def add(self, url: str, role: Role, bootstrap_port: int | None) -> tuple[int, dict[str, Any]]:
+    async def add(
+        self, url: str, role: Role, bootstrap_port: int | None, revision: str | None = None
+    ) -> tuple[int, dict[str, Any]]:
         assert self._registry is not None, "attach() first"
-        status, body = await self._ask("add", url=url, role=role, bootstrap_port=bootstrap_port)
+        status, body = await self._ask("add", url=url, role=role, bootstrap_port=bootstrap_port, revision=revision)
         added = self._registry.get(body["url"], role)  # the change arrived before the reply
         return status, added.to_json() if added is not None else body
 

@@ -68,7 +68,7 @@ from ..metrics import RouterMetrics
 from ..transport.client import HttpWorkerClient
 from ..workers.discovery import KubernetesDiscovery
 from ..workers.health import HealthChecker
-from ..workers.registry import WorkerRegistry
+from ..workers.registry import WorkerRegistry, add_configured
 from .control import HEARTBEAT_S, ControlServer
 
 __all__ = ["ProcessGroup", "split_limits"]
@@ -118,10 +118,7 @@ class ProcessGroup:
             breaker_cooldown_s=config.breaker_cooldown_s,
             allow_link_local=config.allow_link_local_workers,
         )
-        for url, bootstrap_port in config.prefill_workers:
-            self.registry.add(url, "prefill", bootstrap_port=bootstrap_port)
-        for url in config.decode_workers:
-            self.registry.add(url, "decode")
+        add_configured(self.registry, config)
         self.client = HttpWorkerClient(timeouts=config.timeouts, api_key=worker_api_key)
         self.health = HealthChecker(
             self.registry,
@@ -352,8 +349,9 @@ class ProcessGroup:
         try:
             if op == "add":
                 worker = self.registry.add(
-                    args["url"], args["role"], bootstrap_port=args.get("bootstrap_port"), source="api"
-                )
+                    args["url"], args["role"], bootstrap_port=args.get("bootstrap_port"), source="api",
+                    revision=args.get("revision"),
+                )  # fmt: skip
                 await self.health.check(worker, wait_s=self.config.health_timeout_s)
                 return 201, worker.state()
             if op == "remove":

@@ -1,8 +1,9 @@
 """Kubernetes discovery: watch pods by label selector (one selector per role) and keep the registry
 in step. A pod counts when it is Running, Ready and has an IP; its HTTP port comes from the
 `port_annotation` (or the configured default), a prefill pod's bootstrap port from the
-`bootstrap_port_annotation` (or 8998). The default selectors pick the leader pods labelled as the
-chart labels them (`contract.worker_selector`).
+`bootstrap_port_annotation` (or 8998), its revision from the `sglang-pd/revision` label the chart sets
+(deploy/spec/revision.py; none: unknown, pairing only with unlabelled pods). The default selectors
+pick the leader pods labelled as the chart labels them (`contract.worker_selector`).
 
 The watch uses the `kubernetes` client (synchronous) in a thread per role; events are applied on
 the event loop. `apply_event()` is pure registry bookkeeping, so recorded watch events test it.
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sglang_pd.deploy.common.contract import DEFAULT_BOOTSTRAP_PORT
+from sglang_pd.deploy.spec.revision import REVISION_LABEL
 
 from ..config import KubernetesDiscoveryConfig
 from ..exceptions import WorkerRegistrationError
@@ -24,7 +26,7 @@ from ..log import logger
 from ..types import Role
 from .registry import WorkerRegistry
 
-__all__ = ["KubernetesDiscovery", "pod_endpoint"]
+__all__ = ["KubernetesDiscovery", "pod_endpoint", "pod_revision"]
 
 ListFunc = Callable[..., Any]
 
@@ -63,6 +65,12 @@ def pod_endpoint(pod: dict[str, Any], role: Role, config: KubernetesDiscoveryCon
     return f"http://{host}:{port}", bootstrap
 
 
+def pod_revision(pod: dict[str, Any]) -> str:
+    """The revision the pod's label names ("" when it has none)."""
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    return str(labels.get(REVISION_LABEL) or "")
+
+
 class KubernetesDiscovery:
     def __init__(
         self,
@@ -76,8 +84,8 @@ class KubernetesDiscovery:
         self.config = config
         self._list_pods = list_pods
         self.watch_timeout_s = watch_timeout_s
-        # pod name -> (url, bootstrap port) we registered for it, per role
-        self._pods: dict[Role, dict[str, tuple[str, int | None]]] = {"prefill": {}, "decode": {}}
+        # pod name -> (url, bootstrap port, revision) we registered for it, per role
+        self._pods: dict[Role, dict[str, tuple[str, int | None, str]]] = {"prefill": {}, "decode": {}}
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._watches: list[Any] = []
@@ -95,7 +103,8 @@ class KubernetesDiscovery:
         if not name or kind not in ("ADDED", "MODIFIED", "DELETED"):
             return
         known = self._pods[role].get(name)
-        endpoint = None if kind == "DELETED" else pod_endpoint(pod, role, self.config)
+        found = None if kind == "DELETED" else pod_endpoint(pod, role, self.config)
+        endpoint = None if found is None else (*found, pod_revision(pod))
         if known is not None and known != endpoint:
             del self._pods[role][name]
             if not any(ep[0] == known[0] for ep in self._pods[role].values()):
@@ -103,12 +112,17 @@ class KubernetesDiscovery:
             logger.info("discovery removed worker", extra={"pod": name, "role": role, "worker": known[0]})
         if endpoint is not None and known != endpoint:
             try:
-                self.registry.add(endpoint[0], role, bootstrap_port=endpoint[1], source="kubernetes")
+                self.registry.add(
+                    endpoint[0], role, bootstrap_port=endpoint[1], source="kubernetes", revision=endpoint[2]
+                )
             except WorkerRegistrationError as exc:
                 logger.warning("discovery skipped pod", extra={"pod": name, "error": str(exc)})
                 return
             self._pods[role][name] = endpoint
-            logger.info("discovery added worker", extra={"pod": name, "role": role, "worker": endpoint[0]})
+            logger.info(
+                "discovery added worker",
+                extra={"pod": name, "role": role, "worker": endpoint[0], "revision": endpoint[2]},
+            )
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         list_pods = self._list_pods or _default_list_pods()

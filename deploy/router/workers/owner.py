@@ -18,7 +18,7 @@ from ..exceptions import WorkerRegistrationError
 from ..types import Role
 from .discovery import KubernetesDiscovery, ListFunc
 from .health import HealthChecker, HealthReport
-from .registry import WorkerRegistry
+from .registry import WorkerRegistry, add_configured
 
 __all__ = ["LocalWorkers", "WorkerOwner"]
 
@@ -38,8 +38,11 @@ class WorkerOwner(Protocol):
 
     async def aclose(self) -> None: ...
 
-    async def add(self, url: str, role: Role, bootstrap_port: int | None) -> tuple[int, dict[str, Any]]:
-        """Register a worker: the HTTP status and the worker as `GET /workers` shows it."""
+    async def add(
+        self, url: str, role: Role, bootstrap_port: int | None, revision: str | None = None
+    ) -> tuple[int, dict[str, Any]]:
+        """Register a worker (`revision` None: unknown, or kept when it is registered): the HTTP status
+        and the worker as `GET /workers` shows it."""
         ...
 
     async def remove(self, url: str, role: Role | None) -> list[dict[str, Any]]:
@@ -63,10 +66,7 @@ class LocalWorkers:
 
     def attach(self, registry: WorkerRegistry, health: HealthChecker, refresh_gauges: Callable[[], None]) -> None:
         self._registry, self._health = registry, health
-        for url, bootstrap_port in self._config.prefill_workers:
-            registry.add(url, "prefill", bootstrap_port=bootstrap_port)
-        for url in self._config.decode_workers:
-            registry.add(url, "decode")
+        add_configured(registry, self._config)
         if self._config.kubernetes is not None:
             self.discovery = KubernetesDiscovery(registry, self._config.kubernetes, list_pods=self._list_pods)
 
@@ -78,10 +78,12 @@ class LocalWorkers:
         if self.discovery is not None:
             await asyncio.to_thread(self.discovery.stop)
 
-    async def add(self, url: str, role: Role, bootstrap_port: int | None) -> tuple[int, dict[str, Any]]:
+    async def add(
+        self, url: str, role: Role, bootstrap_port: int | None, revision: str | None = None
+    ) -> tuple[int, dict[str, Any]]:
         assert self._registry is not None and self._health is not None, "attach() first"
         try:
-            worker = self._registry.add(url, role, bootstrap_port=bootstrap_port, source="api")
+            worker = self._registry.add(url, role, bootstrap_port=bootstrap_port, source="api", revision=revision)
         except WorkerRegistrationError as exc:
             raise ApiError(400, str(exc), param="url", code="invalid_value") from exc
         # Answered once its first probe ended, or after the liveness timeout with the probe going on

@@ -13,11 +13,13 @@ from typing import Any
 
 from ..api.validation import batch_size, routing_text
 from ..exceptions import NoHealthyWorker, WorkerAtCapacity
+from ..metrics import RouterMetrics
 from ..pd.bootstrap import PDBodies, choose_rooms, pd_bodies, prefix_rank
 from ..policies import Policy, RoutingRequest
 from ..types import Role
 from .capacity import Demand, Reservation, has_room
 from .registry import Worker, WorkerRegistry
+from .revisions import paired_prefills, record_pair, same_revision
 
 __all__ = ["Pair", "PairPicker"]
 
@@ -44,8 +46,15 @@ class Pair:
 
 
 class PairPicker:
-    def __init__(self, registry: WorkerRegistry, prefill_policy: Policy, decode_policy: Policy) -> None:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        prefill_policy: Policy,
+        decode_policy: Policy,
+        metrics: RouterMetrics | None = None,
+    ) -> None:
         self.registry = registry
+        self.metrics = metrics
         self.policies: dict[Role, Policy] = {"prefill": prefill_policy, "decode": decode_policy}
         self._needs_text = prefill_policy.needs_text or decode_policy.needs_text
         self._rng = random.Random()
@@ -65,10 +74,12 @@ class PairPicker:
         a role have no room."""
         prefills = self._with_room("prefill", exclude, demand)
         decodes = self._with_room("decode", exclude, demand)
+        prefills = paired_prefills(prefills, decodes, self.registry, exclude)  # pairs within one revision
         text = routing_text(payload) if self._needs_text else None
         request = RoutingRequest(text=text or "")
         prefill = self.policies["prefill"].select(prefills, request)
-        decode = self.policies["decode"].select(decodes, request)
+        decode = self.policies["decode"].select(same_revision(decodes, prefill), request)
+        record_pair(self.metrics, prefill, decode)
         batch = batch_size(endpoint, payload)
         preferred = None
         if prefill.dp_size > 1:

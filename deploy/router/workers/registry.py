@@ -18,15 +18,17 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from sglang_pd.deploy.common.contract import DEFAULT_BOOTSTRAP_PORT
+from sglang_pd.deploy.spec.revision import revision_problem, split_revision
 
 from ..exceptions import WorkerRegistrationError
 from ..types import Role, WorkerURL
 from .breaker import CircuitBreaker
 
 if TYPE_CHECKING:
+    from ..config import RouterConfig
     from ..pd.legs import PairStreamOutcome
 
-__all__ = ["Worker", "WorkerRegistry", "normalize_url", "refused_address"]
+__all__ = ["Worker", "WorkerRegistry", "add_configured", "normalize_url", "refused_address"]
 
 
 # A DNS name (RFC 1123 labels) or an IPv4 address, or an IPv6 address (urlsplit strips its brackets).
@@ -124,6 +126,8 @@ class Worker:
     breaker: CircuitBreaker
     bootstrap_port: int | None = None
     source: str = "static"  # static | api | kubernetes
+    # The deployment revision (deploy/spec/revision.py; "" unknown): pairs form within one (revisions.py).
+    revision: str = ""
     healthy: bool = False
     dp_size: int = 1
     models: list[str] = field(default_factory=list)
@@ -207,6 +211,7 @@ class Worker:
     def apply_state(self, state: dict[str, Any]) -> None:
         """Take what the group's health authority knows (`state()` of its copy)."""
         self.bootstrap_port = state["bootstrap_port"]
+        self.revision = state.get("revision", "")
         self.set_healthy(state["healthy"])
         self.set_dp_size(state["dp_size"])
         self.models = list(state["models"])
@@ -257,7 +262,10 @@ class Worker:
         return {name: getattr(self, name) for name in _SHARED}
 
     def to_json(self) -> dict[str, Any]:
-        shown = ("url", "role", "bootstrap_port", "source", "healthy", "dp_size", "in_flight", "models", "last_error")
+        shown = (
+            "url", "role", "bootstrap_port", "source", "revision", "healthy", "dp_size", "in_flight", "models",
+            "last_error",
+        )  # fmt: skip
         capacity = {
             "max_running_requests": self.max_running,
             "max_total_num_tokens": self.max_total_tokens,
@@ -275,7 +283,7 @@ class Worker:
 # Worker fields that `WorkerRegistry.sync` takes from the health authority.
 _SHARED = (
     "url", "role", "bootstrap_port", "source", "healthy", "dp_size", "models", "last_error", "checked",
-    "max_running", "max_total_tokens", "context_length",
+    "max_running", "max_total_tokens", "context_length", "revision",
 )  # fmt: skip
 
 
@@ -312,9 +320,13 @@ class WorkerRegistry:
         bootstrap_port: int | None = None,
         source: str = "static",
         healthy: bool = False,
+        revision: str | None = None,
     ) -> Worker:
+        """Register a worker, or update the bootstrap port and revision of one registered (None: kept)."""
         if role not in ("prefill", "decode"):
             raise WorkerRegistrationError(f"Worker role {role!r} is not valid. Use 'prefill' or 'decode'.")
+        if revision and (problem := revision_problem(revision)) is not None:
+            raise WorkerRegistrationError(f"Worker {url}: {problem}")
         norm = normalize_url(url)
         if not self._allow_link_local and (refusal := refused_address(norm)) is not None:
             raise WorkerRegistrationError(refusal)
@@ -322,6 +334,8 @@ class WorkerRegistry:
         if existing is not None:
             if role == "prefill" and bootstrap_port is not None:
                 existing.bootstrap_port = int(bootstrap_port)
+            if revision is not None:
+                existing.revision = revision
             return existing
         if role == "prefill":
             if bootstrap_port is None:
@@ -340,6 +354,7 @@ class WorkerRegistry:
             ),
             bootstrap_port=int(bootstrap_port) if bootstrap_port is not None else None,
             source=source,
+            revision=revision or "",
             healthy=healthy,
         )
         self._workers[(role, norm)] = worker
@@ -389,10 +404,25 @@ class WorkerRegistry:
             self.remove(url, role)
         for (role, url), state in wanted.items():
             worker = self._workers.get((role, url)) or self.add(
-                url, role, bootstrap_port=state["bootstrap_port"], source=state["source"]
-            )
+                url, role, bootstrap_port=state["bootstrap_port"], source=state["source"],
+                revision=state.get("revision"),
+            )  # fmt: skip
             worker.apply_state(state)
 
     def _rebuild(self) -> None:
         self.prefill = [w for (r, _), w in self._workers.items() if r == "prefill"]
         self.decode = [w for (r, _), w in self._workers.items() if r == "decode"]
+
+
+def add_configured(registry: WorkerRegistry, config: RouterConfig) -> None:
+    """Register the workers a router was started with; each URL may end in `@REVISION` (`--prefill`,
+    `--decode`; `router --help`)."""
+    try:
+        for option, bootstrap_port in config.prefill_workers:
+            url, revision = split_revision(option)
+            registry.add(url, "prefill", bootstrap_port=bootstrap_port, revision=revision)
+        for option in config.decode_workers:
+            url, revision = split_revision(option)
+            registry.add(url, "decode", revision=revision)
+    except ValueError as exc:  # split_revision's, which names the fix
+        raise WorkerRegistrationError(str(exc)) from None

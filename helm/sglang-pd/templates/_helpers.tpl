@@ -581,6 +581,50 @@ one gets no NVSHMEM_HCA_LIST, which NVSHMEM would let win over it.
 {{- end -}}
 
 {{/*
+Return the deployment's revision: the pods' sglang-pd/revision label, on which the router pairs a prefill
+only with a decode of the same revision. The definition is deploy/spec/revision.py's `revision_document`
+(the engines' image and sglang version, the topology sections the renderer reads less the counts, the env
+the chart adds per role, a mounted config.json); tests/helm/test_revision_chart.py holds the two equal.
+One revision for both roles: the router, the gate, a scale or a router-only change leave it, and so the
+GPU pod templates, unchanged.
+*/}}
+{{- define "sglang-pd.revision" -}}
+{{- $t := include "sglang-pd.topology" . | fromYaml -}}
+{{- $reference := eq (include "sglang-pd.engine" .) "reference" -}}
+{{- $sections := dict -}}
+{{- range $name := list "model" "transfer" "hardware" "prefill" "decode" -}}
+{{- $section := index $t $name -}}
+{{- if and (kindIs "map" $section) (has $name (list "prefill" "decode")) -}}
+{{- $section = omit $section (ternary "instances" "groups" (eq $name "prefill")) -}}
+{{- end -}}
+{{- $_ := set $sections $name $section -}}
+{{- end -}}
+{{- $env := dict -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- $merged := merge (dict) (index $.Values $role).env $.Values.env -}}
+{{- if not $reference -}}
+{{- $merged = merge $merged (include "sglang-pd.fabricEnv" (dict "role" $role "context" $) | fromYaml) -}}
+{{- end -}}
+{{- $strings := dict -}}
+{{- range $k, $v := $merged -}}
+{{- $_ := set $strings $k (toString $v) -}}
+{{- end -}}
+{{- $_ := set $env $role $strings -}}
+{{- end -}}
+{{- $image := "" -}}
+{{- if $reference -}}
+{{- $image = include "sglang-pd.referenceImage" . -}}
+{{- else -}}
+{{- $image = include "sglang-pd.image" . -}}
+{{- end -}}
+{{- $doc := dict "image" $image "sglang" .Chart.AppVersion "topology" $sections "env" $env -}}
+{{- with .Values.model.configFile -}}
+{{- $_ := set $doc "model_config" (sha256sum .) -}}
+{{- end -}}
+{{- toJson $doc | sha256sum | trunc 16 -}}
+{{- end -}}
+
+{{/*
 Return the pod template of a GPU role: call with (dict "role" "prefill" "leader" true "context" $).
 Leaders serve HTTP and carry the probes and the router's discovery annotations; other ranks only join NCCL.
 */}}
@@ -596,8 +640,10 @@ Leaders serve HTTP and carry the probes and the router's discovery annotations; 
 metadata:
   labels:
     {{- include "sglang-pd.podLabels" (dict "component" .role "context" $) | nindent 4 }}
+    # What the engines run, hashed (no checksum of the whole topology: a router-only change restarts no engine).
+    sglang-pd/revision: {{ include "sglang-pd.revision" $ | quote }}
+  {{- if or .leader $cfg.podAnnotations }}
   annotations:
-    checksum/topology: {{ include "sglang-pd.topology" $ | sha256sum }}
     {{- if .leader }}
     sglang-pd/port: {{ $spec.port | quote }}
     {{- if eq .role "prefill" }}
@@ -607,6 +653,7 @@ metadata:
     {{- with $cfg.podAnnotations }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
+  {{- end }}
 spec:
   {{- with $.Values.imagePullSecrets }}
   imagePullSecrets:

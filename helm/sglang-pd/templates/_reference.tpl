@@ -75,8 +75,8 @@ addresses, so the chart runs on a laptop cluster (kind, minikube).
 metadata:
   labels:
     {{- include "sglang-pd.podLabels" (dict "component" .role "context" $) | nindent 4 }}
+    sglang-pd/revision: {{ include "sglang-pd.revision" $ | quote }}
   annotations:
-    checksum/topology: {{ include "sglang-pd.topology" $ | sha256sum }}
     sglang-pd/port: {{ $spec.port | quote }}
     {{- if eq .role "prefill" }}
     sglang-pd/bootstrap-port: {{ $spec.bootstrap_port | quote }}
