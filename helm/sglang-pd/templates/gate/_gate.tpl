@@ -130,11 +130,16 @@ questions, never stores, and writes its verdict for node-exporter's textfile col
 {{- end -}}
 
 {{/*
-Return the gate pod's service account and volumes: call with (dict "context" $ "mode" "rollout"|"canary").
+Return the gate pod's pull secrets, service account and volumes: call with (dict "context" $ "mode" "rollout"|"canary").
 */}}
 {{- define "sglang-pd.gate.podSpec" -}}
 {{- $ := .context -}}
 {{- $g := $.Values.gate.gsm8k -}}
+{{- with $.Values.imagePullSecrets }}
+# The gate runs the chart's CPU image, from the same registry as the engines'.
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- if and $.Values.gate.baseline.enabled (ne .mode "canary") }}
 # Stores a passing report in the baseline ConfigMap through the API (the canary never stores).
 serviceAccountName: {{ include "sglang-pd.gate.serviceAccountName" $ }}
