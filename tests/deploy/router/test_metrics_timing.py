@@ -67,6 +67,9 @@ def test_ttft_is_streamed_only_and_errors_stay_out_of_ok(cluster_factory: Callab
             with client.stream("POST", running.url + CHAT, json={**BODY, "stream": True}) as resp:
                 assert resp.status_code == 200
                 resp.read()
+            # The one admission slot is free once the stream's handler has finished, a moment after
+            # the client read [DONE]: wait for it, or the next request is refused for load.
+            wait_until(lambda: value(samples(running.url), "active_requests") == 0, timeout=5)
             assert client.post(running.url + CHAT, content=b"not json").status_code == 400
             assert httpx.post(running.url + CHAT, json=BODY, headers={"authorization": "Bearer bad"}).status_code == 401
 
