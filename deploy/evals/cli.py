@@ -8,7 +8,8 @@ Exit codes (stable; the Helm test and the post-upgrade Job rely on them):
      does not hold this run's questions)
   3  no data: an unreadable or damaged file (the shipped copy included), a checksum mismatch, or a
      --data URL that cannot be downloaded
-  4  the run cannot be judged on accuracy: the endpoint is unreachable, too many questions failed
+  4  the run cannot be judged on accuracy: a --wait-rollout LeaderWorkerSet did not finish rolling out
+     within --rollout-timeout (no question is asked), the endpoint is unreachable, too many questions failed
      after retries (--max-error-rate), too many first attempts failed (--max-retry-rate), too many
      malformed responses (--max-invalid-rate) or truncated answers (--max-truncation-rate),
      --timeout passed, SIGTERM stopped the run, or this tool hit an unexpected error
@@ -52,6 +53,7 @@ from .gsm8k import (
 from .prompt import DEFAULT_NUM_SHOTS
 from .publish import PublishError, in_cluster, publish_baseline
 from .report import Report, format_table, minimal_report, write_json
+from .rollout import RolloutNotReady, fetch_lws, wait_for_rollout
 from .textfile import parse_labels, render_metrics, write_textfile
 
 __all__ = ["EXIT_DATA", "EXIT_ENDPOINT", "EXIT_GATE_FAILED", "EXIT_OK", "EXIT_USAGE", "add_arguments", "run"]
@@ -123,6 +125,21 @@ def _add_gsm8k(p: argparse.ArgumentParser) -> None:
     )
     runp.add_argument(
         "--timeout", type=positive_float, default=None, metavar="SECONDS", help="limit on the whole run (exit 4 after)"
+    )
+    runp.add_argument(
+        "--wait-rollout",
+        action="append",
+        default=[],
+        metavar="LWS",
+        help="inside a pod: before any question, wait until this LeaderWorkerSet of the pod's namespace has rolled "
+        "out (every group updated and ready); repeatable (evals/rollout.py)",
+    )
+    runp.add_argument(
+        "--rollout-timeout",
+        type=positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="how long --wait-rollout waits; past it the run is not scored (exit 4)",
     )
     for flag, default, what in (
         ("--max-error-rate", DEFAULT_MAX_ERROR_RATE, "questions that failed after retries"),
@@ -216,6 +233,8 @@ def build_options(args: argparse.Namespace) -> Gsm8kOptions:
         raise UsageError("--data-sha256 needs --data PATH|URL (the shipped test.jsonl is always checked).")
     if args.baseline_optional and args.baseline is None:
         raise UsageError("--baseline-optional needs --baseline PATH.")
+    if bool(args.wait_rollout) != (args.rollout_timeout is not None):
+        raise UsageError("--wait-rollout LWS and --rollout-timeout SECONDS go together (the chart derives the budget).")
     client = ClientConfig(
         base_url=args.base_url,
         api=args.api,
@@ -276,11 +295,28 @@ def _publish(configmap: str, report: Report) -> None:
         print(f"stored this report in ConfigMap {configmap} (key report.json) as the next baseline", file=sys.stderr)
 
 
+# How often --wait-rollout reads the LeaderWorkerSets: groups take minutes to start, so seconds are plenty.
+ROLLOUT_POLL_S = 5.0
+
+
+def _wait_rollout(names: list[str], budget_s: float) -> None:
+    """Wait until the LeaderWorkerSets `names` have rolled out, reading them with the pod's credentials."""
+    try:
+        cluster = in_cluster()
+    except PublishError as exc:
+        raise RolloutNotReady(str(exc).replace("--publish-baseline", "--wait-rollout")) from exc
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    wait_for_rollout(fetch_lws(cluster), names, budget_s, poll_s=ROLLOUT_POLL_S, log=log)
+    print(f"rollout finished: {', '.join(names)}", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     report: Report | None = None
     try:
         labels = parse_labels(args.metrics_label)
         options = build_options(args)
+        if args.wait_rollout:
+            _wait_rollout(args.wait_rollout, args.rollout_timeout)
         report = asyncio.run(evaluate(options))
         if args.output is not None:
             report.write(args.output)
@@ -299,6 +335,11 @@ def run(args: argparse.Namespace) -> int:
     except EvalError as exc:  # EndpointError, and any new subclass without its own code
         print(f"error: {exc}", file=sys.stderr)
         code = EXIT_ENDPOINT
+        if isinstance(exc, RolloutNotReady) and args.output is not None:
+            try:
+                write_json(args.output, json.dumps(minimal_report(str(exc)), indent=1))
+            except OSError as write_exc:
+                print(f"error: the report could not be written to {args.output}: {write_exc}", file=sys.stderr)
     except Exception as exc:  # a bug of this tool: still exit 4 with a report, never a bare traceback
         message = f"internal error: {type(exc).__name__}: {exc}"
         print(f"error: {message}", file=sys.stderr)

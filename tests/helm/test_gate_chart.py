@@ -56,26 +56,32 @@ def test_the_gate_asks_all_questions_and_is_paired_with_the_stored_baseline(rend
         assert mount == {"name": "gsm8k-baseline", "mountPath": "/baseline", "readOnly": True}
 
 
-def test_the_gate_may_only_read_and_patch_its_configmap(render) -> None:
+def test_the_gate_may_only_read_its_lws_and_read_and_patch_its_configmap(render) -> None:
     docs = render()
     role = one(docs, "Role", "-gate")
     assert role["rules"] == [
+        {"apiGroups": ["leaderworkerset.x-k8s.io"], "resources": ["leaderworkersets"],
+         "resourceNames": ["demo-sglang-pd-prefill", "demo-sglang-pd-decode"], "verbs": ["get"]},
         {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["demo-sglang-pd-gate-baseline"],
-         "verbs": ["get", "patch"]}
+         "verbs": ["get", "patch"]},
     ]  # fmt: skip
+    lws = {d["metadata"]["name"] for d in docs if d["kind"] == "LeaderWorkerSet"}
+    assert lws == set(role["rules"][0]["resourceNames"])  # the names the Role grants are the chart's LWS
     binding = one(docs, "RoleBinding", "-gate")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "demo-sglang-pd-gate", "namespace": "llm"}]
     assert one(docs, "ServiceAccount", "-gate")["metadata"]["name"] == "demo-sglang-pd-gate"
 
 
-def test_without_a_baseline_nothing_is_stored_and_no_token_is_mounted(render) -> None:
+def test_without_a_baseline_nothing_is_stored_and_the_token_only_reads_the_rollout(render) -> None:
     docs = render({"gate": {"baseline": {"enabled": False}, "gsm8k": {"numQuestions": 200}}})
-    assert not [d for d in docs if d["metadata"]["name"].endswith(("-gate-baseline", "-gate"))]
+    assert not [d for d in docs if d["metadata"]["name"].endswith("-gate-baseline")]
+    # The account stays for the wait on the rollout, with no right on any ConfigMap.
+    assert [r["resources"] for r in one(docs, "Role", "-gate")["rules"]] == [["leaderworkersets"]]
     pod = one(docs, "Pod", "-test-gsm8k")["spec"]
     cmd = _command(pod)
     assert "--baseline" not in cmd and "--publish-baseline" not in cmd and _flag(cmd, "--num-questions") == "200"
-    assert pod["automountServiceAccountToken"] is False and "volumes" not in pod
+    assert pod["serviceAccountName"] == "demo-sglang-pd-gate" and "volumes" not in pod
     _parsed(cmd)
 
 

@@ -21,6 +21,63 @@ Return true when some gate runs at all (the baseline objects are only needed the
 {{- end -}}
 
 {{/*
+Return true when a gate that judges a rollout runs (the hook, the helm test, the AnalysisTemplate; not the
+canary): those wait for the LeaderWorkerSets to roll out, and read them with the gate's ServiceAccount.
+*/}}
+{{- define "sglang-pd.gate.rolloutEnabled" -}}
+{{- $g := .Values.gate -}}
+{{- if or $g.helmTest.enabled $g.hook.enabled $g.analysisTemplate.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/*
+Return the longest startup budget of one group, in seconds: the GPU roles' startup probes
+(failureThreshold x periodSeconds, "sglang-pd.startupBudget"), or referenceEngine.startupSeconds.
+*/}}
+{{- define "sglang-pd.gate.startupSeconds" -}}
+{{- $longest := 0 -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- $budget := 0 -}}
+{{- if eq (include "sglang-pd.engine" $) "reference" -}}
+{{- $budget = int $.Values.referenceEngine.startupSeconds -}}
+{{- else -}}
+{{- $budget = include "sglang-pd.startupBudget" (dict "role" $role "context" $) | int -}}
+{{- end -}}
+{{- $longest = max $longest $budget -}}
+{{- end -}}
+{{- $longest -}}
+{{- end -}}
+
+{{/*
+Return how long a rollout gate waits for the LeaderWorkerSets to roll out, in seconds: the chart's rolling
+update takes one group at a time (maxUnavailable 1, maxSurge 0) and the two roles roll side by side, so the
+slower role's groups times its startup budget, plus 5 minutes for scheduling, image pulls and the LWS
+controller's steps. docs/upgrades.md works it through.
+*/}}
+{{- define "sglang-pd.gate.rolloutSeconds" -}}
+{{- $t := include "sglang-pd.topologyView" . | fromYaml -}}
+{{- $longest := 0 -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- $budget := 0 -}}
+{{- if eq (include "sglang-pd.engine" $) "reference" -}}
+{{- $budget = int $.Values.referenceEngine.startupSeconds -}}
+{{- else -}}
+{{- $budget = include "sglang-pd.startupBudget" (dict "role" $role "context" $) | int -}}
+{{- end -}}
+{{- $groups := ternary $t.prefill.instances $t.decode.groups (eq $role "prefill") | int -}}
+{{- $longest = max $longest (mul $groups $budget) -}}
+{{- end -}}
+{{- add $longest 300 -}}
+{{- end -}}
+
+{{/*
+Return a rollout gate pod's activeDeadlineSeconds: the run's gate.gsm8k.timeoutSeconds after its waits (the
+rollout, then the router listing a model), which --timeout does not count.
+*/}}
+{{- define "sglang-pd.gate.deadlineSeconds" -}}
+{{- add (int .Values.gate.gsm8k.timeoutSeconds) (include "sglang-pd.gate.rolloutSeconds" . | int) (include "sglang-pd.gate.startupSeconds" . | int) -}}
+{{- end -}}
+
+{{/*
 Return the gsm8k gate's container: call with (dict "context" $ "name" "gsm8k-gate" "mode" "rollout"|"canary").
 A rollout gate asks gate.gsm8k.numQuestions, compares with the stored baseline when there is one, and
 stores its report as the next baseline on a clean pass. The canary asks a fixed sample of the baseline's
@@ -50,9 +107,22 @@ questions, never stores, and writes its verdict for node-exporter's textfile col
     - --output
     - /tmp/gsm8k-report.json
     - --quiet
+    {{- if $canary }}
     # Wait for the router to list a model; end with a report (exit 4) before Kubernetes kills the pod.
     - --wait-ready
-    - {{ ternary "60" "300" $canary | quote }}
+    - "60"
+    {{- else }}
+    # Score the release only once both LeaderWorkerSets have rolled out (every group updated and ready,
+    # evals/rollout.py): a partial rollout is not scored. The budgets derive from the startup budget.
+    - --wait-rollout
+    - {{ printf "%s-prefill" (include "sglang-pd.fullname" $) | quote }}
+    - --wait-rollout
+    - {{ printf "%s-decode" (include "sglang-pd.fullname" $) | quote }}
+    - --rollout-timeout
+    - {{ include "sglang-pd.gate.rolloutSeconds" $ | quote }}
+    - --wait-ready
+    - {{ include "sglang-pd.gate.startupSeconds" $ | quote }}
+    {{- end }}
     - --timeout
     - {{ sub (int $timeout) 30 | quote }}
     {{- if $canary }}
@@ -140,8 +210,9 @@ Return the gate pod's pull secrets, service account and volumes: call with (dict
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- if and $.Values.gate.baseline.enabled (ne .mode "canary") }}
-# Stores a passing report in the baseline ConfigMap through the API (the canary never stores).
+{{- if ne .mode "canary" }}
+# Reads the LeaderWorkerSets' rollout and stores a passing report in the baseline ConfigMap through the
+# API (the canary does neither).
 serviceAccountName: {{ include "sglang-pd.gate.serviceAccountName" $ }}
 {{- else }}
 automountServiceAccountToken: false
