@@ -137,6 +137,10 @@ def timed(cluster_1p1d: Cluster) -> Iterator[RunningRouter]:
         yield running
 
 
+def _connect_from(source: str, port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), source_address=(source, 0))
+
+
 def _answer_or_close(sock: socket.socket, limit_s: float) -> tuple[bytes, float]:
     """What the server sends until it closes `sock` (at most `limit_s`), and when it closed."""
     started = time.monotonic()
@@ -158,8 +162,9 @@ def _chat_ok(url: str) -> float:
 
 
 def test_silent_and_slow_heads_are_cut_with_408_within_the_header_timeout(timed: RunningRouter) -> None:
-    silent = [socket.create_connection(("127.0.0.1", timed.port)) for _ in range(20)]
-    slow = [socket.create_connection(("127.0.0.1", timed.port)) for _ in range(20)]
+    # From two addresses: one address may hold only half the cap (the per-source share).
+    silent = [_connect_from("127.0.0.1", timed.port) for _ in range(20)]
+    slow = [_connect_from("127.0.0.2", timed.port) for _ in range(20)]
     for sock in slow:
         sock.sendall(b"GET /v1/models HTTP/1.1\r\nhost: x\r\nx-a: ")
 
@@ -208,14 +213,17 @@ def test_a_keep_alive_connections_next_head_is_on_the_clock_too(timed: RunningRo
 
 
 def test_connections_beyond_the_cap_get_503_at_once_and_the_router_recovers(timed: RunningRouter) -> None:
-    held = [socket.create_connection(("127.0.0.1", timed.port)) for _ in range(MAX_CONNECTIONS)]
+    # Three addresses hold the whole cap between them (one may hold only half of it).
+    sources = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
+    held = [_connect_from(sources[i % 3], timed.port) for i in range(MAX_CONNECTIONS)]
     try:
         time.sleep(0.2)
-        extra = [socket.create_connection(("127.0.0.1", timed.port)) for _ in range(20)]
+        extra = [_connect_from("127.0.0.4", timed.port) for _ in range(20)]
         for sock in extra:
             data, closed_after = _answer_or_close(sock, 3.0)
             assert data.startswith(b"HTTP/1.1 503 "), data[:80]
             assert b"retry-after: 1" in data and b'"code":"overloaded"' in data
+            assert b"x-sglpd-refused: connection-limit" in data
             assert closed_after < 1.0
             sock.close()
     finally:
