@@ -236,6 +236,10 @@ class _Formatter:
         self.ids: list[int] = []
         self.finish: dict[str, Any] | None = None
         self.t0 = time.perf_counter()
+        # sglang's `return_prompt_token_ids` (GenerateReqInput): each answer also carries the
+        # prompt's token ids, as `prompt_token_ids` (tokenizer_manager.py); the router asks for it to
+        # migrate a text prompt's stream.
+        self.prompt_ids: list[int] | None = None
 
     def add(self, step: StepOutput) -> None:
         self.text += step.text
@@ -267,7 +271,7 @@ class _Formatter:
 
     def full(self) -> dict[str, Any]:
         if self.kind == "generate":
-            return {"text": self.text, "output_ids": self.ids, "meta_info": self.meta()}
+            return self._with_prompt_ids({"text": self.text, "output_ids": self.ids, "meta_info": self.meta()})
         if self.kind == "completion":
             choice: dict[str, Any] = {"index": 0, "text": self.text, "logprobs": None}
             obj = "text_completion"
@@ -285,9 +289,14 @@ class _Formatter:
             "usage": self.usage(),
         }
 
+    def _with_prompt_ids(self, out: dict[str, Any]) -> dict[str, Any]:
+        if self.prompt_ids is not None:
+            out["prompt_token_ids"] = self.prompt_ids
+        return out
+
     def chunk(self, step: StepOutput, first: bool) -> list[dict[str, Any]]:
         if self.kind == "generate":
-            return [{"text": self.text, "output_ids": list(self.ids), "meta_info": self.meta()}]
+            return [self._with_prompt_ids({"text": self.text, "output_ids": list(self.ids), "meta_info": self.meta()})]
         out = []
         if self.kind == "chat":
             base = {"id": self.rid, "object": "chat.completion.chunk", "created": self.created, "model": self.model}
@@ -405,6 +414,8 @@ def create_app(engine: RefEngine, *, api_key: str | None = None) -> FastAPI:
         rid = str(body.get("rid") or request.headers.get("x-request-id") or uuid.uuid4().hex)
         prefix = {"generate": "", "completion": "cmpl-", "chat": "chatcmpl-"}[kind]
         fmt = _Formatter(engine, kind, prefix + rid if not rid.startswith(prefix) else rid, len(ids), body)
+        if kind == "generate" and body.get("return_prompt_token_ids"):
+            fmt.prompt_ids = list(ids)
         stream = bool(body.get("stream", False))
         ctx = engine.begin(rid)
         handed_off = False  # once the stream owns the request, it ends it

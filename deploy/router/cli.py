@@ -95,6 +95,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--connect-timeout", type=float, default=None, metavar="SECONDS")
     limits.add_argument("--stream-idle-timeout", type=float, default=None, metavar="SECONDS")
     limits.add_argument("--max-retries", type=int, default=None)
+    limits.add_argument(
+        "--migration-limit",
+        type=int,
+        default=None,
+        help="moves of a stream to another pair when its decode fails mid-stream (default 1; 0: off; "
+        "docs/migration.md)",
+    )
 
     health = parser.add_argument_group(
         "health and circuit breaker",
@@ -176,6 +183,7 @@ _FLAG_TO_FIELD = {
     "connect_timeout": "connect_timeout_s",
     "stream_idle_timeout": "stream_idle_timeout_s",
     "max_retries": "max_retries",
+    "migration_limit": "migration_limit",
     "health_interval": "health_interval_s",
     "health_timeout": "health_timeout_s",
     "health_failure_threshold": "health_failure_threshold",

@@ -100,6 +100,8 @@ class RouterConfig:
     request_timeout_s: float = _SPEC.request_timeout_s
     stream_idle_timeout_s: float = 120.0
     max_retries: int = 2
+    # Moves of one stream to another pair when its decode fails mid-stream (pd/migration.py); 0: off.
+    migration_limit: int = 1
     retry_backoff_s: float = 0.05
     retry_max_backoff_s: float = 1.0
     # Health checks (health.py says how they fit sglang's /health, a one-token generation that
@@ -165,7 +167,8 @@ class RouterConfig:
             problem = policy_problem(role, name)
             if problem is not None:
                 raise ValueError(f"Config '{role}_policy' has value {name!r}: {problem}")
-        for name in ("max_concurrent_requests", "max_queued_requests", "max_retries", "max_connections"):
+        for name in ("max_concurrent_requests", "max_queued_requests", "max_retries", "max_connections",
+                     "migration_limit"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"Config '{name}' has value {getattr(self, name)}. It must be >= 0.")
         for name in ("health_failure_threshold", "health_success_threshold"):

@@ -109,6 +109,17 @@ class RouterMetrics:
                                             "Pairs whose prefill and decode have different revisions; always 0.",
                                             registry=r)  # fmt: skip
 
+        # Request migration (pd/migration.py): a stream whose decode failed mid-stream moves to another pair.
+        self.migrations = Counter(f"{ns}_migrations",
+                                  "Streams whose decode failed mid-stream, by outcome: migrated (the stream went on "
+                                  "on another pair), limit (migration_limit reached), not_resumable (prompt ids "
+                                  "unknown or token budget spent), failed (no pair took the continuation).",
+                                  ["outcome"], registry=r)  # fmt: skip
+        self.migration_seconds = Histogram(f"{ns}_migration_latency_seconds",
+                                           "Latency a migration adds to its stream: the decode's failure seen to the "
+                                           "new decode's first chunk.", buckets=_LATENCY_BUCKETS,
+                                           registry=r)  # fmt: skip
+
     def render(self) -> bytes:
         if not self.shared_dir:
             return generate_latest(self.registry)

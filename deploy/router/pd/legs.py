@@ -195,11 +195,15 @@ class PairStreamOutcome:
         return (self.last_at - self.first_at) / self.chunks if self.chunks else None
 
     def completed(self) -> None:
+        if self.ending:  # booked already (a moved stream's old outcome): once per stream
+            return
         self.ending = "completed"
         self.legs.succeeded(self.pair.decode)
         self._close()
 
     def failed(self, error: UpstreamError) -> None:
+        if self.ending:
+            return
         self.ending = "failed"
         self.legs.failed(error, rid=self.pair.bodies.rids[0] if self.pair.bodies.rids else "")
         # The decode broke: the prefill may still hold the request (or its KV pages); free it now.
@@ -207,6 +211,8 @@ class PairStreamOutcome:
         self._close()
 
     def abandoned(self) -> None:
+        if self.ending:
+            return
         self.ending = "abandoned"
         # The client is gone: stop both legs (the prefill may still be sending KV pages). The
         # stream gave no verdict on the decode: a half-open probe slot it held is freed.

@@ -10,11 +10,15 @@ request that finds every pair at its capacity waits for room in the `CapacityGat
 queue timeout). A worker's answer that it is full (`UpstreamBusy`) is no failure: the request
 tries another pair that has room right away, and otherwise gets the busy status (503 or 429) with
 Retry-After.
+
+A streamed `/generate` whose decode fails mid-stream moves to another pair (`StreamMover`,
+migration.py) up to `migration_limit` times; the client's stream goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import math
 import random
@@ -22,6 +26,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import orjson
 from starlette.responses import Response
 
 from ...common.openai_errors import ApiError, normalize_error_body
@@ -43,8 +48,10 @@ from ..transport.client import Body, Reply
 from ..workers.capacity import CapacityGate, Demand, Reservation, check_max_tokens, check_prompt, estimate
 from ..workers.pairs import Pair, PairPicker
 from ..workers.registry import Worker
+from .bootstrap import PDBodies
 from .legs import Legs, PairStreamOutcome
 from .logprobs import merge_first_event, merge_logprobs, wants_input_logprobs
+from .migration import Migration, migratable
 from .relay import ClientWatch, RelayResponse, openai_finish_reasons
 from .tasks import cancel_legs, finished_ok
 
@@ -98,11 +105,15 @@ class PDProxy:
         self, endpoint: str, payload: dict[str, Any], ids: RequestIds, watch: ClientWatch, timing: Timing
     ) -> Response:
         # One watch on the client for the whole request: the relay takes it over.
+        migration = None
+        if self.config.migration_limit and migratable(endpoint, payload):
+            migration = Migration(payload)
         try:
             open_decode = self.legs.open_stream
             pair, reply, prefill_t = await self._attempts(
-                endpoint, payload, ids.router, open_decode, watch.gone, timing
-            )
+                endpoint, payload, ids.router, open_decode, watch.gone, timing,
+                decode_extra=migration.decode_extra() if migration is not None else None,
+            )  # fmt: skip
             if reply.stream is None:  # decode refused (4xx)
                 self._watch_prefill(prefill_t)
                 watch.stop()
@@ -120,7 +131,12 @@ class PDProxy:
         self._watch_prefill(prefill_t)
         outcome = PairStreamOutcome(self.legs, pair)
         headers = _headers(ids, timing, first)
-        return RelayResponse(reply, first, outcome, headers=headers, watch=watch, openai=endpoint != "/generate")
+        mover = None
+        if migration is not None:
+            mover = StreamMover(self, endpoint, ids.router, migration, pair, watch.gone)
+        return RelayResponse(
+            reply, first, outcome, headers=headers, watch=watch, openai=endpoint != "/generate", mover=mover
+        )
 
     async def _attempts(
         self,
@@ -130,15 +146,19 @@ class PDProxy:
         open_decode: OpenLeg,
         disconnect: asyncio.Future[None],
         timing: Timing,
+        *,
+        exclude: list[Worker] | None = None,
+        decode_extra: dict[str, Any] | None = None,
     ) -> tuple[Pair, Reply, asyncio.Task[Reply]]:
         """Run attempts until decode gives an answer (or its first chunk), or `disconnect` (the
         client left) ends them. `rid`: the router's id of the request (never the client's: the
-        engines abort by it). Returns the pair, decode's reply and the prefill task (possibly
-        still running)."""
+        engines abort by it). `exclude`: workers not to pick (a migrated stream's failed decode);
+        `decode_extra`: fields for the decode leg only (migration.py). Returns the pair, decode's
+        reply and the prefill task (possibly still running)."""
         check_max_tokens(endpoint, payload, self.pairs.registry)
         demand = estimate(endpoint, payload, batch_size(endpoint, payload))
         check_prompt(endpoint, payload, demand, self.pairs.registry)  # one that can never run: refused now
-        exclude: list[Worker] = []
+        exclude = list(exclude or ())
         last_error: UpstreamError | None = None
         deadline: float | None = None
         for attempt in range(self.config.max_retries + 1):
@@ -159,6 +179,8 @@ class PDProxy:
                 raise ApiError(
                     503, str(exc), code="no_healthy_worker", headers={"retry-after": self._retry_after}
                 ) from exc
+            if decode_extra:
+                pair.bodies = _with_fields(pair.bodies, decode_extra)
             if deadline is None:  # the time waited for room does not count against the request
                 deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
             reservation = pair.reservation
@@ -328,6 +350,68 @@ class PDProxy:
             record(prefill_t)
         else:
             prefill_t.add_done_callback(record)
+
+
+def _with_fields(bodies: PDBodies, extra: dict[str, Any]) -> PDBodies:
+    """`bodies` with `extra` added to the decode leg's JSON object (which `extra`'s keys are not in)."""
+    fields = orjson.dumps(extra)[1:-1]
+    return dataclasses.replace(bodies, decode=bodies.decode[:-1] + b"," + fields + b"}")
+
+
+class StreamMover:
+    """Moves a streamed request whose decode failed to another pair (relay.Mover, migration.py):
+    at most `migration_limit` times, never back to a decode that failed it."""
+
+    __slots__ = ("disconnect", "endpoint", "failed", "migration", "pair", "proxy", "rid", "worker")
+
+    def __init__(
+        self,
+        proxy: PDProxy,
+        endpoint: str,
+        rid: str,
+        migration: Migration,
+        pair: Pair,
+        disconnect: asyncio.Future[None],
+    ) -> None:
+        self.proxy, self.endpoint, self.rid, self.migration = proxy, endpoint, rid, migration
+        self.pair, self.worker, self.disconnect = pair, pair.decode, disconnect
+        self.failed: list[Worker] = []
+
+    async def move(self, error: UpstreamError) -> tuple[Reply, PairStreamOutcome] | None:
+        legs, metrics = self.proxy.legs, self.proxy.legs.metrics
+        self.failed.append(self.worker)
+        # The failed decode may be alive (ejected for a stall): it must drop the request.
+        legs.abort(self.worker, self.pair.bodies.rids)
+        if self.migration.moves >= self.proxy.config.migration_limit:
+            metrics.migrations.labels("limit").inc()
+            return None
+        payload = self.migration.resume_payload()
+        if payload is None:
+            metrics.migrations.labels("not_resumable").inc()
+            return None
+        started = time.perf_counter()
+        rid = f"{self.rid}.m{self.migration.moves + 1}"
+        extra = {"tokens": len(self.migration.ids), "from": self.worker.url, "error": str(error)}
+        try:
+            pair, reply, prefill_t = await self.proxy._attempts(
+                self.endpoint, payload, rid, legs.open_stream, self.disconnect, Timing(started),
+                exclude=self.failed,
+            )  # fmt: skip
+        except (ApiError, UpstreamError, ClientGone) as exc:
+            metrics.migrations.labels("failed").inc()
+            logger.warning("stream could not move to another pair", extra={**extra, "reason": str(exc)})
+            return None
+        if reply.stream is None:  # refused (4xx): the continuation is not servable
+            metrics.migrations.labels("failed").inc()
+            logger.warning("stream could not move: the new decode refused it", extra={**extra, "status": reply.status})
+            return None
+        self.proxy._watch_prefill(prefill_t)
+        self.migration.moved()
+        self.pair, self.worker = pair, pair.decode
+        metrics.migrations.labels("migrated").inc()
+        metrics.migration_seconds.observe(time.perf_counter() - started)
+        logger.warning("stream moved to another pair", extra={**extra, "to": pair.decode.url})
+        return reply, PairStreamOutcome(legs, pair)
 
 
 def _release_unless_streaming(reservation: Reservation, task: asyncio.Task[Reply]) -> None:

@@ -2,8 +2,13 @@
 
 The relay owns the open stream; whoever started it learns the outcome through `StreamOutcome`,
 exactly one call per stream: `completed`, `failed` (the decode broke mid-stream: the client gets
-an OpenAI-shaped SSE error event and `[DONE]`, since nothing can be retried once bytes reached
-it), or `abandoned` (the client went away, or sending to it failed).
+an OpenAI-shaped SSE error event and `[DONE]`, since the request cannot start again once bytes
+reached the client), or `abandoned` (the client went away, or sending to it failed).
+
+A stream with a `Mover` (a streamed `/generate`, migration.py) is the exception: when its decode
+fails before the answer finished, the relay books the failure on that decode's outcome and goes
+on with the bytes of another pair that continues the answer; each decode's stream has its own
+outcome. Only a stream that cannot move ends with the error event.
 
 A stream is complete once its final event `data: [DONE]` has been relayed, whether or not the
 decode's end of body follows before the client hangs up: OpenAI's clients stop reading at
@@ -24,10 +29,12 @@ from starlette.types import Receive, Scope, Send
 
 from ...common.openai_errors import sse_error
 from ..api.connection import CLIENT_GONE
-from ..exceptions import UpstreamError
+from ..exceptions import UpstreamError, UpstreamTimeout
 from ..transport.client import Body, Reply
+from ..workers.registry import Worker
+from .migration import Migration
 
-__all__ = ["ClientWatch", "RelayResponse", "StreamOutcome", "ends_with_done", "openai_finish_reasons"]
+__all__ = ["ClientWatch", "Mover", "RelayResponse", "StreamOutcome", "ends_with_done", "openai_finish_reasons"]
 
 # sglang's OpenAI routes report an aborted request (aborted by /abort_request, by the scheduler
 # under memory pressure, or for a prompt over the context) as `finish_reason: "abort"`, which is not
@@ -37,6 +44,8 @@ __all__ = ["ClientWatch", "RelayResponse", "StreamOutcome", "ends_with_done", "o
 # the word, so the common chunk costs one `in` test.
 _ABORT = re.compile(rb'("finish_reason"\s*:\s*)"abort"')
 _DONE = b"data: [DONE]"
+# How often a stream that can move checks whether its decode was ejected while it waits.
+_EJECT_POLL_S = 0.25
 
 
 def openai_finish_reasons(chunk: bytes) -> bytes:
@@ -72,6 +81,17 @@ class StreamOutcome(Protocol):
         """The client left before the end (or sending to it failed)."""
 
 
+class Mover(Protocol):
+    """Moves a broken stream to another pair (proxy.py); `worker` is the current decode."""
+
+    migration: Migration
+    worker: Worker
+
+    async def move(self, error: UpstreamError) -> tuple[Reply, StreamOutcome] | None:
+        """The new decode's reply (its first chunk and open stream) and its outcome; None when the
+        stream cannot move (limit reached, no pair, the new attempt failed)."""
+
+
 class RelayResponse(Response):
     """Streams `reply` (its first chunk, possibly rewritten, then the rest) to the client."""
 
@@ -86,9 +106,11 @@ class RelayResponse(Response):
         headers: Mapping[str, str],
         watch: ClientWatch | None = None,
         openai: bool = True,
+        mover: Mover | None = None,
     ) -> None:
         """`headers`: the answer's own (its request ids). `watch`: the request's watch on the
-        client, which the relay takes over (and stops); without one the relay starts its own."""
+        client, which the relay takes over (and stops); without one the relay starts its own.
+        `mover`: continues the stream on another pair when its decode fails (migration.py)."""
         assert reply.stream is not None, "RelayResponse needs an open stream (WorkerClient.open_stream)"
         # Like StreamingResponse: no body attribute, so no Content-Length header.
         self.status_code = reply.status
@@ -99,6 +121,7 @@ class RelayResponse(Response):
         self.first = openai_finish_reasons(first) if openai else first
         self.openai = openai  # an OpenAI route: finish reasons are mapped to OpenAI's values
         self.outcome = outcome
+        self.mover = mover
         self.watch = watch
         self.finished = False
         self.delivered = False  # the client got `data: [DONE]`: the answer is whole
@@ -120,37 +143,82 @@ class RelayResponse(Response):
 
     async def _relay(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        if self.first:
-            await send({"type": "http.response.body", "body": self.first, "more_body": True})
-            self.delivered = ends_with_done(b"", self.first)
-        tail = self.first[-len(_DONE) :]
-        try:
-            waiting, progressed = self.outcome.waiting, self.outcome.progressed
-            while True:
-                if not self.delivered:  # after [DONE] a late end of body is no stall
-                    waiting()
-                if not (chunk := await self.stream.next_chunk()):
+        pending, tail = self.first, b""
+        while True:
+            try:
+                await self._pump(send, pending, tail)
+                return
+            except UpstreamError as exc:
+                if self.delivered:  # the answer is whole; only the decode's end of body went wrong
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    return
+                self.outcome.failed(exc)
+                moved = await self._move(exc)
+                if moved is None:
                     break
-                progressed()
-                if self.openai:
-                    chunk = openai_finish_reasons(chunk)
+                pending, tail = moved, b""
+        self.finished = True
+        if self.mover is not None and self.mover.migration.finished:
+            # Every token reached the client; only the decode's final [DONE] is missing.
+            body = _DONE + b"\n\n"
+        else:
+            # The error text (with the worker's URL) is logged by outcome.failed, not sent.
+            message = "The decode worker failed mid-stream; the answer is incomplete. Retry the request."
+            body = sse_error(502, message, code="upstream_stream_error")
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _move(self, error: UpstreamError) -> bytes | None:
+        """Continue the stream on another pair (migration.py): its first bytes, or None."""
+        if self.mover is None or self.mover.migration.finished:
+            return None
+        moved = await self.mover.move(error)
+        if moved is None:
+            return None
+        reply, self.outcome = moved
+        assert reply.stream is not None
+        self.stream.close()
+        self.stream = reply.stream
+        return reply.body
+
+    async def _pump(self, send: Send, first: bytes, tail: bytes) -> None:
+        """Relay `first`, then the stream's chunks to its end."""
+        waiting, progressed = self.outcome.waiting, self.outcome.progressed
+        chunk = first
+        while True:
+            if self.mover is not None:
+                chunk = self.mover.migration.feed(chunk, self.mover.worker)
+            if self.openai:
+                chunk = openai_finish_reasons(chunk)
+            if chunk:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 if not self.delivered:
                     self.delivered = ends_with_done(tail, chunk)
                     tail = chunk[-len(_DONE) :]
-            self.finished = True
-            self.outcome.completed()
-        except UpstreamError as exc:
-            if self.delivered:  # the answer is whole; only the decode's end of body went wrong
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-                return
-            self.finished = True
-            self.outcome.failed(exc)
-            # The error text (with the worker's URL) is logged by outcome.failed, not sent.
-            message = "The decode worker failed mid-stream; the answer is incomplete. Retry the request."
-            error = sse_error(502, message, code="upstream_stream_error")
-            await send({"type": "http.response.body", "body": error, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if not self.delivered:  # after [DONE] a late end of body is no stall
+                waiting()
+            if not (chunk := await self._next()):
+                break
+            progressed()
+        self.finished = True
+        self.outcome.completed()
+
+    async def _next(self) -> bytes:
+        """The stream's next chunk. A stream that can move also ends when its decode is ejected
+        (the stall watchdog, failed health checks): waiting on it longer only delays the move."""
+        if self.mover is None:
+            return await self.stream.next_chunk()
+        worker = self.mover.worker
+        read = asyncio.ensure_future(self.stream.next_chunk())
+        try:
+            while not (await asyncio.wait({read}, timeout=_EJECT_POLL_S))[0]:
+                if not worker.healthy:
+                    raise UpstreamTimeout(f"decode worker {worker.url} was ejected while a stream waited on it", worker)
+            return read.result()
+        finally:
+            if not read.done():
+                read.cancel()
+                await asyncio.gather(read, return_exceptions=True)
 
     def _close(self) -> None:
         # A finished stream goes back to the pool; an unfinished one closes its connection.
