@@ -299,14 +299,17 @@ def _publish(configmap: str, report: Report) -> None:
 ROLLOUT_POLL_S = 5.0
 
 
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def _wait_rollout(names: list[str], budget_s: float) -> None:
     """Wait until the LeaderWorkerSets `names` have rolled out, reading them with the pod's credentials."""
     try:
         cluster = in_cluster()
     except PublishError as exc:
         raise RolloutNotReady(str(exc).replace("--publish-baseline", "--wait-rollout")) from exc
-    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    wait_for_rollout(fetch_lws(cluster), names, budget_s, poll_s=ROLLOUT_POLL_S, log=log)
+    wait_for_rollout(fetch_lws(cluster), names, budget_s, poll_s=ROLLOUT_POLL_S, log=_progress)
     print(f"rollout finished: {', '.join(names)}", file=sys.stderr)
 
 
