@@ -3,8 +3,8 @@ with the limits given as JSON: tests of the connection cap, the per-source share
 against a real socket server, the same protocol the router and the reference engine run.
 
 Routes: `GET /health` answers 200, or a plain 503 (no `x-sglpd-refused`) with `--health 503`, as
-sglang does while its scheduler gives no output; `GET /v1/models` one model; `POST /echo` the
-length of the body it read.
+sglang does while its scheduler gives no output (`POST /health/503` and `POST /health/200` switch
+it); `GET /v1/models` one model; `POST /echo` the length of the body it read.
 
     python -m tests.support.capped_server --port P --limits '{"max_connections": 4}' [--health 503]
 """
@@ -33,8 +33,15 @@ __all__ = ["capped_server"]
 
 
 def _app(health: int) -> Starlette:
+    state = {"health": health}
+
     async def probe(_: Request) -> JSONResponse:
-        return JSONResponse({"status": "ok" if health == 200 else "unhealthy"}, status_code=health)
+        status = state["health"]
+        return JSONResponse({"status": "ok" if status == 200 else "unhealthy"}, status_code=status)
+
+    async def switch(request: Request) -> JSONResponse:
+        state["health"] = int(request.path_params["status"])
+        return JSONResponse(state)
 
     async def models(_: Request) -> JSONResponse:
         return JSONResponse({"object": "list", "data": [{"id": "test-model", "object": "model"}]})
@@ -42,7 +49,12 @@ def _app(health: int) -> Starlette:
     async def echo(request: Request) -> JSONResponse:
         return JSONResponse({"read": len(await request.body())})
 
-    routes = [Route("/health", probe), Route("/v1/models", models), Route("/echo", echo, methods=["POST"])]
+    routes = [
+        Route("/health", probe),
+        Route("/health/{status:int}", switch, methods=["POST"]),
+        Route("/v1/models", models),
+        Route("/echo", echo, methods=["POST"]),
+    ]
     return Starlette(routes=routes)
 
 

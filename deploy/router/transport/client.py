@@ -166,8 +166,15 @@ class WorkerClient(ABC):
 
     async def get(self, worker: Worker, path: str, purpose: Purpose = "health") -> tuple[int, bytes]:
         """GET a probe or info path: (status, body). Raises UpstreamError when unreachable."""
+        status, body, _ = await self.probe(worker, path, purpose)
+        return status, body
+
+    async def probe(self, worker: Worker, path: str, purpose: Purpose = "health") -> tuple[int, bytes, str]:
+        """`get`, plus the answer's `x-sglpd-refused` ("" when absent): which connection cap of the
+        worker's HTTP server refused the connection (common/http_limits.py), not its application."""
         status, _, stream = await self._send(worker, "GET", path, b"", self.headers, purpose)
-        return status, await _read_all(stream)
+        refused = getattr(stream, "refused", "")  # a transport without the header has none
+        return status, await _read_all(stream), refused if isinstance(refused, str) else ""
 
 
 async def _read_all(stream: Body) -> bytes:
@@ -229,6 +236,10 @@ class _Http1Body:
             return await self._answer.next_chunk()
         except (OSError, TimeoutError) as exc:
             raise _upstream_error(exc, self._worker, "streaming the answer") from exc
+
+    @property
+    def refused(self) -> str:
+        return self._answer.refused
 
     def release(self) -> None:
         self._answer.release()

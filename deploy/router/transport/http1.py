@@ -67,6 +67,7 @@ class Answer:
         "framed",
         "keep_alive",
         "received",
+        "refused",
         "status",
     )
 
@@ -84,6 +85,7 @@ class Answer:
         self.keep_alive = False
         self.framed = False  # a Content-Length or Transfer-Encoding says where the body ends
         self.received = False  # any byte of the answer arrived
+        self.refused = ""  # x-sglpd-refused: a 503 from a server at its connection cap (common/http_limits.py)
 
     # -- fed by the connection ------------------------------------------------------------------
 
@@ -98,6 +100,8 @@ class Answer:
             self.content_type = value.decode("latin-1")
         elif lowered in (b"content-length", b"transfer-encoding"):
             self.framed = True
+        elif lowered == b"x-sglpd-refused":
+            self.refused = value.decode("latin-1")
 
     def _on_head(self, status: int, keep_alive: bool) -> None:
         self.status = status

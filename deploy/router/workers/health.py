@@ -48,6 +48,14 @@ health: such a checker is given `report` and runs no periodic probes; a confirma
 and a stall are reported to the control process (which books and publishes them), and the stall
 also takes the worker out of this process at once.
 
+A probe answered 503 with `x-sglpd-refused` (the reference engine's or a router's HTTP server at its
+connection cap, common/http_limits.py) is no verdict: the worker's HTTP server is up and full, which
+says nothing about its scheduler, and counting it as a failed generation probe would eject a busy
+worker at once (whoever holds its connections would take it out of routing). Such a probe is not
+booked; the worker keeps its state until a probe gets through. A confirmation probe so answered
+counts as answering (the 5xx is not held against the worker). A plain 503 from `/health` is still
+sglang's verdict and ejects.
+
 Every change of a worker's health is logged: "worker became healthy", "worker became unhealthy"
 (also when a new worker fails its first probe) and "worker ejected".
 """
@@ -225,6 +233,8 @@ class HealthChecker:
 
     async def _generation(self, worker: Worker) -> bool:
         ok, error, _ = await self._probe(worker, GENERATION_PROBE, "health_generate")
+        if ok is None:
+            return False  # no verdict: not booked (see the module docstring)
         if ok and (not worker.healthy or not worker.models):
             await self._refresh_info(worker)  # before it is admitted: requests see its DP ranks
         self._book(worker, ok, error, "generation")
@@ -232,6 +242,8 @@ class HealthChecker:
 
     async def _liveness(self, worker: Worker) -> bool:
         ok, error, body = await self._probe(worker, LIVENESS_PROBE, "health")
+        if ok is None:
+            return False
         if ok:
             self._take_models(worker, body)
         self._book(worker, ok, error, "liveness")
@@ -253,6 +265,8 @@ class HealthChecker:
 
     async def _confirm(self, worker: Worker) -> bool:
         ok, error, _ = await self._probe(worker, LIVENESS_PROBE, "health")
+        if ok is None:
+            return True  # it answered, full: the 5xx is not the worker failing
         if self.report is None:
             self._book(worker, ok, error, "confirmation")
         else:
@@ -267,12 +281,19 @@ class HealthChecker:
         task.add_done_callback(self._pending.discard)
         return task
 
-    async def _probe(self, worker: Worker, path: str, purpose: Purpose) -> tuple[bool, str, bytes]:
-        """GET `path`: (passed, why not, the body)."""
+    async def _probe(self, worker: Worker, path: str, purpose: Purpose) -> tuple[bool | None, str, bytes]:
+        """GET `path`: (passed, why not, the body); passed is None for no verdict, a 503 from the
+        worker's HTTP server at its connection cap."""
         try:
-            status, body = await self.client.get(worker, path, purpose)
+            status, body, refused = await self.client.probe(worker, path, purpose)
         except UpstreamError as exc:
             return False, str(exc), b""
+        if status == 503 and refused:
+            logger.info(
+                "health probe refused at the worker's connection cap, not counted",
+                extra={"worker": worker.url, "role": worker.role, "path": path, "error": refused},
+            )
+            return None, f"GET {path} answered 503 ({refused})", body
         if status != 200:
             return False, f"GET {path} answered {status}", body
         return True, "", body
