@@ -147,6 +147,7 @@ class RelayResponse(Response):
         while True:
             try:
                 await self._pump(send, pending, tail)
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
             except UpstreamError as exc:
                 if self.delivered:  # the answer is whole; only the decode's end of body went wrong
