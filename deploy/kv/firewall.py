@@ -9,6 +9,12 @@ MC_MIN_RPC_PORT..MC_MAX_RPC_PORT (`listeners.mooncake_port_range`), and the rule
 - `PeerFirewall` (a pod, `sglang-pd launch`): an INPUT chain for the range accepts loopback and the
   addresses the PD peers' host names resolve to, and drops every other source. The names are
   resolved again every few seconds (`start`), and the chain is replaced when the answer changes.
+  Its name carries short hashes of the release ($SGLANG_PD_RELEASE, which the chart sets to
+  `<namespace>/<release>`; else the peers it admits) and of the pod (release, role, pod name):
+  pods on the host's network share one filter table, and two releases' pods on one node must not
+  take each other's chain for a stale one of their own, nor remove it with theirs. A pod refuses to
+  install when another release's chain on the same table covers an overlapping port range: that
+  chain would drop this release's peers (give each release on a node its own range).
 - `LocalFirewall` (one machine, `sglang-pd up`): the engines run with the primary group
   `KV_ENGINE_GID`; an OUTPUT chain resets loopback connections to the range from sockets of any
   other group, and an INPUT chain drops connections to it from other hosts.
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import grp
+import hashlib
 import ipaddress
 import os
 import re
@@ -31,11 +38,13 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
+    "ENV_POD_NAME",
+    "ENV_RELEASE",
     "INSTALL_HINT",
     "KV_ENGINE_GID",
     "LOCAL_CHAIN_PREFIX",
@@ -49,6 +58,8 @@ __all__ = [
     "gid_holders",
     "netfilters",
     "parse_networks",
+    "pod_chain",
+    "release_of",
     "remove_stale_local_chains",
     "resolve_host",
 ]
@@ -63,6 +74,12 @@ KV_ENGINE_GID = 65617
 # Chain names (at most 28 characters): `up`'s carry its pid, so stale ones can be told apart.
 LOCAL_CHAIN_PREFIX = "SGLPD-UP-"
 POD_CHAIN_PREFIX = "SGLPD-KV-"
+# The pod's name, from the downward API (the chart sets it); without it the host name, which on the
+# host's network is the node's. The release, `<namespace>/<release>` (the chart sets it too).
+ENV_POD_NAME = "SGLANG_PD_POD_NAME"
+ENV_RELEASE = "SGLANG_PD_RELEASE"
+_POD_CHAIN = re.compile(rf"^{re.escape(POD_CHAIN_PREFIX)}([0-9a-f]{{8}})-([0-9a-f]{{6}})$")
+_JUMP_PORTS = re.compile(r"--dport (\d+)(?::(\d+))?")
 REFRESH_S = 5.0  # how often a pod resolves its peers' names again
 INSTALL_HINT = "install iptables (Debian/Ubuntu: apt-get install iptables)"
 _IPV6_ON = Path("/proc/net/if_inet6")  # present when this network namespace has IPv6
@@ -184,6 +201,41 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def _short_hash(*parts: str, size: int) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:size]
+
+
+def pod_chain(role: str, pod: str, release: str) -> str:
+    """A pod's chain name, `SGLPD-KV-<release>-<pod>` (24 characters; iptables allows 28), of
+    short hashes: the release's, and the pod's (release, role, pod name)."""
+    return f"{POD_CHAIN_PREFIX}{_short_hash(release, size=8)}-{_short_hash(release, role, pod, size=6)}"
+
+
+def release_of(peers: Sequence[str], allow_from: Sequence[Network], env: Mapping[str, str] | None = None) -> str:
+    """The release a pod belongs to: $SGLANG_PD_RELEASE, else what it admits (the chart's peer names
+    carry the release and namespace; the same in every pod of a release)."""
+    given = (os.environ if env is None else env).get(ENV_RELEASE, "")
+    return given or ",".join(sorted(peers)) or ",".join(sorted(str(n) for n in allow_from))
+
+
+def _other_releases(chain: str, ports: tuple[int, int], rules: list[str]) -> list[str]:
+    """Jumps from INPUT to another release's pod chain whose port range overlaps `ports`."""
+    mine = _POD_CHAIN.match(chain)
+    found = []
+    for ln in rules:
+        fields = ln.split()
+        if not ln.startswith("-A INPUT ") or fields[-2:-1] != ["-j"]:
+            continue
+        other = _POD_CHAIN.match(fields[-1])
+        dport = _JUMP_PORTS.search(ln)
+        if other is None or mine is None or other.group(1) == mine.group(1) or dport is None:
+            continue
+        low, high = int(dport.group(1)), int(dport.group(2) or dport.group(1))
+        if low <= ports[1] and ports[0] <= high:
+            found.append(f"{fields[-1]} (TCP {low}-{high})")
+    return found
+
+
 class PeerFirewall:
     """A pod's rules: TCP `ports` accepts loopback, the addresses of `peers` (host names, resolved
     at `install` and every `refresh_s` after `start`) and `allow_from`; drops every other source.
@@ -203,8 +255,14 @@ class PeerFirewall:
         resolve: Callable[[str], set[str]] = resolve_host,
         refresh_s: float = REFRESH_S,
         note: Callable[[str], None] = _stderr,
+        pod: str | None = None,
+        release: str | None = None,
     ) -> None:
-        self.chain = f"{POD_CHAIN_PREFIX}{role.upper()}"
+        """`pod`: this pod's name (default: $SGLANG_PD_POD_NAME, else the host name); `release`:
+        its release (default: `release_of`)."""
+        self.pod = pod if pod is not None else os.environ.get(ENV_POD_NAME) or socket.gethostname()
+        self.release = release if release is not None else release_of(peers, allow_from)
+        self.chain = pod_chain(role, self.pod, self.release)
         self.ports = ports
         self.peers = tuple(peers)
         self.allow_from = tuple(allow_from)
@@ -244,11 +302,20 @@ class PeerFirewall:
 
     def install(self) -> frozenset[Network]:
         """Resolve the peers and install the chain and its jump from INPUT (replacing the jumps of
-        an earlier run of this role: a restarted pod on the host's network); returns the allowed set."""
+        an earlier run of this pod: a restarted pod on the host's network); returns the allowed set.
+        FirewallError when another release's chain covers an overlapping port range here."""
         self._tools = netfilters(self._path)
         allowed = self._lookup()
         for nf in self._tools:
             rules = nf.filter_rules()
+            others = _other_releases(self.chain, self.ports, rules)
+            if others:
+                raise FirewallError(
+                    f"{nf.name}: another release's KV rules cover an overlapping port range on this host's network "
+                    f"({', '.join(others)}), and each release's chain would drop the other's peers. Give each "
+                    "release on a node its own Mooncake port range (MC_MIN_RPC_PORT..MC_MAX_RPC_PORT, the "
+                    f"topology's listeners.mooncake_port_range); this pod's is TCP {self.ports[0]}-{self.ports[1]}."
+                )
             stale = [ln for ln in _removal({self.chain}, rules) if ln.startswith("-D ")]
             jump = f"-I INPUT 1 {_port_match(self.ports)} -j {self.chain}"
             nf.apply(_transaction([*self._chain_lines(nf, allowed), *stale, jump]))

@@ -92,8 +92,10 @@ def _env(container: dict[str, Any], pod: GpuPod, node: Node, secrets: dict[str, 
         source = e["valueFrom"]
         if "fieldRef" in source:
             path = source["fieldRef"]["fieldPath"]
-            assert path == "status.podIP", f"{pod.name}: unmodelled downward-API field {path}"
-            env[e["name"]] = node.ip
+            assert path in ("status.podIP", "metadata.name"), f"{pod.name}: unmodelled downward-API field {path}"
+            # LWS names a group's leader <set>-<group>, its workers <set>-<group>-<index>.
+            leader = pod.leader_address.split(".")[0]
+            env[e["name"]] = node.ip if path == "status.podIP" else leader + (f"-{pod.index}" if pod.index else "")
         else:
             ref = source["secretKeyRef"]
             env[e["name"]] = secrets[ref["name"]][ref["key"]]

@@ -200,6 +200,9 @@ def test_gpu_pod_security_env_and_volumes(render) -> None:
     assert env["NCCL_IB_GID_INDEX"] == "3" and env["EP_MIN_TOKENS_PER_PART"] == "1"
     assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
     assert env["SGLANG_HOST_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    # The KV chain's name carries both: two releases' pods on one node's network keep their own.
+    assert env["SGLANG_PD_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert env["SGLANG_PD_RELEASE"] == "llm/demo-sglang-pd"
     assert env["HF_HOME"] == "/cache/huggingface" and env["SGLANG_CACHE_DIR"] == "/cache/sglang"
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert volumes["shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}

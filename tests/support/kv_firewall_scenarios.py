@@ -22,7 +22,10 @@ from typing import Any
 
 from sglang_pd.deploy.common.procs import spawn
 from sglang_pd.deploy.kv.firewall import (
+    ENV_POD_NAME,
+    ENV_RELEASE,
     KV_ENGINE_GID,
+    FirewallError,
     LocalFirewall,
     PeerFirewall,
     remove_stale_local_chains,
@@ -161,6 +164,69 @@ def pod_form() -> dict[str, Any]:
         "rules_second": rules_second,
         "rules_after_remove": _chains(),
         "notes": notes,
+        "chain": fw.chain,
+    }
+
+
+def two_releases() -> dict[str, Any]:
+    """Two releases' pods on one node's network (hostNetwork), each fencing its own Mooncake range:
+    both chains stay in force side by side, a second pod of a release adds its own, a release with
+    an overlapping range is refused, and removing one pod's rules leaves the others'."""
+    ranges = {"a": (15000, 15999), "b": (16000, 16999)}
+    servers = [_listener(low + 7) for low, _ in ranges.values()]
+    answers = {"a-prefill.ns": {"10.77.0.2"}, "a-decode.ns": set(), "b-prefill.ns": {"10.77.0.3"}, "b-decode.ns": set()}
+
+    def pod(release: str, role: str, ports: tuple[int, int]) -> PeerFirewall:
+        return PeerFirewall(
+            role=role,
+            ports=ports,
+            peers=[f"{release}-prefill.ns", f"{release}-decode.ns"],
+            resolve=lambda name: set(answers.get(name, set())),
+            note=lambda _line: None,
+            pod=f"{release}-{role}-0",
+            release=f"ns/{release}",
+        )
+
+    a, a_decode, b = pod("a", "prefill", ranges["a"]), pod("a", "decode", ranges["a"]), pod("b", "prefill", ranges["b"])
+    overlapping = pod("c", "prefill", (15500, 16500))
+    with peer_namespace() as peer:
+
+        def attempts() -> dict[str, str]:
+            return {
+                f"{src}->{release}": _connect_from(peer, src, "10.77.0.1", ranges[release][0] + 7)
+                for src in ("10.77.0.2", "10.77.0.3")
+                for release in ("a", "b")
+            }
+
+        a.install()
+        b.install()
+        both = attempts()
+        rules_both = _chains()
+        a_decode.install()  # the same release, the same range: its own chain beside a's
+        rules_three = _chains()
+        try:
+            overlapping.install()
+            refused = ""
+        except FirewallError as exc:
+            refused = str(exc)
+        rules_after_refusal = _chains()
+        b.remove()
+        after_b_removed = attempts()
+        rules_after_b_removed = _chains()
+        a.remove()
+        a_decode.remove()
+    for srv in servers:
+        srv.close()
+    return {
+        "chains": {"a": a.chain, "a_decode": a_decode.chain, "b": b.chain, "c": overlapping.chain},
+        "both": both,
+        "rules_both": rules_both,
+        "rules_three": rules_three,
+        "refused": refused,
+        "rules_after_refusal": rules_after_refusal,
+        "after_b_removed": after_b_removed,
+        "rules_after_b_removed": rules_after_b_removed,
+        "final": _chains(),
     }
 
 
@@ -247,9 +313,14 @@ def chains() -> dict[str, Any]:
     after_clean = _chains()
     live.remove()
     after_stop = _chains()
-    pod = PeerFirewall(role="prefill", ports=ports, allow_from=[ipaddress.ip_network("10.0.0.0/8")], note=print)
+    # The chart names the release; a value change (allowFrom) keeps it.
+    pod = PeerFirewall(
+        role="prefill", ports=ports, allow_from=[ipaddress.ip_network("10.0.0.0/8")], note=print, release="ns/rel"
+    )
     pod.install()
-    again = PeerFirewall(role="prefill", ports=ports, allow_from=[ipaddress.ip_network("10.1.0.0/16")], note=print)
+    again = PeerFirewall(
+        role="prefill", ports=ports, allow_from=[ipaddress.ip_network("10.1.0.0/16")], note=print, release="ns/rel"
+    )
     again.install()  # the pod's launcher restarted on the host's network: same chain, one jump
     restarted = _chains()
     again.remove()
@@ -261,6 +332,7 @@ def chains() -> dict[str, Any]:
         "after_clean": after_clean,
         "after_stop": after_stop,
         "pod_restarted": restarted,
+        "pod_chain": again.chain,
         "final": _chains(),
         "final_rules": subprocess.run(["iptables", "-S"], capture_output=True, text=True).stdout.splitlines(),
     }
@@ -365,6 +437,8 @@ def launch_pod() -> dict[str, Any]:
 
     launch.pod_checks = lambda *a, **k: []  # no GPUs here; not what is tested
     launch.supervise = supervise
+    os.environ[ENV_POD_NAME] = seen["pod"] = "rel-prefill-0"  # the chart's downward API values
+    os.environ[ENV_RELEASE] = seen["release"] = "ns/rel"
     topology = str(REPO / "deploy" / "spec" / "presets" / "single-h200.yaml")
     argv = ["launch", "--role", "prefill", "--topology", topology, "--kv-peers", "localhost", "--kv-allow-from"]
     code = main([*argv, "10.9.0.0/16"])

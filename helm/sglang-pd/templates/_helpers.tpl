@@ -692,6 +692,14 @@ spec:
           valueFrom:
             fieldRef:
               fieldPath: status.podIP
+        # Who this pod is, for the name of its KV ports' netfilter chain (deploy/kv/firewall.py):
+        # pods of several releases on one node's network each keep their own.
+        - name: SGLANG_PD_POD_NAME
+          valueFrom:
+            fieldRef:
+              fieldPath: metadata.name
+        - name: SGLANG_PD_RELEASE
+          value: {{ printf "%s/%s" $.Release.Namespace (include "sglang-pd.fullname" $) | quote }}
         # JIT caches (DeepGEMM, Triton, Inductor, FlashInfer) on the cache volume: a restarted or
         # recreated pod skips the 10-20 minute DeepGEMM warm-up compile.
         - name: SGLANG_CACHE_DIR

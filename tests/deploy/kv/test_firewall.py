@@ -32,6 +32,7 @@ from sglang_pd.deploy.kv.firewall import (
     PeerFirewall,
     gid_holders,
     parse_networks,
+    pod_chain,
     resolve_host,
 )
 from sglang_pd.deploy.ops.launch import LaunchError
@@ -77,12 +78,44 @@ def test_pod_rules_admit_the_peers_addresses_and_a_refresh_replaces_them() -> No
     assert r["first_outside_range"] == everyone  # a port outside the range is not touched
     # The name now resolves to .3 / fd77::3; the refresh thread replaced the chain's rules.
     assert r["second"] == {**everyone, "10.77.0.2": "timeout", "fd77::2": "timeout"}
-    assert "-A SGLPD-KV-DECODE -s 10.77.0.3/32 -j ACCEPT" in r["rules_second"]["iptables-save"]
-    assert "-A SGLPD-KV-DECODE -s fd77::3/128 -j ACCEPT" in r["rules_second"]["ip6tables-save"]
+    chain = r["chain"]
+    assert f"-A {chain} -s 10.77.0.3/32 -j ACCEPT" in r["rules_second"]["iptables-save"]
+    assert f"-A {chain} -s fd77::3/128 -j ACCEPT" in r["rules_second"]["ip6tables-save"]
     assert not any("10.77.0.2" in ln for ln in r["rules_second"]["iptables-save"])
     assert r["after_remove"] == everyone
     assert r["rules_after_remove"] == {"iptables-save": [], "ip6tables-save": []}
     assert len(r["notes"]) == 2 and "accepts loopback and 10.77.0.3/32, fd77::3/128" in r["notes"][1]
+
+
+@in_netns
+def test_two_releases_on_one_nodes_network_keep_their_own_chains() -> None:
+    r = run_in_netns(f"{SCENARIOS}:two_releases")
+    chains = r["chains"]
+    # Release and pod in the name, within iptables' 28 characters; a release's two pods share the release part.
+    assert len(set(chains.values())) == 4 and all(len(c) <= 28 for c in chains.values()), chains
+    assert chains["a"].split("-")[2] == chains["a_decode"].split("-")[2] != chains["b"].split("-")[2]
+    # Both fences in force at once: each release's peer reaches its own range only.
+    assert r["both"] == {
+        "10.77.0.2->a": "ok",
+        "10.77.0.2->b": "timeout",
+        "10.77.0.3->a": "timeout",
+        "10.77.0.3->b": "ok",
+    }
+    for family in ("iptables-save", "ip6tables-save"):
+        jumps = [ln for ln in r["rules_both"][family] if ln.startswith("-A INPUT ")]
+        assert sorted(ln.split()[-1] for ln in jumps) == sorted([chains["a"], chains["b"]]), jumps
+        three = [ln.split()[-1] for ln in r["rules_three"][family] if ln.startswith("-A INPUT ")]
+        assert sorted(three) == sorted([chains["a"], chains["a_decode"], chains["b"]])
+        assert r["rules_after_refusal"][family] == r["rules_three"][family]  # the refusal wrote nothing
+        # b's removal took b's chain and jump only.
+        left = r["rules_after_b_removed"][family]
+        assert not any(chains["b"] in ln for ln in left)
+        kept = sorted(ln.split()[-1] for ln in left if ln.startswith("-A INPUT "))
+        assert kept == sorted([chains["a"], chains["a_decode"]])
+        assert r["final"][family] == []
+    assert "another release's KV rules cover an overlapping port range" in r["refused"]
+    assert f"{chains['a']} (TCP 15000-15999)" in r["refused"] and "own Mooncake port range" in r["refused"]
+    assert r["after_b_removed"]["10.77.0.3->a"] == "timeout"  # a's fence still drops b's peer
 
 
 @in_netns
@@ -137,7 +170,7 @@ def test_chains_go_at_remove_and_a_killed_runs_are_cleaned_at_the_next_start() -
         assert r["after_stop"][family] == [] and r["final"][family] == []
         # A restarted pod launcher replaced its chain and jump instead of adding a second.
         assert sum("-A INPUT " in ln for ln in r["pod_restarted"][family]) == 1
-    assert "-A SGLPD-KV-PREFILL -s 10.1.0.0/16 -j ACCEPT" in r["pod_restarted"]["iptables-save"]
+    assert f"-A {r['pod_chain']} -s 10.1.0.0/16 -j ACCEPT" in r["pod_restarted"]["iptables-save"]
     assert not any("10.0.0.0/8" in ln for ln in r["pod_restarted"]["iptables-save"])
     assert sorted(r["removed"]) == sorted(f"{t}:{c}" for t in ("iptables", "ip6tables") for c in stale)
     assert r["final_rules"] == ["-P INPUT ACCEPT", "-P FORWARD ACCEPT", "-P OUTPUT ACCEPT"]
@@ -169,9 +202,10 @@ def test_launch_installs_the_rules_before_sglang_and_removes_them_after() -> Non
     r = run_in_netns(f"{SCENARIOS}:launch_pod")
     assert r["exit_status"] == 0 and r["argv_head"] == ["-m", "sglang.launch_server"]
     rules = r["rules_while_running"]["iptables-save"]
-    assert "-A SGLPD-KV-PREFILL -s 10.9.0.0/16 -j ACCEPT" in rules  # --kv-allow-from
-    assert "-A SGLPD-KV-PREFILL -s 127.0.0.1/32 -j ACCEPT" in rules  # --kv-peers localhost, resolved
-    assert rules[-1] == "-A SGLPD-KV-PREFILL -j DROP"
+    chain = pod_chain("prefill", r["pod"], r["release"])
+    assert f"-A {chain} -s 10.9.0.0/16 -j ACCEPT" in rules  # --kv-allow-from
+    assert f"-A {chain} -s 127.0.0.1/32 -j ACCEPT" in rules  # --kv-peers localhost, resolved
+    assert rules[-1] == f"-A {chain} -j DROP"
     assert r["rules_after_exit"] == {"iptables-save": [], "ip6tables-save": []}
 
 

@@ -145,12 +145,17 @@ NO_FIREWALL = "--no-kv-firewall"
 # --- the Mooncake ports' rules: named peers, shown by --dry-run, required at start ----------------
 
 
-def test_dry_run_shows_the_kv_rules_it_would_install(capsys) -> None:
+def test_dry_run_shows_the_kv_rules_it_would_install(capsys, monkeypatch) -> None:
+    from sglang_pd.deploy.kv.firewall import ENV_POD_NAME, ENV_RELEASE, pod_chain
+
+    monkeypatch.setenv(ENV_POD_NAME, "llm-prefill-0")  # as the chart's downward API sets them
+    monkeypatch.setenv(ENV_RELEASE, "ns/llm")
     argv = ["launch", "--role", "prefill", "--topology", str(R1), "--dry-run", "--skip-checks"]  # no GPUs here
     assert main([*argv, "--kv-peers", "p.llm, d.llm", "--kv-allow-from", "10.20.0.0/16"]) == 0
     doc = json.loads(capsys.readouterr().out)
+    assert doc["kv_firewall"]["chain"] != pod_chain("prefill", "llm-prefill-1", "ns/llm")  # each pod its own
     assert doc["kv_firewall"] == {
-        "chain": "SGLPD-KV-PREFILL",
+        "chain": pod_chain("prefill", "llm-prefill-0", "ns/llm"),
         "ports": "15000-17000",
         "peers": ["p.llm", "d.llm"],
         "allow_from": ["10.20.0.0/16"],
