@@ -103,7 +103,10 @@ async def _run(url: str, kill: Proc | None, kill_after: int) -> list[StreamResul
 
 def _router(lx: Launcher, prefill: Proc, decodes: list[Proc], limit: int) -> Proc:
     extra = [a for d in decodes[1:] for a in ("--decode", d.url)]
-    args = [*extra, "--decode-policy", "round_robin", "--migration-limit", str(limit), "--log-level", "warning"]
+    # --max-retries 2: a stream whose first token had not come at the kill is retried from the
+    # start (nothing reached its client), as before migration; the launcher's default is 0.
+    args = [*extra, "--decode-policy", "round_robin", "--migration-limit", str(limit), "--max-retries", "2"]
+    args += ["--log-level", "warning"]
     return lx.router(prefill, decodes[0], args=args)
 
 
