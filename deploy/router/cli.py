@@ -85,7 +85,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--header-timeout", type=float, default=None, metavar="SECONDS", help="to send a head: 408")
     limits.add_argument("--body-timeout", type=float, default=None, metavar="SECONDS", help="to send a body: 408")
     limits.add_argument(
+        "--body-grace",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="time a body may take before --body-min-rate applies (default 10)",
+    )
+    limits.add_argument(
+        "--body-min-rate",
+        type=int,
+        default=None,
+        metavar="BYTES_PER_S",
+        help="average rate a body must keep after --body-grace; slower: 408 (default 1024; 0: only --body-timeout)",
+    )
+    limits.add_argument(
         "--max-connections", type=int, default=None, help="client connections open at once; beyond: 503"
+    )
+    limits.add_argument(
+        "--source-share",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="share of --max-connections one client address may hold; beyond: 503 (default 0.5; 1: no share)",
     )
     limits.add_argument("--keep-alive-timeout", type=float, default=None, metavar="SECONDS")
     limits.add_argument("--max-header-bytes", type=int, default=None, help="whole request head; beyond: 431")
@@ -174,7 +195,10 @@ _FLAG_TO_FIELD = {
     "max_body_bytes_in_flight": "max_body_bytes_in_flight",
     "header_timeout": "header_timeout_s",
     "body_timeout": "body_timeout_s",
+    "body_grace": "body_grace_s",
+    "body_min_rate": "body_min_rate",
     "max_connections": "max_connections",
+    "source_share": "source_share",
     "keep_alive_timeout": "keep_alive_timeout_s",
     "max_header_bytes": "max_header_bytes",
     "max_header_count": "max_header_count",

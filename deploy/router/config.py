@@ -44,6 +44,7 @@ _POSITIVE = (
     "max_body_bytes_in_flight",
     "header_timeout_s",
     "body_timeout_s",
+    "body_grace_s",
     "keep_alive_timeout_s",
     "queue_timeout_s",
     "request_timeout_s",
@@ -85,14 +86,19 @@ class RouterConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     max_body_bytes_in_flight: int = 256 * 1024 * 1024
     # Per connection (deploy/common/http_limits.py), checked while bytes arrive, before auth: the request
-    # head (414 / 431 beyond), the time to send a head and a body (408), the connections held
-    # open at once (503 beyond; 0: as many as descriptors allow), the idle keep-alive time.
+    # head (414 / 431 beyond), the time to send a head and a body (408: all of it within
+    # body_timeout_s, and after body_grace_s at least body_min_rate bytes/s on average; 0: no rate),
+    # the connections held open at once (503 beyond; 0: as many as descriptors allow) and one source
+    # address's share of them (503 beyond), the idle keep-alive time.
     max_request_line_bytes: int = _LIMITS.max_request_line_bytes
     max_header_bytes: int = _LIMITS.max_head_bytes
     max_header_count: int = _LIMITS.max_header_count
     header_timeout_s: float = _LIMITS.header_timeout_s
     body_timeout_s: float = _LIMITS.body_timeout_s
+    body_grace_s: float = _LIMITS.body_grace_s
+    body_min_rate: int = _LIMITS.body_min_rate
     max_connections: int = _LIMITS.max_connections
+    source_share: float = _LIMITS.source_share
     keep_alive_timeout_s: float = 30.0
     # Timeouts towards workers. request_timeout_s bounds a whole non-streaming request and the
     # time to a stream's first byte; stream_idle_timeout_s bounds the gap between two chunks.
@@ -148,7 +154,10 @@ class RouterConfig:
             max_header_count=self.max_header_count,
             header_timeout_s=self.header_timeout_s,
             body_timeout_s=self.body_timeout_s,
+            body_grace_s=self.body_grace_s,
+            body_min_rate=self.body_min_rate,
             max_connections=self.max_connections,
+            source_share=self.source_share,
         )
 
     @property
@@ -168,7 +177,7 @@ class RouterConfig:
             if problem is not None:
                 raise ValueError(f"Config '{role}_policy' has value {name!r}: {problem}")
         for name in ("max_concurrent_requests", "max_queued_requests", "max_retries", "max_connections",
-                     "migration_limit"):  # fmt: skip
+                     "migration_limit", "body_min_rate"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"Config '{name}' has value {getattr(self, name)}. It must be >= 0.")
         for name in ("health_failure_threshold", "health_success_threshold"):
@@ -177,6 +186,11 @@ class RouterConfig:
         for name in _POSITIVE:
             if getattr(self, name) <= 0:
                 raise ValueError(f"Config '{name}' has value {getattr(self, name)}. It must be > 0.")
+        if not 0 < self.source_share <= 1:
+            raise ValueError(
+                f"Config 'source_share' has value {self.source_share}. It must be > 0 and <= 1: the fraction of "
+                "max_connections one client address may hold (1: no share of its own)."
+            )
 
     def __repr__(self) -> str:
         fields = []
