@@ -31,6 +31,13 @@ sizes a server's KV pool from the memory free before it loads, so with three sta
 last one's pool came out negative (benchmarks/results/sbo_server_h200_2026-12-03_5fb0e4d.json).
 A stage measured in a later call compares with the SBO server's outputs kept in `--ref`.
 
+`--gemm-fault` adds the must-fail control (`faults/sbo_check_gemm_fault.py`): the `sbo` server
+starts armed, and after its outputs it answers the prompts again one at a time with experts 0-3
+dropped from SBO's down GEMM (which must differ from `nosbo`), then once more with the fault off
+(which must equal its own). Step times are not taken in such a run: the armed server runs one more
+multiply per MoE layer. The verdicts (`verdicts` in the report; exit 1 when one fails): the SBO
+server equals the server without SBO one request at a time, and the control is caught.
+
 One GPU has no network for the overlap to hide, so the step-time ratio is SBO's overhead here,
 not its gain. Writes `report.json` and each server's log under --out.
 
@@ -57,10 +64,16 @@ from typing import Any
 
 import aiohttp
 import gpu_pd_check
+import pd_verdicts
 import yaml
 from gpu_pd_check import ROUTER, Stack, wait_server, wait_stack
 
 REPO = Path(__file__).resolve().parents[2]
+FAULTS_DIR = REPO / "scripts/gpu/faults"
+#: sbo_check_gemm_fault.py's switches (that module imports torch, so they are repeated here).
+GEMM_FAULT_FLAG_ENV, GEMM_FAULT_LOG_ENV = "SBO_CHECK_GEMM_FAULT_FLAG", "SBO_CHECK_GEMM_FAULT_LOG"
+#: Longer than the fault's watcher takes to see its flag file appear or go (POLL_S, 0.05 s).
+GEMM_FAULT_SETTLE_S = 1.0
 PRESET = REPO / "deploy/spec/presets/single-h200-sbo.yaml"
 #: Each server's HTTP port. sglang 0.5.17 draws its NCCL port from [port + 100, port + 1000] and
 #: takes it if nothing listens there yet, and a server binds its HTTP port only once loaded: servers
@@ -256,9 +269,24 @@ def server_kind(name: str) -> str:
     return name.removesuffix(AGAIN)
 
 
-def start_server(stack: Stack, topology: Path, name: str) -> dict[str, Any]:
+def gemm_fault_env(out: Path) -> dict[str, str]:
+    """What the armed SBO server gets on top of its own env: the faults folder first on its
+    PYTHONPATH, the flag file that switches the fault on (absent) and the fault's log."""
+    inherited = os.environ.get("PYTHONPATH")
+    return {
+        "PYTHONPATH": os.pathsep.join([str(FAULTS_DIR), *([inherited] if inherited else [])]),
+        GEMM_FAULT_FLAG_ENV: str(out / "gemm-fault.on"),
+        GEMM_FAULT_LOG_ENV: str(out / "gemm-fault.log"),
+    }
+
+
+def start_server(stack: Stack, topology: Path, name: str, gemm_fault: bool = False) -> dict[str, Any]:
+    """Start stage `name`'s server; with `gemm_fault` an `sbo` server starts armed (gemm_fault_env)."""
     kind = server_kind(name)
     argv, env = server_command(topology, kind == "sbo", SERVER_PORTS[kind])
+    if gemm_fault and kind == "sbo":
+        env.update(gemm_fault_env(stack.out))
+        Path(env[GEMM_FAULT_FLAG_ENV]).unlink(missing_ok=True)
     stack.start(name, argv, env=env)
     return {"argv": argv[1:], "env": env, "started": time.monotonic()}
 
@@ -272,13 +300,35 @@ def await_server(stack: Stack, name: str, result: dict[str, Any]) -> None:
         result["ready_since_start_s"] = round(time.monotonic() - result.pop("started"), 1)
 
 
+def gemm_fault_outputs(base: str, texts: list[str], env: dict[str, str]) -> dict[str, Any]:
+    """The armed server's outputs one at a time with its fault on, then off again, and the fault's log."""
+    flag = Path(env[GEMM_FAULT_FLAG_ENV])
+    flag.touch()
+    try:
+        time.sleep(GEMM_FAULT_SETTLE_S)
+        with_fault = asyncio.run(greedy(base, texts))
+    finally:
+        flag.unlink()
+    time.sleep(GEMM_FAULT_SETTLE_S)
+    after = asyncio.run(greedy(base, texts))
+    events = pd_verdicts.read_fault_log(Path(env[GEMM_FAULT_LOG_ENV]))
+    return {"with_fault": with_fault, "after_fault": after, "events": events}
+
+
 def measure_server(stack: Stack, name: str, result: dict[str, Any], texts: list[str]) -> dict[str, Any]:
-    """Once `name` is ready: its outputs, step times and engagement (main stops it, once the report is written)."""
+    """Once `name` is ready: its outputs, step times (not beside an armed fault) and engagement
+    (main stops it, once the report is written)."""
     base = f"http://127.0.0.1:{SERVER_PORTS[server_kind(name)]}"
     await_server(stack, name, result)
     outputs, result["form_windows"] = request_forms(base, texts)
     result.update(outputs)
-    result["step_times"] = asyncio.run(step_times(base, stack.out / f"{name}.log"))
+    armed = GEMM_FAULT_FLAG_ENV in result.get("env", {})
+    if armed:
+        result["gemm_fault"] = gemm_fault_outputs(base, texts, result["env"])
+    if armed or result.get("skip_step_times"):
+        result["step_times"] = "not measured in a --gemm-fault run (its SBO server runs a multiply more per MoE layer)"
+    else:
+        result["step_times"] = asyncio.run(step_times(base, stack.out / f"{name}.log"))
     sbo = server_kind(name) == "sbo"
     result["doctor"] = doctor(stack.out / f"{name}.log", expect_full=sbo, probe_hooks=sbo)
     return result
@@ -306,6 +356,42 @@ def compare(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, Any]:
         "first_divergence_per_prompt": first_divergence,
         "max_abs_logprob_diff_where_tokens_agree": max_gap,
     }
+
+
+def all_identical(got: dict[str, Any]) -> bool:
+    n = len(got["first_divergence_per_prompt"])
+    return bool(n) and got["identical"] == f"{n}/{n}"
+
+
+def gemm_fault_verdict(sbo: dict[str, Any], nosbo: dict[str, Any]) -> dict[str, Any]:
+    """Whether the armed SBO server's control was caught: its outputs with the fault on differ from
+    the server without SBO on some prompt, its outputs with the fault off again equal its own, and
+    the fault's log shows the GEMM passing the gate and the switch going on and off."""
+    fault = sbo["gemm_fault"]
+    kinds = [e.get("event") for e in fault["events"]]
+    out: dict[str, Any] = {
+        "with_fault_vs_nosbo": compare(fault["with_fault"], nosbo["outputs"]),
+        "after_fault_vs_sbo": compare(fault["after_fault"], sbo["outputs"]),
+        "events": kinds,
+    }
+    if "gated" not in kinds:
+        failure = "the SBO down GEMM never passed the fault's gate (no 'gated' event): our kernel did not run"
+    elif "on" not in kinds or "off" not in kinds:
+        failure = f"the fault did not switch on and then off (events: {', '.join(map(str, kinds))})"
+    elif all_identical(out["with_fault_vs_nosbo"]):
+        failure = (
+            "control not caught: with experts dropped from SBO's down GEMM the SBO server still matched "
+            "the server without SBO on every prompt, so this comparison cannot see a wrong expert output"
+        )
+    elif not all_identical(out["after_fault_vs_sbo"]):
+        failure = (
+            "with the fault off again the SBO server did not return to its own outputs "
+            f"({out['after_fault_vs_sbo']['identical']}): the switch is not clean"
+        )
+    else:
+        failure = None
+    out["verdict"] = failure or "passed"
+    return out
 
 
 def start_pd(stack: Stack, topology: Path) -> dict[str, Any]:
@@ -384,11 +470,21 @@ def add_comparisons(report: dict[str, Any], ref: Path) -> None:
         }
     if "outputs" in nosbo:
         report["sbo_vs_nosbo"] = compare(sbo["outputs"], nosbo["outputs"])
-    if "step_times" in nosbo:
+        verdicts = report.setdefault("verdicts", {})
+        verdicts["sbo_vs_nosbo_one_at_a_time"] = (
+            "passed"
+            if all_identical(report["sbo_vs_nosbo"])
+            else f"the SBO server differs from the server without SBO one request at a time "
+            f"({report['sbo_vs_nosbo']['identical']} identical)"
+        )
+        if "gemm_fault" in sbo:
+            report["gemm_fault_control"] = gemm_fault_verdict(sbo, nosbo)
+            verdicts["gemm_fault_control"] = report["gemm_fault_control"]["verdict"]
+    if isinstance(nosbo.get("step_times"), list) and isinstance(sbo.get("step_times"), list):
         report["step_time_ratio_sbo_over_nosbo"] = step_time_ratio(sbo["step_times"], nosbo["step_times"])
     again = report.get("sbo" + AGAIN, {}).get("step_times")
     for other in ("nosbo", "sbo"):
-        if again and "step_times" in report.get(other, {}):
+        if isinstance(again, list) and isinstance(report.get(other, {}).get("step_times"), list):
             report[f"step_time_ratio_sbo{AGAIN}_over_{other}"] = step_time_ratio(again, report[other]["step_times"])
 
 
@@ -400,6 +496,11 @@ def main() -> int:
     parser.add_argument("--deadline-s", type=float, default=560.0)
     parser.add_argument(
         "--together", action="store_true", help="start every stage's processes at once, then measure them in turn"
+    )
+    parser.add_argument(
+        "--gemm-fault",
+        action="store_true",
+        help="start the sbo server armed with the must-fail control (faults/sbo_check_gemm_fault.py); no step times",
     )
     parser.add_argument(
         "--ref",
@@ -445,7 +546,11 @@ def main() -> int:
     texts = prompts()
 
     def start(stage: str) -> dict[str, Any]:
-        return start_pd(stack, topology) if stage == "pd" else start_server(stack, topology, stage)
+        if stage == "pd":
+            return start_pd(stack, topology)
+        begun = start_server(stack, topology, stage, gemm_fault=args.gemm_fault)
+        begun["skip_step_times"] = args.gemm_fault
+        return begun
 
     stack = Stack(args.out)
     try:
@@ -491,7 +596,8 @@ def main() -> int:
             summary[stage] = {k: v for k, v in report[stage].items() if k not in (*REQUEST_FORMS, "argv", "env")}
     print(json.dumps(summary, indent=2, default=str)[-8000:])
     os.sync()
-    return 1 if report.get("errors") else 0
+    failed = [v for v in report.get("verdicts", {}).values() if v != "passed"]
+    return 1 if report.get("errors") or failed else 0
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@
 # Stages are measured in the order given (sbo,nosbo,sbo: a step-time A/B in one call).
 # SBO_TOGETHER=1 starts their servers at once and measures them once all are ready (pd,sbo in one
 # call: the stack stops before the SBO server's step times are taken; nosbo does not fit beside
-# them). SBO_COMMIT names the commit checked; SBO_DEADLINE_S bounds the run.
+# them). SBO_GEMM_FAULT=1 arms the SBO server with the must-fail control (gpu_sbo_server.py --gemm-fault).
+# SBO_COMMIT names the commit checked; SBO_DEADLINE_S bounds the run.
 set -euo pipefail
 out=${1:?usage: gpu_sbo_server.sh OUT_DIR [STAGES]}
 stages=${2:-sbo,nosbo,pd}
@@ -45,7 +46,7 @@ fi
 say "gpu_sbo_server.py --stages $stages"
 set +e
 "$PY" scripts/gpu/gpu_sbo_server.py --out "$out" --stages "$stages" --commit "${SBO_COMMIT:-unknown}" \
-  --deadline-s "${SBO_DEADLINE_S:-480}" ${SBO_TOGETHER:+--together}
+  --deadline-s "${SBO_DEADLINE_S:-480}" ${SBO_TOGETHER:+--together} ${SBO_GEMM_FAULT:+--gemm-fault}
 rc=$?
 say "gpu_sbo_server.py exit $rc"
 exit "$rc"

@@ -123,7 +123,7 @@ class _Events:
                 for name in sorted(self.running):
                     self.stop(name)
 
-        def start_server(stack: Stack, topology: Path, name: str) -> dict[str, Any]:
+        def start_server(stack: Stack, topology: Path, name: str, gemm_fault: bool = False) -> dict[str, Any]:
             stack.running.add(name)
             self.log.append(("start", name))
             return {"started": 0.0}

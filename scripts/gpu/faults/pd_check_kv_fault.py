@@ -18,17 +18,15 @@ The check's control prompts fit one prefill chunk, so each gets exactly one wron
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.machinery
 import inspect
-import json
 import os
 import sys
-import threading
-import time
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
+
+import fault_events  # beside this file
+import on_import
 
 FLAG_ENV = "PD_CHECK_KV_FAULT_FLAG"
 LOG_ENV = "PD_CHECK_KV_FAULT_LOG"
@@ -38,17 +36,10 @@ ARGUMENT = "prefill_kv_indices"
 #: The page of a chunk that is written wrongly, and the page whose KV it gets instead.
 DST_PAGE, SRC_PAGE = 1, 0
 
-_log_lock = threading.Lock()
-
 
 def log(event: str, **fields: Any) -> None:
     """One JSON line in the fault log (appended; every process of the stack may write)."""
-    path = os.environ.get(LOG_ENV)
-    if not path:
-        return
-    line = json.dumps({"event": event, "pid": os.getpid(), "time": time.time(), **fields}) + "\n"
-    with _log_lock, open(path, "a") as f:
-        f.write(line)
+    fault_events.append(os.environ.get(LOG_ENV), event, **fields)
 
 
 def corrupt(indices: Any) -> Any | None:
@@ -100,36 +91,7 @@ def patch(module: ModuleType) -> None:
     log("armed", module=module.__name__, target=f"{CLASS}.{METHOD}", argv=sys.argv[:3])
 
 
-def _patch_after_exec(loader: importlib.abc.Loader) -> None:
-    load = loader.exec_module
-
-    def exec_module(module: ModuleType) -> None:
-        load(module)
-        patch(module)
-
-    loader.exec_module = exec_module  # type: ignore[method-assign]
-
-
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Finds MODULE with the other finders and wraps its loader, so that the class is patched as
-    soon as sglang imports it (before any transfer thread starts)."""
-
-    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> Any:
-        if fullname != MODULE:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None:
-                _patch_after_exec(spec.loader)
-                return spec
-        return None
-
-
 def install() -> None:
-    """Patch MODULE now if it is loaded, else when it is imported."""
-    if MODULE in sys.modules:
-        patch(sys.modules[MODULE])
-    elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport())
+    """Patch MODULE now if it is loaded, else as soon as sglang imports it (before any transfer
+    thread starts)."""
+    on_import.when_imported(MODULE, patch)

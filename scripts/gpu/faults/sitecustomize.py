@@ -1,8 +1,10 @@
-"""Arms the GPU check's KV-page fault in every Python process of the PD stack it starts, and only there.
+"""Arms a GPU check's fault in every Python process that the check starts with it, and only there.
 
 `scripts/gpu/gpu_pd_check.py` puts this folder first on the PYTHONPATH of the `sglang-pd up` it
 starts, with PD_CHECK_KV_FAULT_FLAG naming a flag file (pd_check_kv_fault.py says what the fault
-does while that file exists). No other process gets this folder: the product has no fault switch.
+does while that file exists); `scripts/gpu/gpu_sbo_server.py --gemm-fault` does the same for its SBO
+server with SBO_CHECK_GEMM_FAULT_FLAG (sbo_check_gemm_fault.py). No other process gets this folder:
+the product has no fault switch.
 Python imports the first `sitecustomize` on sys.path, so this one would hide one the machine
 already has (Debian's and Ubuntu's Pythons ship one); it runs that one first.
 """
@@ -33,3 +35,7 @@ if os.environ.get("PD_CHECK_KV_FAULT_FLAG"):
     import pd_check_kv_fault  # beside this file, which Python found on sys.path
 
     pd_check_kv_fault.install()
+if os.environ.get("SBO_CHECK_GEMM_FAULT_FLAG"):
+    import sbo_check_gemm_fault
+
+    sbo_check_gemm_fault.install()
