@@ -78,7 +78,9 @@ def sglang_abort_stream(kind: Kind, rid: str, status: int, message: str) -> Resp
     return Response(_sse(event) + b"data: [DONE]\n\n", media_type="text/event-stream")
 
 
-def _bootstrap(body: dict[str, Any], request: Request) -> Bootstrap | None:
+def _bootstrap(body: dict[str, Any], request: Request, own_port: int | None) -> Bootstrap | None:
+    """The request's bootstrap fields; a null port is this engine's own `--bootstrap-port`, as
+    sglang's scheduler takes its `--disaggregation-bootstrap-port` (`handle_generate_request`)."""
     h = request.headers
     host = h.get("x-override-bootstrap-host") or body.get("bootstrap_host")
     port = h.get("x-override-bootstrap-port") or body.get("bootstrap_port")
@@ -89,7 +91,7 @@ def _bootstrap(body: dict[str, Any], request: Request) -> Bootstrap | None:
         raise RequestFailed(
             "Batch requests (a list of bootstrap rooms) are not supported by the reference engine.", 400
         )
-    return Bootstrap(str(host), int(port or DEFAULT_BOOTSTRAP_PORT), int(room))
+    return Bootstrap(str(host), int(port or own_port or DEFAULT_BOOTSTRAP_PORT), int(room))
 
 
 def _stop_list(v: Any) -> list[str]:
@@ -240,6 +242,7 @@ class _Formatter:
         # prompt's token ids, as `prompt_token_ids` (tokenizer_manager.py); the router asks for it to
         # migrate a text prompt's stream.
         self.prompt_ids: list[int] | None = None
+        self.times: dict[str, float] = {}  # the scheduler's times (engine.RequestContext.times)
 
     def add(self, step: StepOutput) -> None:
         self.text += step.text
@@ -267,6 +270,7 @@ class _Formatter:
             "completion_tokens": len(self.ids),
             "cached_tokens": 0,
             "e2e_latency": time.perf_counter() - self.t0,
+            **self.times,
         }
 
     def full(self) -> dict[str, Any]:
@@ -405,7 +409,7 @@ def create_app(engine: RefEngine, *, api_key: str | None = None) -> FastAPI:
             return sglang_error(request.url.path, 400, "The request body is not valid JSON.")
         if not isinstance(body, dict):
             return sglang_error(request.url.path, 400, "The request body must be a JSON object.")
-        bootstrap = _bootstrap(body, request)
+        bootstrap = _bootstrap(body, request, engine.config.bootstrap_port)
         params = _params(body, kind, engine.context_length)
         ids = _prompt_ids(engine, body, kind)
         if _asked_max_tokens(body, kind) is None:
@@ -424,6 +428,7 @@ def create_app(engine: RefEngine, *, api_key: str | None = None) -> FastAPI:
                 # The prefill leg: its answer only matters to the router when it fails.
                 step = await _until_disconnect(request, engine.prefill_and_send(ctx, ids, params, bootstrap), ctx)
                 fmt.add(step)
+                fmt.times = ctx.times
                 if not stream:
                     return JSONResponse(fmt.full())
                 payload = b"".join(_sse(c) for c in fmt.chunk(step, True)) + b"data: [DONE]\n\n"

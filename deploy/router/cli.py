@@ -6,6 +6,9 @@ environment instead of flags (`SGLANG_PD_ROUTER_API_KEYS` comma-separated,
 `SGLANG_PD_ROUTER_ADMIN_KEY`, `SGLANG_PD_ROUTER_WORKER_API_KEY`) so they stay out of process
 listings. Kubernetes discovery finds the leader pods the chart labels, in every release of the
 namespace unless `--k8s-release` names one.
+
+smg (1.13) spellings are accepted where the meaning is the same (SMG_SPELLINGS below; `--help`
+lists them), and `--prefill URL` without a port means what it means in smg: no bootstrap port.
 """
 
 from __future__ import annotations
@@ -21,7 +24,38 @@ from sglang_pd.deploy.spec.topology import RouterSpec, load_topology
 
 from .config import KubernetesDiscoveryConfig, RouterConfig
 
-__all__ = ["add_arguments", "build_config", "run"]
+__all__ = ["SMG_SPELLINGS", "add_arguments", "build_config", "run"]
+
+# smg's `launch` flags that mean what one of ours means: smg spelling -> ours. smg's
+# --retry-max-retries counts attempts (its --disable-retries is "retry_max_retries=1"), ours
+# counts retries, so it is not taken; --disable-retries is, as --max-retries 0.
+SMG_SPELLINGS = {
+    "--pd-disaggregation": "(always on: this router is PD only)",
+    "--request-timeout-secs": "--request-timeout",
+    "--queue-size": "--max-queued-requests",
+    "--queue-timeout-secs": "--queue-timeout",
+    "--max-payload-size": "--max-body-bytes",
+    "--header-read-timeout-secs": "--header-timeout",
+    "--idle-connection-timeout-secs": "--keep-alive-timeout",
+    "--shutdown-grace-period-secs": "--drain-timeout",
+    "--disable-retries": "--max-retries 0",
+    "--health-check-interval-secs": "--health-interval",
+    "--health-check-timeout-secs": "--health-timeout",
+    "--cb-failure-threshold": "--breaker-failure-threshold",
+    "--cb-timeout-duration-secs": "--breaker-cooldown",
+    "--service-discovery": "--kubernetes",
+    "--service-discovery-namespace": "--k8s-namespace",
+    "--service-discovery-port": "--k8s-port",
+    "--prefill-selector": "--k8s-prefill-selector (smg's 'k1=v1 k2=v2' joined with ',')",
+    "--decode-selector": "--k8s-decode-selector (as --prefill-selector)",
+    "--log-level warn": "--log-level warning",
+}
+SMG_EPILOG = (
+    "smg 1.13 spellings accepted (same meaning): "
+    + "; ".join(f"{smg} = {ours}" for smg, ours in SMG_SPELLINGS.items())
+    + ". --prefill URL without a port: no bootstrap port, as in smg (requests carry bootstrap_port null "
+    "and each engine uses its own --disaggregation-bootstrap-port, sglang's default 8998)."
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,8 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar=("URL[@REVISION]", "BOOTSTRAP_PORT"),
-        help=f"a prefill worker and its bootstrap port (default {contract.DEFAULT_BOOTSTRAP_PORT}; "
-        "'none' for the default); repeatable. URL@REVISION gives its revision (`python -m "
+        help="a prefill worker and its bootstrap port; repeatable. Without a port (or 'none'), as in smg, the "
+        "worker has no bootstrap port: requests carry bootstrap_port null and each engine uses its own "
+        f"--disaggregation-bootstrap-port (sglang's default {contract.DEFAULT_BOOTSTRAP_PORT}); give the port "
+        "when the engines' settings differ. URL@REVISION gives its revision (`python -m "
         "sglang_pd.deploy.spec.revision TOPOLOGY --image IMAGE` prints a topology's; the chart's pods carry it as "
         "the sglang-pd/revision label): a prefill pairs only with "
         "decodes of its revision, a worker without one only with workers without one",
@@ -46,12 +82,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="URL[@REVISION]",
         help="a decode worker, and its revision after '@' (as --prefill); repeatable",
     )
-    workers.add_argument("--kubernetes", action="store_true", help="discover workers from pods by label selector")
-    workers.add_argument("--k8s-namespace", default=None, help="namespace to watch (default: default)")
+    workers.add_argument(
+        "--kubernetes", "--service-discovery", action="store_true", help="discover workers from pods by label selector"
+    )
+    workers.add_argument(
+        "--k8s-namespace", "--service-discovery-namespace", default=None, help="namespace to watch (default: default)"
+    )
     workers.add_argument("--k8s-release", default=None, help="only the pods of this Helm release (default: every one)")
     workers.add_argument("--k8s-prefill-selector", default=None, help="label selector of prefill pods")
     workers.add_argument("--k8s-decode-selector", default=None, help="label selector of decode pods")
-    workers.add_argument("--k8s-port", type=int, default=None, help="workers' HTTP port when pods do not annotate it")
+    workers.add_argument("--prefill-selector", nargs="+", default=None, metavar="KEY=VALUE", help=argparse.SUPPRESS)
+    workers.add_argument("--decode-selector", nargs="+", default=None, metavar="KEY=VALUE", help=argparse.SUPPRESS)
+    workers.add_argument(
+        "--k8s-port",
+        "--service-discovery-port",
+        type=int,
+        default=None,
+        help="workers' HTTP port when pods do not annotate it",
+    )
+    workers.add_argument("--pd-disaggregation", action="store_true", help=argparse.SUPPRESS)
 
     serve = parser.add_argument_group("serving")
     serve.add_argument("--host", default=None, help="address to listen on (default 0.0.0.0)")
@@ -63,8 +112,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=[p for p in contract.POLICIES if p not in contract.PREFILL_ONLY_POLICIES],
         default=None,
     )
-    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default=None)
-    serve.add_argument("--drain-timeout", type=float, default=None, help="seconds in-flight requests get on SIGTERM")
+    serve.add_argument(
+        "--log-level",
+        type=lambda v: "warning" if v == "warn" else v,
+        choices=["debug", "info", "warning", "error"],
+        default=None,
+        help="(smg's 'warn' is 'warning')",
+    )
+    serve.add_argument(
+        "--drain-timeout",
+        "--shutdown-grace-period-secs",
+        type=float,
+        default=None,
+        help="seconds in-flight requests get on SIGTERM",
+    )
     serve.add_argument(
         "--processes",
         type=int,
@@ -76,13 +137,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     limits = parser.add_argument_group("admission and timeouts")
     limits.add_argument("--max-concurrent-requests", type=int, default=None, help="0: no limit")
-    limits.add_argument("--max-queued-requests", type=int, default=None)
-    limits.add_argument("--queue-timeout", type=float, default=None, metavar="SECONDS")
-    limits.add_argument("--max-body-bytes", type=int, default=None, help="one request body; beyond: 413")
+    limits.add_argument("--max-queued-requests", "--queue-size", type=int, default=None)
+    limits.add_argument("--queue-timeout", "--queue-timeout-secs", type=float, default=None, metavar="SECONDS")
+    limits.add_argument(
+        "--max-body-bytes", "--max-payload-size", type=int, default=None, help="one request body; beyond: 413"
+    )
     limits.add_argument(
         "--max-body-bytes-in-flight", type=int, default=None, help="all bodies held at once; beyond: 503"
     )
-    limits.add_argument("--header-timeout", type=float, default=None, metavar="SECONDS", help="to send a head: 408")
+    limits.add_argument(
+        "--header-timeout",
+        "--header-read-timeout-secs",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="to send a head: 408",
+    )
     limits.add_argument("--body-timeout", type=float, default=None, metavar="SECONDS", help="to send a body: 408")
     limits.add_argument(
         "--body-grace",
@@ -108,14 +178,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FRACTION",
         help="share of --max-connections one client address may hold; beyond: 503 (default 0.5; 1: no share)",
     )
-    limits.add_argument("--keep-alive-timeout", type=float, default=None, metavar="SECONDS")
+    limits.add_argument(
+        "--keep-alive-timeout", "--idle-connection-timeout-secs", type=float, default=None, metavar="SECONDS"
+    )
     limits.add_argument("--max-header-bytes", type=int, default=None, help="whole request head; beyond: 431")
     limits.add_argument("--max-header-count", type=int, default=None, help="header fields; beyond: 431")
     limits.add_argument("--max-request-line-bytes", type=int, default=None, help="the URL; beyond: 414")
-    limits.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS")
+    limits.add_argument("--request-timeout", "--request-timeout-secs", type=float, default=None, metavar="SECONDS")
     limits.add_argument("--connect-timeout", type=float, default=None, metavar="SECONDS")
     limits.add_argument("--stream-idle-timeout", type=float, default=None, metavar="SECONDS")
     limits.add_argument("--max-retries", type=int, default=None)
+    limits.add_argument("--disable-retries", action="store_true", help="--max-retries 0 (smg's spelling)")
     limits.add_argument(
         "--migration-limit",
         type=int,
@@ -130,10 +203,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "GET /v1/models (instant) every --health-interval and /health every --health-generate-interval.",
     )
     health.add_argument(
-        "--health-interval", type=float, default=None, metavar="SECONDS", help="liveness probe period (default 2)"
+        "--health-interval",
+        "--health-check-interval-secs",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="liveness probe period (default 2)",
     )
     health.add_argument(
-        "--health-timeout", type=float, default=None, metavar="SECONDS", help="liveness probe timeout (default 5)"
+        "--health-timeout",
+        "--health-check-timeout-secs",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="liveness probe timeout (default 5)",
     )
     health.add_argument(
         "--health-failure-threshold", type=int, default=None, help="failed liveness probes in a row that eject (3)"
@@ -158,8 +241,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     health.add_argument(
         "--stream-stall", type=float, default=None, metavar="SECONDS", help="eject a worker whose streams stall; 0: off"
     )
-    health.add_argument("--breaker-failure-threshold", type=int, default=None)
-    health.add_argument("--breaker-cooldown", type=float, default=None, metavar="SECONDS")
+    health.add_argument("--breaker-failure-threshold", "--cb-failure-threshold", type=int, default=None)
+    health.add_argument("--breaker-cooldown", "--cb-timeout-duration-secs", type=float, default=None, metavar="SECONDS")
 
     security = parser.add_argument_group("security")
     security.add_argument(
@@ -269,6 +352,15 @@ def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None
         value = getattr(args, flag, None)
         if value is not None:
             fields[name] = value
+    if getattr(args, "disable_retries", False):
+        if fields.get("max_retries", 0) != 0:
+            raise ValueError(f"--disable-retries and --max-retries {fields['max_retries']} disagree; give one of them.")
+        fields["max_retries"] = 0
+    for smg_flag, ours in (("prefill_selector", "k8s_prefill_selector"), ("decode_selector", "k8s_decode_selector")):
+        if (pairs := getattr(args, smg_flag, None)) is not None:  # smg's `k1=v1 k2=v2`
+            if getattr(args, ours, None) is not None:
+                raise ValueError(f"--{smg_flag.replace('_', '-')} and --{ours.replace('_', '-')} both given; give one.")
+            setattr(args, ours, ",".join(pairs))
     if args.prefill or args.decode:  # workers on the command line replace the topology's
         prefill = [_parse_prefill(v) for v in args.prefill]
         decode = list(args.decode)
@@ -334,7 +426,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="sglang-pd router", description="The OpenAI-compatible PD router.")
+    parser = argparse.ArgumentParser(
+        prog="sglang-pd router", description="The OpenAI-compatible PD router.", epilog=SMG_EPILOG
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 
