@@ -49,6 +49,14 @@ def preset_values(name: str) -> dict[str, Any]:
     return values
 
 
+def own_topology_values(t: dict[str, Any]) -> dict[str, Any]:
+    """Chart values that run `t` as your own topology (no preset: the chart refuses both), TCP ones without RDMA."""
+    values: dict[str, Any] = {"topology": t}
+    if t["transfer"]["protocol"] == "tcp":
+        values["rdma"] = {"mode": "none"}
+    return values
+
+
 @pytest.fixture(scope="session")
 def chart():
     c = helm_python.Chart.load(str(CHART))

@@ -11,7 +11,8 @@ import yaml
 from .conftest import CHART, PRESETS, by_kind, helm_python, preset_values
 
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
-OFFERED: list[str] = SCHEMA["properties"]["preset"]["enum"]
+# The schema also takes "" (the default: no preset named, so that a topology alone is not refused).
+OFFERED: list[str] = [p for p in SCHEMA["properties"]["preset"]["enum"] if p]
 ALL_PRESETS = sorted(p.stem for p in PRESETS.glob("*.yaml"))
 COLOCATED = [p for p in ALL_PRESETS if yaml.safe_load((PRESETS / f"{p}.yaml").read_text())["hardware"].get("colocated")]
 
@@ -20,8 +21,9 @@ def test_the_schema_offers_the_shipped_copies_and_no_colocated_preset() -> None:
     assert sorted(p.stem for p in (CHART / "files" / "presets").glob("*.yaml")) == sorted(OFFERED)
     assert COLOCATED == ["single-h200", "single-h200-sbo"]
     assert sorted(OFFERED) == sorted(set(ALL_PRESETS) - set(COLOCATED))
+    assert "" in SCHEMA["properties"]["preset"]["enum"]
     values = yaml.safe_load((CHART / "values.yaml").read_text())
-    assert values["preset"] in OFFERED
+    assert values["preset"] == ""
 
 
 @pytest.mark.parametrize("preset", OFFERED)

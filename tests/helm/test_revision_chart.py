@@ -14,7 +14,7 @@ import yaml
 from sglang_pd.deploy.common.contract import SGLANG_VERSION
 from sglang_pd.deploy.spec.revision import REVISION_LABEL, canonical_json, revision, revision_document
 
-from .conftest import CHART, by_kind, parse_manifests, preset_topology, preset_values
+from .conftest import CHART, by_kind, own_topology_values, parse_manifests, preset_topology, preset_values
 
 IMAGE = {"repository": "registry.example/sglang-pd", "tag": "0.2.0-sglang0.5.23"}
 LWS_FILES = ("sglang-pd/templates/prefill/leaderworkerset.yaml", "sglang-pd/templates/decode/leaderworkerset.yaml")
@@ -93,7 +93,7 @@ def _lws_texts(chart: Any, values: dict[str, Any]) -> dict[str, str]:
 @pytest.mark.parametrize("preset", ["deepseek-r1-h200-1p1d", "local-cpu"])
 def test_router_only_change_leaves_both_pod_templates_byte_identical(chart, preset):
     t = preset_topology(preset)
-    base = {**preset_values(preset), "topology": t, "cpuImage": {"repository": "registry.example/cpu"}}
+    base = {**own_topology_values(t), "cpuImage": {"repository": "registry.example/cpu"}}
     router_changed = copy.deepcopy(base)
     router_changed["topology"]["router"] = {
         **t.get("router", {}),
@@ -122,7 +122,7 @@ def test_router_only_change_leaves_both_pod_templates_byte_identical(chart, pres
 @pytest.mark.parametrize("preset", ["deepseek-r1-h200-1p1d", "local-cpu"])
 def test_decode_flag_changes_the_decode_template(chart, preset):
     t = preset_topology(preset)
-    base = {**preset_values(preset), "topology": t, "cpuImage": {"repository": "registry.example/cpu"}}
+    base = {**own_topology_values(t), "cpuImage": {"repository": "registry.example/cpu"}}
     flagged = copy.deepcopy(base)
     flagged["topology"]["decode"]["max_running_requests"] = int(t["decode"].get("max_running_requests") or 64) + 1
     before, after = _lws_texts(chart, base), _lws_texts(chart, flagged)

@@ -132,10 +132,14 @@ Return the path where every pod finds the topology.
 {{- define "sglang-pd.topologyPath" -}}/etc/sglang-pd/topology.yaml{{- end -}}
 
 {{/*
-Return the effective topology as YAML: `topology` when set (used whole, never merged), else the shipped preset.
+Return the effective topology as YAML: `topology` when set (used whole, never merged), else the shipped preset
+(`preset`, empty: deepseek-r1-h200-1p1d); both set is refused.
 Templates read it through "sglang-pd.topologyView"; the ConfigMap holds it verbatim.
 */}}
 {{- define "sglang-pd.topology" -}}
+{{- if and .Values.preset .Values.topology -}}
+{{- fail (printf "\nVALUES VALIDATION:\npreset and topology: both are set (preset %q, and a topology of your own), and the chart runs one of them. Unset preset (--set preset=) to run your topology, or drop topology to run the preset." .Values.preset) -}}
+{{- end -}}
 {{- if kindIs "string" .Values.topology -}}
 {{- /* --set-file topology=FILE passes the file as a string */ -}}
 {{- if not (trim .Values.topology) -}}
@@ -153,7 +157,7 @@ Templates read it through "sglang-pd.topologyView"; the ConfigMap holds it verba
 {{- $problems = append $problems (printf "topology.%s: missing; the topology needs it (the shipped presets, deploy/spec/presets/*.yaml, show its fields)" .) -}}
 {{- end -}}
 {{- end -}}
-{{- $lines := list (include "sglang-pd.unknownKeys" (dict "data" $parsed "fields" $fields "path" "topology")) (include "sglang-pd.notMappings" (dict "data" $parsed "fields" $fields "path" "topology")) -}}
+{{- $lines := list (include "sglang-pd.unknownKeys" (dict "data" $parsed "fields" $fields "path" "topology")) (include "sglang-pd.notMappings" (dict "data" $parsed "fields" $fields "path" "topology")) (include "sglang-pd.wrongTypes" (dict "data" $parsed "fields" $fields "path" "topology")) -}}
 {{- range splitList "\n" (join "\n" $lines) -}}
 {{- if . -}}
 {{- $problems = append $problems . -}}
@@ -166,14 +170,16 @@ Templates read it through "sglang-pd.topologyView"; the ConfigMap holds it verba
 {{- else if .Values.topology -}}
 {{- toYaml .Values.topology -}}
 {{- else -}}
-{{- $file := printf "files/presets/%s.yaml" .Values.preset -}}
+{{- /* The default preset (scripts/sync_chart.py DEFAULT_PRESET); values.yaml leaves preset empty so that setting topology alone is not refused. */ -}}
+{{- $preset := .Values.preset | default "deepseek-r1-h200-1p1d" -}}
+{{- $file := printf "files/presets/%s.yaml" $preset -}}
 {{- $text := .Files.Get $file -}}
 {{- if not $text -}}
 {{- $offered := list -}}
 {{- range $path, $_ := .Files.Glob "files/presets/*.yaml" -}}
 {{- $offered = append $offered (base $path | trimSuffix ".yaml") -}}
 {{- end -}}
-{{- fail (printf "\nVALUES VALIDATION:\npreset: %q is not a preset the chart runs (files/presets/*.yaml). Choose %s, or set topology." .Values.preset (join ", " (sortAlpha $offered))) -}}
+{{- fail (printf "\nVALUES VALIDATION:\npreset: %q is not a preset the chart runs (files/presets/*.yaml). Choose %s, or set topology." $preset (join ", " (sortAlpha $offered))) -}}
 {{- end -}}
 {{- $text | fromYaml | toYaml -}}
 {{- end -}}
@@ -246,6 +252,48 @@ but whose value is not a mapping, each named by its path under .path, with the f
 {{ $where }}: must be a mapping of its fields ({{ keys $sub | sortAlpha | join ", " }}), not {{ get $kinds (kindOf $v) | default (kindOf $v) }}{{ if kindIs "string" $v }} ({{ $v | quote }}){{ end }}; write each field indented under {{ $k }}:
 {{- else }}
 {{- include "sglang-pd.notMappings" (dict "data" $v "fields" $sub "path" $where) }}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Return one line per key of .data whose value has a type its field (files/topology-fields.yaml lists each
+leaf's JSON types) does not take, named by its path under .path: what `sglang-pd launch` would refuse when
+pydantic validates it, in its lax mode (an integer field takes 16, 16.0 or "16", a boolean true, 1 or "yes").
+*/}}
+{{- define "sglang-pd.wrongTypes" -}}
+{{- $fields := .fields -}}
+{{- $names := dict "integer" "an integer" "number" "a number" "boolean" "true or false" "string" "a string" "array" "a list" "object" "a mapping" "null" "null" -}}
+{{- $kinds := dict "string" "a string" "slice" "a list" "map" "a mapping" "bool" "true or false" "float64" "a number" "int64" "a number" "int" "a number" "invalid" "null" -}}
+{{- range $k, $v := .data -}}
+{{- $want := get $fields $k -}}
+{{- $where := printf "%s.%s" $.path $k -}}
+{{- if and (kindIs "map" $want) (kindIs "map" $v) }}
+{{- include "sglang-pd.wrongTypes" (dict "data" $v "fields" $want "path" $where) }}
+{{- else if kindIs "slice" $want -}}
+{{- $ok := false -}}
+{{- $text := toString $v | trim | lower -}}
+{{- $number := or (kindIs "float64" $v) (kindIs "int64" $v) (kindIs "int" $v) -}}
+{{- range $want -}}
+{{- if eq . "null" -}}{{- $ok = or $ok (kindIs "invalid" $v) -}}{{- end -}}
+{{- if eq . "string" -}}{{- $ok = or $ok (kindIs "string" $v) -}}{{- end -}}
+{{- if eq . "array" -}}{{- $ok = or $ok (kindIs "slice" $v) -}}{{- end -}}
+{{- if eq . "object" -}}{{- $ok = or $ok (kindIs "map" $v) -}}{{- end -}}
+{{- if eq . "boolean" -}}
+{{- $ok = or $ok (kindIs "bool" $v) (and $number (has $text (list "0" "1"))) (and (kindIs "string" $v) (has $text (list "0" "1" "f" "false" "n" "no" "off" "t" "true" "y" "yes" "on"))) -}}
+{{- end -}}
+{{- if eq . "integer" -}}
+{{- $ok = or $ok (kindIs "bool" $v) (and $number (regexMatch "^-?[0-9]+$" $text)) (and (kindIs "string" $v) (regexMatch "^[+-]?[0-9]+(\\.0*)?$" $text)) -}}
+{{- end -}}
+{{- if eq . "number" -}}
+{{- $ok = or $ok (kindIs "bool" $v) $number (and (kindIs "string" $v) (regexMatch "^[+-]?([0-9]+\\.?[0-9]*|\\.[0-9]+)(e[+-]?[0-9]+)?$" $text)) -}}
+{{- end -}}
+{{- end -}}
+{{- if not $ok -}}
+{{- $allowed := list -}}
+{{- range $want -}}{{- $allowed = append $allowed (get $names .) -}}{{- end }}
+{{ $where }}: must be {{ join " or " $allowed }}, not {{ get $kinds (kindOf $v) | default (kindOf $v) }}{{ if not (or (kindIs "map" $v) (kindIs "slice" $v) (kindIs "invalid" $v)) }} ({{ toJson $v }}){{ end }}; fix the value in the topology file (`sglang-pd plan FILE` checks it).
 {{- end -}}
 {{- end -}}
 {{- end -}}
