@@ -32,6 +32,7 @@ import grp
 import hashlib
 import ipaddress
 import os
+import pwd
 import re
 import shutil
 import socket
@@ -55,6 +56,7 @@ __all__ = [
     "Netfilter",
     "Network",
     "PeerFirewall",
+    "fenced_engines",
     "gid_holders",
     "netfilters",
     "parse_networks",
@@ -68,7 +70,8 @@ __all__ = [
 # connections to the Mooncake ports. It lies above the 16-bit ids (65534 is nogroup) and below
 # 100000, where useradd starts the subordinate ranges it gives users for rootless containers
 # (SUB_GID_MIN, login.defs): a user holding a range with it could map it into a user namespace of
-# its own and pass the rules, so `LocalFirewall.install` also checks /etc/subgid and /etc/group.
+# its own and pass the rules, so `LocalFirewall.install` also checks /etc/subgid, /etc/group and the
+# users whose primary group it is (/etc/passwd).
 # systemd leaves 65536-524287 unused; root can setgid to it without a group entry.
 KV_ENGINE_GID = 65617
 # Chain names (at most 28 characters): `up`'s carry its pid, so stale ones can be told apart.
@@ -450,17 +453,50 @@ class LocalFirewall:
 
 
 def gid_holders(gid: int, subgid: Path = _SUBGID) -> list[str]:
-    """Who besides root can run a process with group `gid`: a group entry with it (its members), or
-    a user whose subordinate range in `subgid` covers it (newgidmap maps it into their namespace)."""
+    """Who besides root can run a process with group `gid`: a group entry with it (its members), a
+    user whose primary group it is (every process of that user runs with it, whether or not any
+    group entry names it), or a user whose subordinate range in `subgid` covers it (newgidmap maps
+    it into their namespace)."""
     found = []
     with contextlib.suppress(KeyError):
         found.append(f"the group {grp.getgrgid(gid).gr_name!r} (/etc/group)")
+    found += [
+        f"the user {u.pw_name!r}, whose primary group it is (/etc/passwd)" for u in pwd.getpwall() if u.pw_gid == gid
+    ]
     with contextlib.suppress(OSError):
         for line in subgid.read_text().splitlines():
             user, _, rest = line.strip().partition(":")
             first, _, count = rest.partition(":")
             if first.isdigit() and count.isdigit() and int(first) <= gid < int(first) + int(count):
                 found.append(f"{user}'s subordinate range {first}:{count} ({subgid})")
+    return found
+
+
+def fenced_engines(gid: int = KV_ENGINE_GID, proc: Path = Path("/proc")) -> dict[int, int]:
+    """The processes of this network namespace running with the engines' group `gid`, each with its
+    parent: while `sglang-pd up` fences the KV ports, its engines (only they hold the group, which
+    `LocalFirewall.install` checks) and the `up` that started them. Read from /proc, so any user can ask;
+    a process whose namespace this user may not read counts as this namespace's."""
+    try:
+        here = os.readlink(proc / "self" / "ns" / "net")
+    except OSError:
+        here = None
+    found: dict[int, int] = {}
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        gids = fields.get("Gid", "").split()
+        if len(gids) < 2 or int(gids[1]) != gid:  # real, effective, saved, filesystem: the rules match the effective
+            continue
+        with contextlib.suppress(OSError):
+            if here is not None and os.readlink(entry / "ns" / "net") != here:
+                continue  # another namespace's (its own rules, not ours)
+        found[int(entry.name)] = int(fields.get("PPid", "0").strip() or 0)
     return found
 
 

@@ -11,6 +11,7 @@ the measured figures (bytes an attacker recovers, time to its failure).
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import re
 import signal
@@ -307,6 +308,49 @@ def test_a_group_that_others_can_hold_is_refused(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(firewall.os, "geteuid", lambda: 0)
     with pytest.raises(FirewallError, match=rf"the engines' group \(gid {KV_ENGINE_GID}\) is not theirs alone"):
         LocalFirewall((15000, 17000), subgid=subgid, path=str(tmp_path)).install()  # before any tool runs
+
+
+_INSTALL_WITH_PASSWD = """
+import json
+from pathlib import Path
+from sglang_pd.deploy.kv.firewall import FirewallError, KV_ENGINE_GID, LocalFirewall, gid_holders
+holders = gid_holders(KV_ENGINE_GID, Path("/nonexistent"))
+try:
+    LocalFirewall((15000, 17000), subgid=Path("/nonexistent")).install()
+    installed, error = True, ""
+except FirewallError as exc:
+    installed, error = False, str(exc)
+print(json.dumps({"holders": holders, "installed": installed, "error": error}))
+"""
+
+
+def _install_with_passwd(tmp_path: Path, passwd: str) -> dict[str, Any]:
+    """gid_holders and LocalFirewall.install, as root in a private mount and network namespace whose
+    /etc/passwd is `passwd` (the host's files and rules stay untouched)."""
+    (tmp_path / "passwd").write_text(passwd)
+    script = tmp_path / "install.py"
+    script.write_text(_INSTALL_WITH_PASSWD)
+    shell = f"mount --bind {tmp_path / 'passwd'} /etc/passwd && exec {sys.executable} {script}"
+    done = subprocess.run(
+        ["unshare", "--mount", "--net", "--", "sh", "-c", shell], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert done.returncode == 0, done.stderr
+    result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    return result
+
+
+@in_netns
+def test_a_user_whose_primary_group_is_the_engines_is_refused(tmp_path: Path) -> None:
+    # Every process of such a user runs in the engines' group and would pass the rules, though no
+    # /etc/group entry names the group.
+    base = "root:x:0:0:root:/root:/bin/sh\nalice:x:1000:1000::/home/alice:/bin/sh\n"
+    held = _install_with_passwd(tmp_path, base + f"carol:x:1001:{KV_ENGINE_GID}::/home/carol:/bin/sh\n")
+    assert held["holders"] == ["the user 'carol', whose primary group it is (/etc/passwd)"], held
+    assert held["installed"] is False, held
+    assert f"the engines' group (gid {KV_ENGINE_GID}) is not theirs alone here: the user 'carol'" in held["error"]
+    # Control: the same files without her, and the rules install.
+    free = _install_with_passwd(tmp_path, base)
+    assert free == {"holders": [], "installed": True, "error": ""}, free
 
 
 def test_a_refused_write_names_net_admin(tmp_path: Path) -> None:
