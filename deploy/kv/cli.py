@@ -10,6 +10,9 @@ latency of one-page writes and the bandwidth of contiguous and fragmented page w
 the bytes arrived (crc32), and on failure prints a diagnosis a user can act on. On loopback both
 engines share this machine's NIC (or GPU): it proves the node's RDMA set-up and memory registration
 (GPUDirect RDMA included, with `--memory gpu`), not the path between two nodes.
+While `sglang-pd up` fences the KV ports on this machine (docs/ports-and-auth.md), a loopback probe
+run as root joins the engines' group, which the fence admits; run as another user it is refused, naming
+`up`'s fence, and a `--serve` peer warns that hosts elsewhere cannot reach it.
 Exit codes: 0 all checks passed, 1 a check failed, 2 bad usage.
 """
 
@@ -40,6 +43,8 @@ from .exceptions import (
     RegistrationRefused,
     TransportUnavailable,
 )
+from .firewall import KV_ENGINE_GID, fenced_engines
+from .listeners import mooncake_port_range
 from .memory import MEMORY_KINDS, KVBuffer, allocate
 from .pages import PagedLayout
 
@@ -72,6 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def diagnose(exc: BaseException) -> str:
     """What a user should do about `exc`."""
+    if isinstance(exc, FencedByUp):
+        return "run the probe as root (sudo sglang-pd kv-probe): it then joins the engines' group; or stop `up` first."
     if isinstance(exc, GpuMemoryUnavailable):
         return "give the probe a GPU (the chart's kv-probe pod requests one where decode pods run), or --memory host."
     if isinstance(exc, DeviceMissing):
@@ -98,6 +105,51 @@ def diagnose(exc: BaseException) -> str:
     if isinstance(exc, httpx.HTTPError | OSError):
         return "the peer's control URL does not answer: start `sglang-pd kv-probe --serve` there, check host and port."
     return "see the error above."
+
+
+class FencedByUp(RuntimeError):
+    """`sglang-pd up`'s KV fence is in force here and this probe cannot join its engines' group."""
+
+
+def _loopback(url: str | None) -> bool:
+    return url is None or httpx.URL(url).host in ("127.0.0.1", "localhost", "::1")
+
+
+def _up_fence() -> tuple[str, str] | None:
+    """When `sglang-pd up` fences the KV ports here: what fences them (up's pid and the ports) and the group."""
+    engines = fenced_engines()
+    if not engines:
+        return None
+    ups = sorted(set(engines.values()))
+    low, high = mooncake_port_range()
+    pids = ", ".join(str(p) for p in ups)
+    return (
+        f"`sglang-pd up` (pid {pids}) fences the KV ports (TCP {low}-{high}) on this machine",
+        f"its engines' group (gid {KV_ENGINE_GID})",
+    )
+
+
+def join_up_fence(peer: str | None, serve: bool) -> str | None:
+    """Pass `up`'s fence where it is in force: a loopback probe run as root joins the engines' group (and
+    its peer process with it); one run as another user raises FencedByUp. Returns a note for the user."""
+    fence = _up_fence()
+    if fence is None:
+        return None
+    what, group = fence
+    if serve:
+        return (
+            f"warning: {what}: connections to them from other hosts are dropped, so a prefill host's probe cannot "
+            "reach this peer while it runs; stop it first."
+        )
+    if not _loopback(peer):
+        return None
+    if os.geteuid() != 0:
+        raise FencedByUp(
+            f"{what}: loopback connections to them are reset unless they come from {group}, and this probe runs "
+            f"as uid {os.geteuid()}."
+        )
+    os.setgid(KV_ENGINE_GID)
+    return f"note: {what}; this probe runs in {group}, which the fence admits."
 
 
 def _get(url: str) -> dict[str, Any]:
@@ -210,6 +262,14 @@ def _format_table(report: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     config = KVConfig.from_env(hostname=args.hostname, protocol=args.protocol, device=args.device)
+    try:
+        note = join_up_fence(args.peer, args.serve)
+    except FencedByUp as exc:
+        refused: dict[str, Any] = {"checks": [], "ok": False, "error": str(exc), "diagnosis": diagnose(exc)}
+        print(json.dumps(refused, indent=2) if args.format == "json" else _format_table(refused))
+        return 1
+    if note:
+        print(note, file=sys.stderr)
     if args.serve:
         from .peer import _serve
 
