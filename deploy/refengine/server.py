@@ -193,14 +193,18 @@ def _prompt_ids(engine: RefEngine, body: dict[str, Any], kind: Kind) -> list[int
     tok = engine.tokenizer
     if kind == "chat":
         messages = template_messages(body.get("messages"))
+        # sglang's `continue_final_message`: the answer goes on from the last (assistant) message.
+        continue_final = bool(body.get("continue_final_message")) and messages[-1]["role"] == "assistant"
         try:
-            prompt = tok.apply_chat_template(messages)
+            prompt = tok.apply_chat_template(messages, continue_final=continue_final)
         except ValueError as exc:  # messages the template cannot render: a 400 in sglang too
             raise RequestFailed(str(exc), 400) from exc
         return tok.encode(prompt)
     if kind == "generate" and body.get("input_ids") is not None:
         return _checked_input_ids(body["input_ids"], engine.model.vocab_size)
     text = body.get("text") if kind == "generate" else body.get("prompt")
+    if kind == "completion" and isinstance(text, list) and text and all(type(i) is int for i in text):
+        return _checked_input_ids(text, engine.model.vocab_size)  # a prompt of token ids, as sglang takes
     if isinstance(text, list) and len(text) == 1:
         text = text[0]
     if not isinstance(text, str):
@@ -233,7 +237,14 @@ class _Formatter:
         self.kind, self.rid, self.prompt_tokens = kind, rid, prompt_tokens
         self.model = str(body.get("model") or engine.config.served_name)
         self.created = int(time.time())
-        self.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        options = body.get("stream_options") or {}
+        self.include_usage = bool(options.get("include_usage"))
+        # sglang's `continuous_usage_stats`: every chunk carries the usage so far.
+        self.continuous_usage = bool(options.get("continuous_usage_stats"))
+        # sglang's `return_token_ids` on /v1/completions: each choice carries its new token ids,
+        # the first one the prompt's too (`serving_completions.py`).
+        self.return_token_ids = kind == "completion" and bool(body.get("return_token_ids"))
+        self.sent_ids = 0
         self.text = ""
         self.ids: list[int] = []
         self.finish: dict[str, Any] | None = None
@@ -278,6 +289,8 @@ class _Formatter:
             return self._with_prompt_ids({"text": self.text, "output_ids": self.ids, "meta_info": self.meta()})
         if self.kind == "completion":
             choice: dict[str, Any] = {"index": 0, "text": self.text, "logprobs": None}
+            if self.return_token_ids:
+                choice.update(token_ids=list(self.ids), prompt_token_ids=self.prompt_ids)
             obj = "text_completion"
         else:
             choice = {"index": 0, "message": {"role": "assistant", "content": self.text}, "logprobs": None}
@@ -313,14 +326,15 @@ class _Formatter:
                 out.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": self._openai_finish()}]})
         else:
             base = {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model}
-            out.append(
-                {
-                    **base,
-                    "choices": [
-                        {"index": 0, "text": step.text, "logprobs": None, "finish_reason": self._openai_finish()}
-                    ],
-                }
-            )
+            choice = {"index": 0, "text": step.text, "logprobs": None, "finish_reason": self._openai_finish()}
+            if self.return_token_ids:
+                choice["token_ids"], self.sent_ids = self.ids[self.sent_ids :], len(self.ids)
+                if first:
+                    choice["prompt_token_ids"] = self.prompt_ids
+            out.append({**base, "choices": [choice]})
+        if self.continuous_usage:
+            for c in out:
+                c["usage"] = self.usage()
         if step.finish_reason is not None and self.include_usage:
             out.append({**base, "choices": [], "usage": self.usage()})
         return out
@@ -418,7 +432,7 @@ def create_app(engine: RefEngine, *, api_key: str | None = None) -> FastAPI:
         rid = str(body.get("rid") or request.headers.get("x-request-id") or uuid.uuid4().hex)
         prefix = {"generate": "", "completion": "cmpl-", "chat": "chatcmpl-"}[kind]
         fmt = _Formatter(engine, kind, prefix + rid if not rid.startswith(prefix) else rid, len(ids), body)
-        if kind == "generate" and body.get("return_prompt_token_ids"):
+        if (kind == "generate" and body.get("return_prompt_token_ids")) or fmt.return_token_ids:
             fmt.prompt_ids = list(ids)
         stream = bool(body.get("stream", False))
         ctx = engine.begin(rid)

@@ -15,8 +15,10 @@ class Tokenizer(Protocol):
 
     def decode_bytes(self, ids: list[int]) -> bytes: ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt of `messages` (string content); ValueError if the template cannot render them."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, continue_final: bool = False) -> str:
+        """The prompt of `messages` (string content); ValueError if the template cannot render them.
+        `continue_final`: the prompt ends inside the last (assistant) message, which the model goes on
+        writing (sglang's `continue_final_message`), instead of opening a new one."""
         ...
 
 
@@ -33,8 +35,11 @@ class ByteTokenizer:
     def decode_bytes(self, ids: list[int]) -> bytes:
         return bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < 256 + self.OFFSET)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, continue_final: bool = False) -> str:
         """Messages with string content (`chat.template_messages`) as one prompt."""
+        if continue_final:
+            *head, last = messages
+            return self.apply_chat_template(head)[: -len("<|assistant|>\n")] + f"<|{last['role']}|>\n{last['content']}"
         parts = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
         return "".join(parts) + "<|assistant|>\n"
 
@@ -54,13 +59,20 @@ class HFTokenizer:
     def decode_bytes(self, ids: list[int]) -> bytes:
         return str(self._tok.decode(ids, skip_special_tokens=True)).encode("utf-8")
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, continue_final: bool = False) -> str:
         if not getattr(self._tok, "chat_template", None):
-            return ByteTokenizer().apply_chat_template(messages)
+            return ByteTokenizer().apply_chat_template(messages, continue_final=continue_final)
         import jinja2  # transformers renders chat templates with it
 
         try:
-            return str(self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+            return str(
+                self._tok.apply_chat_template(
+                    messages,
+                    tokenize=False,
+                    add_generation_prompt=not continue_final,
+                    continue_final_message=continue_final,
+                )
+            )
         except (jinja2.TemplateError, TypeError) as exc:  # sglang's `_CHAT_TEMPLATE_CLIENT_ERRORS`
             raise ValueError(f"The chat template cannot render these messages: {exc}") from exc
 

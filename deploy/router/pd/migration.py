@@ -16,10 +16,10 @@ tokenization, which the router asks for on the decode leg only (`return_prompt_t
 sglang's `GenerateReqInput` field, answered as the event's `prompt_token_ids`) and strips from
 what the client sees unless the client asked for it.
 
-What does not migrate (`migratable`): the OpenAI routes (their chunks carry no token ids while
-streaming chat), batches and `n` > 1, requests that return logprobs, unary requests (nothing
-reached the client; they are retried from the start as before), and a stream whose prompt ids
-are unknown. docs/migration.md has the rest.
+What does not migrate (`migratable`): batches and `n` > 1, requests that return logprobs, unary
+requests (nothing reached the client; they are retried from the start as before), and a stream
+whose prompt ids are unknown. The OpenAI routes' streams are migration_openai.py's.
+docs/migration.md has the rest.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ queue timeout). A worker's answer that it is full (`UpstreamBusy`) is no failure
 tries another pair that has room right away, and otherwise gets the busy status (503 or 429) with
 Retry-After.
 
-A streamed `/generate` whose decode fails mid-stream moves to another pair (`StreamMover`,
-migration.py) up to `migration_limit` times; the client's stream goes on.
+A stream whose decode fails mid-stream (`/generate`, `/v1/completions`, `/v1/chat/completions`)
+moves to another pair (`StreamMover`, migration.py, migration_openai.py) up to `migration_limit`
+times; the client's stream goes on.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ from ..workers.registry import Worker
 from .bootstrap import PDBodies
 from .legs import Legs, PairStreamOutcome
 from .logprobs import merge_first_event, merge_logprobs, wants_input_logprobs
-from .migration import Migration, migratable
+from .migration import Migration
+from .migration_openai import migration_for
 from .relay import ClientWatch, RelayResponse, openai_finish_reasons
 from .tasks import cancel_legs, finished_ok
 
@@ -105,9 +107,7 @@ class PDProxy:
         self, endpoint: str, payload: dict[str, Any], ids: RequestIds, watch: ClientWatch, timing: Timing
     ) -> Response:
         # One watch on the client for the whole request: the relay takes it over.
-        migration = None
-        if self.config.migration_limit and migratable(endpoint, payload):
-            migration = Migration(payload)
+        migration = migration_for(endpoint, payload) if self.config.migration_limit else None
         try:
             open_decode = self.legs.open_stream
             pair, reply, prefill_t = await self._attempts(
@@ -353,9 +353,10 @@ class PDProxy:
 
 
 def _with_fields(bodies: PDBodies, extra: dict[str, Any]) -> PDBodies:
-    """`bodies` with `extra` added to the decode leg's JSON object (which `extra`'s keys are not in)."""
-    fields = orjson.dumps(extra)[1:-1]
-    return dataclasses.replace(bodies, decode=bodies.decode[:-1] + b"," + fields + b"}")
+    """`bodies` with `extra`'s fields set in the decode leg's JSON object (a client's own replaced)."""
+    decode = orjson.loads(bodies.decode)
+    decode.update(extra)
+    return dataclasses.replace(bodies, decode=orjson.dumps(decode))
 
 
 class StreamMover:
@@ -395,7 +396,7 @@ class StreamMover:
         try:
             pair, reply, prefill_t = await self.proxy._attempts(
                 self.endpoint, payload, rid, legs.open_stream, self.disconnect, Timing(started),
-                exclude=self.failed,
+                exclude=self.failed, decode_extra=self.migration.decode_extra(),
             )  # fmt: skip
         except (ApiError, UpstreamError, ClientGone) as exc:
             metrics.migrations.labels("failed").inc()
