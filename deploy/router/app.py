@@ -22,6 +22,7 @@ from ..common.contract import as_role
 from ..common.openai_errors import ApiError, error_response
 from ..spec.revision import revision_problem
 from .api.middleware import ADMIN_SCOPE_KEY, AdmissionMiddleware, AuthMiddleware, BodyLimitMiddleware
+from .api.middleware.auth import PIN_SCOPE_KEY
 from .api.openapi import OPENAPI
 from .api.request_ids import RequestIds, request_ids
 from .api.validation import ENDPOINTS, parse_body, validate
@@ -40,6 +41,7 @@ from .workers.health import HealthChecker
 from .workers.owner import LocalWorkers, WorkerOwner
 from .workers.pairs import PairPicker
 from .workers.registry import WorkerRegistry
+from .workers.rollout import Rollout, pinned_revision
 
 __all__ = ["RouterApp", "create_app"]
 
@@ -74,9 +76,11 @@ class RouterApp:
         )
         if client is None:
             client = HttpWorkerClient(timeouts=config.timeouts, api_key=worker_api_key)
+        self.rollout = Rollout(self.registry, canary_share=config.canary_share, metrics=self.metrics)
         self.pairs = PairPicker(
-            self.registry, make_policy(config.prefill_policy), make_policy(config.decode_policy), metrics=self.metrics
-        )
+            self.registry, make_policy(config.prefill_policy), make_policy(config.decode_policy), metrics=self.metrics,
+            rollout=self.rollout,
+        )  # fmt: skip
         self.legs = Legs(client, self.metrics)
         self.proxy = PDProxy(config, self.pairs, self.legs)
         self.health = HealthChecker(
@@ -138,6 +142,7 @@ class RouterApp:
         # Every log line of the request, its relayed stream's included, carries both ids.
         tokens = request_id_var.set(ids.router), client_request_id_var.set(ids.client)
         client = client_var.set(client_identity(scope, keyed=bool(self.config.api_keys)))  # the fair share's
+        pin = pinned_revision.set(scope.get(PIN_SCOPE_KEY))  # the admin's x-sglpd-revision (rollout.py)
         try:
             try:
                 response = await self.serve(endpoint, scope, receive, ids, timing)
@@ -154,6 +159,7 @@ class RouterApp:
             request_id_var.reset(tokens[0])
             client_request_id_var.reset(tokens[1])
             client_var.reset(client)
+            pinned_revision.reset(pin)
 
     @property
     def draining(self) -> bool:
@@ -200,6 +206,8 @@ class RouterApp:
         app.add_api_route("/workers", self.list_workers, methods=["GET"])
         app.add_api_route("/workers", self.add_worker, methods=["POST"])
         app.add_api_route("/workers", self.remove_worker, methods=["DELETE"])
+        app.add_api_route("/admin/revisions", self.list_revisions, methods=["GET"])
+        app.add_api_route("/admin/revisions/approve", self.approve_revision, methods=["POST"])
         app.add_exception_handler(ApiError, _api_error)  # type: ignore[arg-type]
         app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
         app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
@@ -348,6 +356,31 @@ class RouterApp:
             raise ApiError(400, f"'revision': {problem}", param="revision", code="invalid_value")
         status, shown = await self.owner.add(url, role, port, revision)
         return _json(shown, status=status)
+
+    async def list_revisions(self) -> Response:
+        return _json(self.rollout.describe())
+
+    async def approve_revision(self, request: Request) -> Response:
+        """Client requests go to `revision` from now on; the revision approved before drains (rollout.py)."""
+        payload = parse_body(await request.body())
+        revision = payload.get("revision")
+        if not isinstance(revision, str):
+            raise ApiError(
+                400, "'revision' is required: the revision to approve, as GET /admin/revisions lists it.",
+                param="revision", code="invalid_value",
+            )  # fmt: skip
+        if (problem := revision_problem(revision)) is not None:
+            raise ApiError(400, f"'revision': {problem}", param="revision", code="invalid_value")
+        if self.owner.process_index is not None:
+            raise ApiError(
+                501, "Approving a revision through a router process group is not supported: run the router with "
+                "--processes 1 during rollouts (docs/upgrades.md).",
+                code="not_supported",
+            )  # fmt: skip
+        if (why := self.rollout.approvable(revision)) is not None:
+            raise ApiError(409, why, param="revision", code="not_paired")
+        self.rollout.approve(revision)
+        return _json(self.rollout.describe())
 
     async def remove_worker(self, request: Request) -> Response:
         url = request.query_params.get("url")

@@ -252,6 +252,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"client API key; repeatable (or {contract.ENV_ROUTER_API_KEYS}=k1,k2)",
     )
     security.add_argument("--admin-key", default=None, help=f"key for /workers (or {contract.ENV_ROUTER_ADMIN_KEY})")
+    rollout = parser.add_argument_group("rollout")
+    rollout.add_argument(
+        "--canary-share",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="client requests sent to a candidate revision while another is approved (default 0: only requests "
+        "pinned with x-sglpd-revision and the admin key reach a candidate; docs/upgrades.md)",
+    )
     security.add_argument(
         "--allow-link-local-workers",
         action="store_true",
@@ -370,6 +379,8 @@ def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None
     api_keys += [k for k in env.get(contract.ENV_ROUTER_API_KEYS, "").split(",") if k.strip()]
     fields["api_keys"] = tuple(k.strip() for k in api_keys)
     fields["admin_key"] = args.admin_key or env.get(contract.ENV_ROUTER_ADMIN_KEY, "")
+    if args.canary_share is not None:
+        fields["canary_share"] = args.canary_share
     worker_api_key = (
         args.worker_api_key
         or env.get(contract.ENV_ROUTER_WORKER_API_KEY, "")

@@ -136,6 +136,8 @@ class RouterConfig:
     drain_timeout_s: float = 30.0
     log_level: str = "info"
     kubernetes: KubernetesDiscoveryConfig | None = None
+    # Client requests sent to a candidate revision while another is approved (workers/rollout.py); 0: none.
+    canary_share: float = 0.0
     # Static workers: each URL may end in `@REVISION`, the worker's revision (registry.add_configured).
     prefill_workers: tuple[tuple[str, int | None], ...] = field(default=())
     decode_workers: tuple[str, ...] = field(default=())
@@ -186,6 +188,10 @@ class RouterConfig:
         for name in _POSITIVE:
             if getattr(self, name) <= 0:
                 raise ValueError(f"Config '{name}' has value {getattr(self, name)}. It must be > 0.")
+        if not 0 <= self.canary_share <= 1:
+            raise ValueError(
+                f"Config 'canary_share' has value {self.canary_share}. It must be between 0 and 1 (0: no canary)."
+            )
         if not 0 < self.source_share <= 1:
             raise ValueError(
                 f"Config 'source_share' has value {self.source_share}. It must be > 0 and <= 1: the fraction of "

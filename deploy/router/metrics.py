@@ -108,6 +108,14 @@ class RouterMetrics:
         self.cross_revision_pairs = Counter(f"{ns}_cross_revision_pairs",
                                             "Pairs whose prefill and decode have different revisions; always 0.",
                                             registry=r)  # fmt: skip
+        # Traffic during a rollout (workers/rollout.py): client requests stay on the approved revision.
+        self.revision_traffic = Counter(f"{ns}_revision_traffic",
+                                        "Pairs picked by revision and route: client (the approved revision), canary "
+                                        "(--canary-share) or pinned (x-sglpd-revision with the admin key).",
+                                        ["revision", "route"], registry=r)  # fmt: skip
+        self.revision_approved = Gauge(f"{ns}_revision_approved",
+                                       "1 for the revision client requests go to, 0 for one approved before.",
+                                       ["revision"], registry=r, multiprocess_mode="livemax")  # fmt: skip
 
         # Request migration (pd/migration.py): a stream whose decode failed mid-stream moves to another pair.
         self.migrations = Counter(f"{ns}_migrations",

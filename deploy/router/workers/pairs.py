@@ -20,6 +20,7 @@ from ..types import Role
 from .capacity import Demand, Reservation, has_room
 from .registry import Worker, WorkerRegistry
 from .revisions import paired_prefills, record_pair, same_revision
+from .rollout import Rollout
 
 __all__ = ["Pair", "PairPicker"]
 
@@ -52,9 +53,12 @@ class PairPicker:
         prefill_policy: Policy,
         decode_policy: Policy,
         metrics: RouterMetrics | None = None,
+        rollout: Rollout | None = None,
     ) -> None:
         self.registry = registry
         self.metrics = metrics
+        # Which revision a request goes to while two are healthy (rollout.py).
+        self.rollout = rollout if rollout is not None else Rollout(registry, metrics=metrics)
         self.policies: dict[Role, Policy] = {"prefill": prefill_policy, "decode": decode_policy}
         self._needs_text = prefill_policy.needs_text or decode_policy.needs_text
         self._rng = random.Random()
@@ -74,12 +78,16 @@ class PairPicker:
         a role have no room."""
         prefills = self._with_room("prefill", exclude, demand)
         decodes = self._with_room("decode", exclude, demand)
-        prefills = paired_prefills(prefills, decodes, self.registry, exclude)  # pairs within one revision
+        # The approved revision's workers, or those of the revision the request is pinned to or its canary share
+        # picked, then pairs within that revision.
+        prefills, decodes, revision, route = self.rollout.narrow(prefills, decodes, exclude)
+        prefills = paired_prefills(prefills, decodes, self.registry, exclude)
         text = routing_text(payload) if self._needs_text else None
         request = RoutingRequest(text=text or "")
         prefill = self.policies["prefill"].select(prefills, request)
         decode = self.policies["decode"].select(same_revision(decodes, prefill), request)
         record_pair(self.metrics, prefill, decode)
+        self.rollout.routed(revision or prefill.revision, route)
         batch = batch_size(endpoint, payload)
         preferred = None
         if prefill.dp_size > 1:

@@ -1,8 +1,9 @@
-"""Bearer-token checks: client API keys for the OpenAI endpoints, a separate admin key for /workers.
+"""Bearer-token checks: client API keys for the OpenAI endpoints, a separate admin key for /workers and /admin/.
 
-/workers needs the admin key whenever any key is configured; with no key at all (a dev setup)
-only its GET is open. The admin key is also accepted on the inference routes, and such a request
-may set engine-internal fields (`router/api/fields.py`)."""
+/workers and /admin/ need the admin key whenever any key is configured; with no key at all (a dev
+setup) only their GET is open. The admin key is also accepted on the inference routes, and such a
+request may set engine-internal fields (`router/api/fields.py`) and pin itself to a revision with
+the x-sglpd-revision header (`workers/rollout.py`); the header without the admin key is a 403."""
 
 from __future__ import annotations
 
@@ -12,12 +13,21 @@ from collections.abc import Callable
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ....common.openai_errors import error_body
+from ....spec.revision import revision_problem
 from .respond import send_json
 
-__all__ = ["ADMIN_SCOPE_KEY", "AuthMiddleware"]
+__all__ = ["ADMIN_SCOPE_KEY", "PIN_SCOPE_KEY", "AuthMiddleware"]
 
 # Set in the ASGI scope of an inference request: whether it carries the admin key.
 ADMIN_SCOPE_KEY = "sglang_pd.admin"
+# Set in the ASGI scope of an admin request pinned to a revision: the revision (x-sglpd-revision).
+PIN_SCOPE_KEY = "sglang_pd.pinned_revision"
+_PIN_HEADER = b"x-sglpd-revision"
+_PIN_NEEDS_ADMIN = (
+    "The x-sglpd-revision header pins a request to one revision and is honoured only with the admin key "
+    "('Authorization: Bearer <admin key>', the router's --admin-key): client requests go to the approved revision. "
+    "Remove the header, or send the admin key."
+)
 
 _OPEN_PATHS = frozenset({"/health", "/readiness", "/metrics", "/openapi.json"})
 _BAD_KEY = (
@@ -47,6 +57,7 @@ class AuthMiddleware:
         self._bad_key = error_body(401, _BAD_KEY, code="invalid_api_key")
         self._bad_admin = error_body(401, _BAD_ADMIN_KEY, code="invalid_api_key")
         self._no_admin = error_body(403, _NO_ADMIN, code="admin_disabled")
+        self._pin_needs_admin = error_body(403, _PIN_NEEDS_ADMIN, code="pin_needs_admin_key")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -56,7 +67,7 @@ class AuthMiddleware:
         if path in _OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        if path == "/workers" or path.startswith("/workers/"):
+        if path == "/workers" or path.startswith(("/workers/", "/admin/")):
             if self.admin_key:
                 if not _matches(_bearer(scope), (self.admin_key,)):
                     await self._deny(scope, send, 401, self._bad_admin)
@@ -67,14 +78,25 @@ class AuthMiddleware:
                 await self._deny(scope, send, 403, self._no_admin)
                 return
         else:
-            token = _bearer(scope)
+            token, pin = _token_and_pin(scope)
             # The admin key also serves the inference routes, where it lets engine-internal
-            # fields through (router/api/fields.py).
+            # fields through (router/api/fields.py) and pins a request to a revision.
             admin = bool(self.admin_key) and _matches(token, (self.admin_key,))
             if self.api_keys and not admin and not _matches(token, self.api_keys):
                 await self._deny(scope, send, 401, self._bad_key)
                 return
             scope[ADMIN_SCOPE_KEY] = admin
+            if pin is not None:
+                if not admin:
+                    await self._deny(scope, send, 403, self._pin_needs_admin)
+                    return
+                revision = pin.decode("latin-1").strip()
+                if (problem := revision_problem(revision)) is not None:
+                    await self._deny(
+                        scope, send, 400, error_body(400, f"x-sglpd-revision: {problem}", code="invalid_value")
+                    )
+                    return
+                scope[PIN_SCOPE_KEY] = revision
         await self.app(scope, receive, send)
 
     async def _deny(self, scope: Scope, send: Send, status: int, body: bytes) -> None:
@@ -89,6 +111,18 @@ def _bearer(scope: Scope) -> bytes:
             scheme, _, token = value.partition(b" ")
             return token.strip() if scheme.lower() == b"bearer" else b""
     return b""
+
+
+def _token_and_pin(scope: Scope) -> tuple[bytes, bytes | None]:
+    """The bearer token and the x-sglpd-revision header (None: absent), in one pass over the headers."""
+    token, pin, seen = b"", None, False
+    for name, value in scope["headers"]:
+        if name == b"authorization" and not seen:
+            scheme, _, given = value.partition(b" ")
+            token, seen = (given.strip() if scheme.lower() == b"bearer" else b""), True
+        elif name == _PIN_HEADER:
+            pin = value
+    return token, pin
 
 
 def _matches(token: bytes, keys: tuple[bytes, ...]) -> bool:

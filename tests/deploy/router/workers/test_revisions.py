@@ -1,7 +1,8 @@
 """Pairs within one revision: through real worker processes and a router on loopback, every decode reads KV
 only from prefills of its revision, whichever way the revision was given (`URL@REVISION`, `POST /workers`,
-a pod's label); the metrics count requests per revision and no cross pair. The controls take the filter
-out and see the checks catch the cross pairs it lets through."""
+a pod's label); the metrics count requests per revision and no cross pair. The routers here send half the
+client requests to the revision that is not approved (--canary-share 0.5), so that both serve. The controls
+take the filter out and see the checks catch the cross pairs it lets through."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from sglang_pd.deploy.router.workers import pairs
 from sglang_pd.deploy.router.workers.discovery import KubernetesDiscovery
 from sglang_pd.deploy.router.workers.registry import Worker, WorkerRegistry
 from sglang_pd.deploy.router.workers.revisions import record_pair
+from sglang_pd.deploy.router.workers.rollout import Rollout
 from sglang_pd.deploy.spec.revision import REVISION_LABEL, split_revision
 
 from ..conftest import Cluster
@@ -49,7 +51,7 @@ def two_revisions(cluster_factory: Callable[..., Cluster]) -> Iterator[Any]:
     d0, _ = cluster.decodes
     config = replace(
         # random: round robin on both roles would walk p0-d0, p1-d1 in step and never cross, filter or not
-        cluster.config(admin_key=ADMIN_KEY, prefill_policy="random", decode_policy="random"),
+        cluster.config(admin_key=ADMIN_KEY, prefill_policy="random", decode_policy="random", canary_share=0.5),
         prefill_workers=((p0.url + "@rev-a", p0.bootstrap_port), (p1.url + "@rev-b", p1.bootstrap_port)),
         decode_workers=(d0.url + "@rev-a",),
     )
@@ -107,6 +109,7 @@ def test_control_without_the_filter_the_checks_see_cross_pairs(
     # The picker as it was: any prefill with any decode. The same checks must fail.
     monkeypatch.setattr(pairs, "paired_prefills", lambda prefills, decodes, registry, exclude: prefills)
     monkeypatch.setattr(pairs, "same_revision", lambda decodes, prefill: decodes)
+    monkeypatch.setattr(Rollout, "narrow", lambda self, prefills, decodes, exclude: (prefills, decodes, "", "client"))
     cluster, running = two_revisions
     _register_d1(cluster, running.url)
     _send_many(running.url)
