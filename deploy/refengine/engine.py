@@ -61,15 +61,21 @@ class EngineConfig:
     # model's own. Larger than the model's is refused, as sglang refuses it by default.
     context_length: int | None = None
     bootstrap_port: int | None = None
+    # A fault to make a bad revision (--fault-kv-noise, off by default): a prefill overwrites the KV pages it
+    # computed with noise before their checksum, as a broken kernel or a misread layout would. The decode takes
+    # them as sent and answers from noise; only an accuracy check sees it.
+    fault_kv_noise: bool = False
     bootstrap_timeout_s: float = 30.0  # both halves of a room must have arrived within this
     # Once both have, how long decode waits for the prefill to compute and send the KV (sglang's
     # SGLANG_DISAGGREGATION_WAITING_TIMEOUT, 300 s): prompts queue on the one model thread.
     waiting_timeout_s: float = 300.0
     kv: KVConfig = field(default_factory=KVConfig)
     verify_kv: bool = True  # decode checks the crc32 of the KV it received
-    # Test hooks (SGLANG_PD_REFENGINE_TEST_*): spread the prefill's writes over this many seconds,
-    # and overwrite one page with noise after its crc was taken (as if corrupted in transit).
+    # Test hooks (SGLANG_PD_REFENGINE_TEST_*), all off by default: spread the prefill's writes over
+    # this many seconds, add this many seconds to each prefill's forward pass, and overwrite one page
+    # with noise after its crc was taken (as if corrupted in transit).
     test_slow_transfer_s: float = 0.0
+    test_prefill_delay_s: float = 0.0
     test_corrupt_page: bool = False
     # sglang's /health: a one-token generation, checked every tick, given up after the timeout
     # (`health_generate` in sglang's srt/entrypoints/http_server.py: 1 s, SGLANG_HEALTH_CHECK_TIMEOUT).
@@ -108,6 +114,11 @@ class RequestContext:
     rid: str
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     running: bool = False  # holds one of the scheduler's running slots
+    arrived: float = field(default_factory=time.time)
+    # sglang's per-request scheduler times, as `--enable-metrics` puts them into `meta_info`
+    # (srt/observability/req_time_stats.py, SchedulerReqTimeStats.convert_to_output_meta_info):
+    # `forward_entry_time` and `prefill_finished_time` as wall-clock seconds, `queue_time` in seconds.
+    times: dict[str, float] = field(default_factory=dict)
 
     async def guard(self, aw: Any) -> Any:
         """Await `aw` unless the request is aborted first (then raise RequestFailed)."""
@@ -419,13 +430,21 @@ class RefEngine:
                 raise RequestFailed(str(exc), exc.status) from exc
             self._check_claim(claim, len(ids))
             await self.run_slot(ctx)
+            entered = time.time()
+            ctx.times["forward_entry_time"] = entered
+            ctx.times["queue_time"] = entered - ctx.arrived
+            if self.config.test_prefill_delay_s > 0:
+                await ctx.guard(asyncio.sleep(self.config.test_prefill_delay_s))
             logits, rows = await ctx.guard(self.run_model(self.model.prefill, ids))
             first = self._sample(logits, params, seed, 0)
             pages = await self._alloc(ctx, len(ids))
             await self.run_model(self.pool.write, pages, rows)
+            if self.config.fault_kv_noise:
+                await self.run_model(self._noise_pages, pages)
             crc = await self.run_model(self.pool.checksum, pages, len(ids))
             if self.config.test_corrupt_page:
                 self._corrupt(pages[0])
+            ctx.times["prefill_finished_time"] = time.time()  # computed; the KV transfer follows
             seconds = await self._send(ctx, room, claim, pages)
             if not room.result.done():
                 room.result.set_result({"first_token": first, "crc": crc, "seconds": seconds})
@@ -460,6 +479,15 @@ class RefEngine:
         seconds = time.perf_counter() - t0
         self._log("kv_sent", ctx.rid, room=room.id, pages=len(pages), seconds=round(seconds, 6))
         return seconds
+
+    def _noise_pages(self, pages: list[int]) -> None:
+        # --fault-kv-noise: every buffer of these pages becomes noise of the values' own scale.
+        import torch
+
+        index = torch.tensor(pages)
+        kept = self.pool.buffer[:, index]
+        noise = torch.randn(kept.shape, generator=torch.Generator().manual_seed(len(pages)), dtype=kept.dtype)
+        self.pool.buffer[:, index] = noise * kept.float().std().to(kept.dtype)
 
     def _corrupt(self, page: int) -> None:
         # Test hook: noise over one page of the first layer, after its checksum was taken.

@@ -275,7 +275,7 @@ class RouterApp:
         counter.inc()
 
     def _ttft_part(self, part: str, timing: Timing) -> Any:
-        worker = timing.prefill if part == "prefill" else timing.decode if part == "decode" else None
+        worker = timing.prefill if part in ("prefill", "transfer") else timing.decode if part == "decode" else None
         key = (part, worker.url if worker is not None else "")
         child = self._ttft_parts.get(key)
         if child is None:

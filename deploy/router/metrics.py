@@ -31,7 +31,7 @@ _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0
 
 OUTCOMES = ("ok", "client_error", "upstream_error", "rejected")
 # The parts of a streamed request's time to first token (timing.py), in the order they happen.
-TTFT_PARTS = ("queue", "retry", "prefill", "decode", "router")
+TTFT_PARTS = ("queue", "retry", "prefill", "transfer", "decode", "router")
 
 
 def outcome(status: int) -> str:
@@ -71,8 +71,10 @@ class RouterMetrics:
         self.ttft_part = Histogram(f"{ns}_time_to_first_token_part_seconds",
                                    "Streamed requests: where the time to first token went (part: queue = "
                                    "admission and capacity waits, retry = failed attempts and their backoff, "
-                                   "prefill = prefill leg sent to answered, decode = decode's first token after "
-                                   "that, router = the rest, the router's own work), by the worker of the part.",
+                                   "prefill = prefill leg sent to its forward pass done, transfer = from there to "
+                                   "the prefill's answer (the KV transfer; 0 where the engine reports no "
+                                   "prefill_finished_time), decode = decode's first token after that, "
+                                   "router = the rest, the router's own work), by the worker of the part.",
                                    ["part", "role", "worker"], buckets=_LATENCY_BUCKETS,
                                    registry=r)  # fmt: skip
         self.in_flight = Gauge(f"{ns}_worker_in_flight", "Requests in flight per worker.", by_worker, registry=r,

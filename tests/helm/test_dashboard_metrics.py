@@ -144,7 +144,7 @@ def test_ttft_breakdown_and_pd_queues_are_shown(dashboard: dict[str, Any]) -> No
     rows = [p["title"] for p in dashboard["panels"] if p["type"] == "row"]
     assert "TTFT breakdown" in rows
     text = " ".join(e for _, e in exprs(dashboard))
-    assert "sglang_pd_router_time_to_first_token_part_seconds" in text and len(TTFT_PARTS) == 5
+    assert "sglang_pd_router_time_to_first_token_part_seconds" in text and len(TTFT_PARTS) == 6
     pd = ("num_decode_prealloc_queue_reqs", "num_decode_transfer_queue_reqs", "num_prefill_bootstrap_queue_reqs",
           "kv_transfer_bootstrap_ms_bucket", "kv_transfer_alloc_ms_bucket",
           "per_stage_req_latency_seconds")  # fmt: skip

@@ -25,6 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sglang_pd.deploy.common.procs import Child, spawn
+from sglang_pd.deploy.router.metrics import TTFT_PARTS
 from tests.support.polling import free_port, wait_until
 
 from .conftest import Cluster
@@ -177,7 +178,7 @@ def test_ttft_breakdown_adds_up_and_points_at_the_slow_part(
     with cli_router(tmp_path, cluster) as router:
         timed_stream(router.url)  # warm: the router's connections to the workers are open
         ttft, parts, rid = timed_stream(router.url)
-        shown = sum(v for k, v in parts.items() if k in ("queue", "retry", "prefill", "decode", "router"))
+        shown = sum(v for k, v in parts.items() if k in TTFT_PARTS)
         assert abs(shown - ttft) / ttft < 0.05, (shown, ttft, parts)
         assert abs(parts["total"] - shown) < 1e-5
         assert parts["prefill"] > 0.8 * ttft, parts
