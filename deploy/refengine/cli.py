@@ -43,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--bootstrap-port",
         type=int,
         default=DEFAULT_BOOTSTRAP_PORT,
-        help=f"prefill: the PD bootstrap port ({DEFAULT_BOOTSTRAP_PORT})",
+        help=f"prefill: the PD bootstrap port ({DEFAULT_BOOTSTRAP_PORT}); decode: the one a request with "
+        "bootstrap_port null reaches, as sglang's --disaggregation-bootstrap-port",
     )
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"model to serve (default {DEFAULT_MODEL}; see above)")
     parser.add_argument("--served-model-name", default=None)
@@ -102,7 +103,7 @@ async def _serve(args: argparse.Namespace) -> int:
         kv_pages=args.kv_pages,
         max_running_requests=args.max_running_requests,
         context_length=args.context_length,
-        bootstrap_port=args.bootstrap_port if args.role == "prefill" else None,
+        bootstrap_port=args.bootstrap_port,
         bootstrap_timeout_s=args.bootstrap_timeout,
         waiting_timeout_s=args.waiting_timeout,
         kv=KVConfig.from_env(hostname=args.kv_hostname, protocol=args.kv_protocol, device=args.kv_device),

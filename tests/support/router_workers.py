@@ -389,7 +389,8 @@ class FakeWorker:
                 return f"bootstrap_room {room!r} must be an integer in 0..2**63-1."
         if self.role == "prefill":
             for port in _as_list(body["bootstrap_port"], n):
-                if port != self.bootstrap_port:
+                # null: the engine's own --disaggregation-bootstrap-port (sglang's scheduler)
+                if port is not None and port != self.bootstrap_port:
                     return f"bootstrap_port {port} is not this prefill's bootstrap port {self.bootstrap_port}."
             ranks = body.get("routed_dp_rank")
             if ranks is not None:
@@ -463,7 +464,8 @@ class FakeWorker:
             _as_list(body["bootstrap_room"], n),
             strict=False,
         ):
-            failure = await self.fetch_kv(str(host), int(port), int(room))
+            own = self.bootstrap_port or 8998  # a null port: this engine's own setting, as in sglang
+            failure = await self.fetch_kv(str(host), own if port is None else int(port), int(room))
             if failure:
                 return failure
         return None

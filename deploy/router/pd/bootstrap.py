@@ -96,7 +96,7 @@ def pd_bodies(
     payload: dict[str, Any],
     *,
     host: str,
-    port: int,
+    port: int | None,
     rooms: list[int],
     ranks: list[int],
     rid: str,

@@ -98,7 +98,6 @@ class PairPicker:
         )  # fmt: skip
         for rank in ranks:
             prefill.dp_in_flight[rank] += 1
-        assert prefill.bootstrap_port is not None, "the registry gives every prefill worker a bootstrap port"
         bodies = pd_bodies(
             payload, host=prefill.bootstrap_host, port=prefill.bootstrap_port, rooms=rooms, ranks=ranks,
             rid=rid, batch=batch,

@@ -321,8 +321,13 @@ class WorkerRegistry:
         source: str = "static",
         healthy: bool = False,
         revision: str | None = None,
+        default_bootstrap: bool = True,
     ) -> Worker:
-        """Register a worker, or update the bootstrap port and revision of one registered (None: kept)."""
+        """Register a worker, or update the bootstrap port and revision of one registered (None: kept).
+        A new prefill worker without a bootstrap port gets sglang's default (8998), unless not
+        `default_bootstrap`: then it has none, and its requests carry `bootstrap_port: null`, which
+        each engine replaces with its own `--disaggregation-bootstrap-port` (sglang's scheduler,
+        `handle_generate_request`), as smg does for `--prefill URL` without a port."""
         if role not in ("prefill", "decode"):
             raise WorkerRegistrationError(f"Worker role {role!r} is not valid. Use 'prefill' or 'decode'.")
         if revision and (problem := revision_problem(revision)) is not None:
@@ -338,9 +343,9 @@ class WorkerRegistry:
                 existing.revision = revision
             return existing
         if role == "prefill":
-            if bootstrap_port is None:
+            if bootstrap_port is None and default_bootstrap:
                 bootstrap_port = DEFAULT_BOOTSTRAP_PORT
-            if not 0 < int(bootstrap_port) < 65536:
+            if bootstrap_port is not None and not 0 < int(bootstrap_port) < 65536:
                 raise WorkerRegistrationError(
                     f"Bootstrap port {bootstrap_port!r} of prefill worker {norm} is not a valid port."
                 )
@@ -420,7 +425,7 @@ def add_configured(registry: WorkerRegistry, config: RouterConfig) -> None:
     try:
         for option, bootstrap_port in config.prefill_workers:
             url, revision = split_revision(option)
-            registry.add(url, "prefill", bootstrap_port=bootstrap_port, revision=revision)
+            registry.add(url, "prefill", bootstrap_port=bootstrap_port, revision=revision, default_bootstrap=False)
         for option in config.decode_workers:
             url, revision = split_revision(option)
             registry.add(url, "decode", revision=revision)
