@@ -38,9 +38,11 @@ from ..common.contract import EXIT_FAILED as EXIT_ENDPOINT
 from ..common.contract import EXIT_INVALID as EXIT_GATE_FAILED
 from ..common.contract import EXIT_OK, EXIT_USAGE
 from ..common.contract import EXIT_UNAVAILABLE as EXIT_DATA
+from ..spec.revision import revision_problem
+from .approval import approve, wait_paired
 from .client import ClientConfig, RetryPolicy
 from .data import GSM8K_URL, check_sha256, parse_source
-from .errors import DataUnavailable, EvalError, UsageError
+from .errors import DataUnavailable, EndpointError, EvalError, UsageError
 from .gate import DEFAULT_CONFIDENCE, DEFAULT_INTERVAL, DEFAULT_MAX_DROP
 from .gsm8k import (
     DEFAULT_MAX_ERROR_RATE,
@@ -178,6 +180,21 @@ def _add_gsm8k(p: argparse.ArgumentParser) -> None:
         help=f"paired interval: Tango's score interval or Newcombe's method 10 (default: {DEFAULT_INTERVAL})",
     )
 
+    rollout = p.add_argument_group("rollout through the sglang-pd router (evals/approval.py)")
+    rollout.add_argument(
+        "--revision",
+        default=None,
+        metavar="REV",
+        help="score this revision only: every question carries x-sglpd-revision: REV, which the router honours "
+        "with its admin key alone (give that key as --api-key); waits within --wait-ready for REV to be paired",
+    )
+    rollout.add_argument(
+        "--approve",
+        action="store_true",
+        help="with --revision: after a clean pass, approve REV in the router (client requests go to it, the revision "
+        "approved before drains); on any other outcome REV is held and client requests stay where they are",
+    )
+
     out = p.add_argument_group("publishing")
     out.add_argument(
         "--publish-baseline",
@@ -233,6 +250,10 @@ def build_options(args: argparse.Namespace) -> Gsm8kOptions:
         raise UsageError("--data-sha256 needs --data PATH|URL (the shipped test.jsonl is always checked).")
     if args.baseline_optional and args.baseline is None:
         raise UsageError("--baseline-optional needs --baseline PATH.")
+    if args.approve and args.revision is None:
+        raise UsageError("--approve needs --revision REV: the revision this run scores is the one it approves.")
+    if args.revision is not None and (problem := revision_problem(args.revision)) is not None:
+        raise UsageError(f"--revision: {problem}")
     if bool(args.wait_rollout) != (args.rollout_timeout is not None):
         raise UsageError("--wait-rollout LWS and --rollout-timeout SECONDS go together (the chart derives the budget).")
     client = ClientConfig(
@@ -245,6 +266,7 @@ def build_options(args: argparse.Namespace) -> Gsm8kOptions:
         request_timeout_s=args.request_timeout,
         connect_timeout_s=args.connect_timeout,
         retry=RetryPolicy(max_retries=args.retries, backoff_s=args.retry_backoff),
+        revision=args.revision,
     )
     return Gsm8kOptions(
         client=client,
@@ -295,6 +317,28 @@ def _publish(configmap: str, report: Report) -> None:
         print(f"stored this report in ConfigMap {configmap} (key report.json) as the next baseline", file=sys.stderr)
 
 
+def _approve_or_hold(options: Gsm8kOptions, revision: str, report: Report, code: int) -> int:
+    """Approve `revision` after a clean pass; hold it otherwise. The exit code: the run's, or 4 when the router
+    refused the approval (the revision is then held too)."""
+    if code == EXIT_OK and report.status == "pass" and not report.metrics.errors:
+        try:
+            listed = approve(options.client.base_url, options.client.api_key, revision)
+        except EndpointError as exc:
+            print(f"error: {exc}; revision {revision} is held", file=sys.stderr)
+            return EXIT_ENDPOINT
+        print(
+            f"approved revision {revision}: client requests go to it (router: {listed.get('approved')})",
+            file=sys.stderr,
+        )
+        return code
+    print(
+        f"held: revision {revision} is not approved (exit {code}); client requests stay on the revision approved "
+        "before. Remove the candidate's workers, or roll back (docs/upgrades.md).",
+        file=sys.stderr,
+    )
+    return code
+
+
 # How often --wait-rollout reads the LeaderWorkerSets: groups take minutes to start, so seconds are plenty.
 ROLLOUT_POLL_S = 5.0
 
@@ -320,6 +364,8 @@ def run(args: argparse.Namespace) -> int:
         options = build_options(args)
         if args.wait_rollout:
             _wait_rollout(args.wait_rollout, args.rollout_timeout)
+        if args.revision is not None:
+            wait_paired(options.client.base_url, options.client.api_key, args.revision, args.wait_ready)
         report = asyncio.run(evaluate(options))
         if args.output is not None:
             report.write(args.output)
@@ -327,7 +373,13 @@ def run(args: argparse.Namespace) -> int:
         for warning in report.warnings:
             print(f"warning: {warning}", file=sys.stderr)
         code = _exit_code(report)
-        if args.publish_baseline:
+        if args.approve:
+            code = _approve_or_hold(options, args.revision, report, code)
+        if args.publish_baseline and report.status == "pass" and code != EXIT_OK:  # the approval was refused
+            print(
+                f"note: the report was not stored in ConfigMap {args.publish_baseline} (not approved)", file=sys.stderr
+            )
+        elif args.publish_baseline:
             _publish(args.publish_baseline, report)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -72,6 +72,8 @@ class ClientConfig:
     request_timeout_s: float = 300.0
     connect_timeout_s: float = 10.0
     retry: RetryPolicy = DEFAULT_RETRY
+    # Every request pinned to this revision of an sglang-pd router (x-sglpd-revision; approval.py); None: not pinned.
+    revision: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +158,8 @@ class EndpointClient:
         self._headers = {"Content-Type": "application/json"}
         if config.api_key:
             self._headers["Authorization"] = f"Bearer {config.api_key}"
+        if config.revision:
+            self._headers["x-sglpd-revision"] = config.revision
         self._timeout = aiohttp.ClientTimeout(total=config.request_timeout_s, sock_connect=config.connect_timeout_s)
         self._session: aiohttp.ClientSession | None = None
 

@@ -229,6 +229,8 @@ async def evaluate(options: Gsm8kOptions) -> Report:
         "data_sha256": dataset.sha256,
         "data_canonical": dataset.canonical,
         "questions_fingerprint": fingerprint,
+        # The router revision every question was pinned to (--revision), None when not pinned.
+        "revision": options.client.revision,
     }
     try:
         return _judge(options, client.base_url, model, config, run, baseline, max_errors, warnings)
