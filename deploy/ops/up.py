@@ -34,6 +34,7 @@ import collections
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import secrets
 import signal
@@ -58,6 +59,7 @@ from sglang_pd.deploy.common.contract import (
     WORKER_AUTH_HEADER,
     Role,
 )
+from sglang_pd.deploy.common.logs import JsonFormatter
 from sglang_pd.deploy.common.procs import Child, http_ok, mask_secrets, port_in_use, spawn
 from sglang_pd.deploy.kv.firewall import FirewallError, LocalFirewall, remove_stale_local_chains
 from sglang_pd.deploy.kv.listeners import EXPOSURE_MARK, mooncake_port_range
@@ -411,18 +413,28 @@ class Stack:
         self._backoff: dict[str, float] = {}
         self._restart_at: dict[str, float] = {}
         self.restarts: collections.Counter[str] = collections.Counter()
+        # `up`'s own lines also go to `up.log` beside the engines' logs, in their format (JSON, ISO-8601 `ts`).
+        self.events: logging.Logger | None = None
+        if log_dir is not None:
+            handler = logging.FileHandler(log_dir / "up.log", encoding="utf-8")
+            handler.setFormatter(JsonFormatter())
+            self.events = logging.Logger("sglang_pd.up")  # this stack's own: no global logger state
+            self.events.addHandler(handler)
 
-    def echo(self, line: str, file: TextIO | None = None) -> None:
-        """Print a whole line to the console (`file`: stderr, say), never interleaved with a child's line."""
+    def echo(self, line: str, file: TextIO | None = None, *, own: bool = True) -> None:
+        """Print a whole line to the console (`file`: stderr, say), never interleaved with a child's
+        line; `up`'s `own` lines (not a child's) are also logged to `up.log`."""
         with self._print_lock:
             print(line, file=file or self._out, flush=True)
+        if own and self.events is not None:
+            self.events.log(logging.WARNING if file is sys.stderr else logging.INFO, line)
 
     def _pump(self, child: Child, secrets: tuple[str, ...]) -> None:
         assert child.proc.stdout is not None
         width = max(len(s.name) for s in self.specs)
         for raw in iter(child.proc.stdout.readline, b""):
             line = mask_secrets(raw, secrets, API_KEY_SHOWN).decode(errors="replace").rstrip()
-            self.echo(f"{child.name:<{width}} | {line}")
+            self.echo(f"{child.name:<{width}} | {line}", own=False)
 
     def _pump_to_file(self, child: Child, sink: IO[bytes], secrets: tuple[str, ...] = (), fenced: bool = False) -> None:
         """Copy a child's output into its log file, line by line (`secrets` masked), with a note
@@ -439,6 +451,9 @@ class Stack:
                 if note:
                     sink.write(note.encode() + b"\n")
                 sink.flush()  # `up` and `tail -f` read the file while the child runs
+                if line.startswith('{"ts"'):  # a JSON log line (deploy/common/logs.py): its message
+                    with contextlib.suppress(ValueError, AttributeError):
+                        line = str(json.loads(line).get("msg", ""))
                 if line.startswith(EXPOSURE_MARK) and not fenced:
                     self.echo(f"{child.name}: warning: {line.removeprefix('sglang-pd: ')}")
 
@@ -588,6 +603,9 @@ class Stack:
             pump.join(timeout=2.0)
         for sink in self._files:
             sink.close()
+        if self.events is not None:
+            for handler in self.events.handlers:
+                handler.close()
 
 
 def _grace(spec: ChildSpec | None) -> float:

@@ -9,7 +9,8 @@
 (random weights, MLA), a .gguf file or a local Hugging Face model directory. A GGUF is converted to
 float32 once and kept in $SGLANG_PD_CACHE_DIR (default ~/.cache/sglang-pd); nothing is downloaded.
 
-Prints one JSON log line a request event; `GET /health` answers once the model is loaded.
+Prints one JSON log line a request event, in the format of the router's lines (ISO-8601 `ts`);
+`GET /health` answers once the model is loaded.
 Test hooks (environment, all off by default): SGLANG_PD_REFENGINE_TEST_SLOW_TRANSFER_S spreads the
 prefill's KV writes over that many seconds; SGLANG_PD_REFENGINE_TEST_PREFILL_DELAY_S adds that many
 seconds to each prefill's forward pass; SGLANG_PD_REFENGINE_TEST_CORRUPT_PAGE=1 overwrites one page with noise
@@ -127,14 +128,30 @@ async def _serve(args: argparse.Namespace) -> int:
     protocol = limited_protocol(DEFAULT_LIMITS)
     servers = [
         uvicorn.Server(
-            uvicorn.Config(create_app(engine), args.host, args.port, log_level=level, access_log=False, http=protocol)
+            uvicorn.Config(
+                create_app(engine),
+                args.host,
+                args.port,
+                log_level=level,
+                access_log=False,
+                http=protocol,
+                log_config=None,
+            )
         )
     ]
     if args.role == "prefill":
         boot = create_bootstrap_app(engine)
         servers.append(
             uvicorn.Server(
-                uvicorn.Config(boot, args.host, args.bootstrap_port, log_level=level, access_log=False, http=protocol)
+                uvicorn.Config(
+                    boot,
+                    args.host,
+                    args.bootstrap_port,
+                    log_level=level,
+                    access_log=False,
+                    http=protocol,
+                    log_config=None,
+                )
             )
         )
     logging.getLogger("sglang_pd").info(
@@ -153,6 +170,8 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(message)s", stream=sys.stderr)
+    from ..common.logs import configure_json_logging
+
+    configure_json_logging(args.log_level)  # uvicorn's lines too: its log_config is None below
     logging.getLogger("httpx").setLevel(logging.WARNING)
     return asyncio.run(_serve(args))

@@ -1,6 +1,7 @@
 """Structured logs: one JSON object a line, with the ids of the request being served: the router's
 own (`request_id`, the id the engines know it by) and the client's X-Request-ID, when it sent one
-(`client_request_id`)."""
+(`client_request_id`). The line is the one format of `up`'s components (deploy/common/logs.py:
+`ts` in ISO-8601 UTC)."""
 
 from __future__ import annotations
 
@@ -12,39 +13,25 @@ from typing import Any
 
 import orjson
 
+from sglang_pd.deploy.common.logs import JsonFormatter as _CommonFormatter
+
 __all__ = ["JsonFormatter", "client_request_id_var", "configure_logging", "logger", "request_id_var"]
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
 client_request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("client_request_id", default="")
 logger = logging.getLogger("sglang_pd.router")
 
-_RESERVED = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
 
-
-class JsonFormatter(logging.Formatter):
-    def __init__(self, fields: dict[str, Any] | None = None) -> None:
-        """`fields`: added to every line (a serving process's index in a router process group)."""
-        super().__init__()
-        self.fields = fields or {}
+class JsonFormatter(_CommonFormatter):
+    """The common line (deploy/common/logs.py) with the request's ids."""
 
     def format(self, record: logging.LogRecord) -> str:
-        entry: dict[str, Any] = {
-            "ts": round(record.created, 6),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-            **self.fields,
-        }
+        entry = self.entry(record)
         rid = request_id_var.get()
         if rid:
-            entry["request_id"] = rid
+            entry.setdefault("request_id", rid)
         if client_rid := client_request_id_var.get():
-            entry["client_request_id"] = client_rid
-        for key, value in record.__dict__.items():
-            if key not in _RESERVED and not key.startswith("_"):
-                entry[key] = value
-        if record.exc_info:
-            entry["exc"] = self.formatException(record.exc_info)
+            entry.setdefault("client_request_id", client_rid)
         return orjson.dumps(entry, default=str).decode()
 
 

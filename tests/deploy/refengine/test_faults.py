@@ -89,7 +89,7 @@ def test_decode_killed_mid_transfer(tmp_path: Path) -> None:
         assert 500 <= r.status_code < 600
         assert r.json()  # a JSON error body, not a torn stream
         log = prefill.log.read_text()
-        assert '"event": "kv_transfer_failed"' in log and "PeerUnreachable" in log
+        assert '"event":"kv_transfer_failed"' in log and "PeerUnreachable" in log
         assert reported < 2
         # the prefill engine stays healthy and serves on its own
         assert httpx.get(f"{prefill.url}/health_generate", timeout=30).status_code == 200

@@ -153,8 +153,8 @@ def _data_lines(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
 
 def _kv_rids(engine: Proc, event: str) -> set[str]:
     """The rids of the requests whose KV `engine` sent or received (its `kv_sent`/`kv_received` log lines)."""
-    lines = [json.loads(line) for line in engine.log.read_text().splitlines() if line.startswith('{"event"')]
-    return {line["rid"] for line in lines if line["event"] == event}
+    lines = [json.loads(line) for line in engine.log.read_text().splitlines() if line.startswith('{"ts"')]
+    return {line["rid"] for line in lines if line.get("event") == event}
 
 
 def test_a_reused_x_request_id_cannot_cut_another_clients_stream(pd_stack: PDStack) -> None:
