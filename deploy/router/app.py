@@ -35,6 +35,7 @@ from .pd.proxy import PDProxy
 from .pd.relay import ClientWatch, RelayResponse
 from .policies import make_policy
 from .timing import ARRIVED, QUEUED, Timing, timing_wanted
+from .tracing import Tracer, current_trace
 from .transport.client import HttpWorkerClient, WorkerClient
 from .workers.fairness import client_identity, client_var
 from .workers.health import HealthChecker
@@ -82,6 +83,8 @@ class RouterApp:
             rollout=self.rollout,
         )  # fmt: skip
         self.legs = Legs(client, self.metrics)
+        # OpenTelemetry spans, off unless an exporter endpoint is given (tracing.py).
+        self.tracer = Tracer(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
         self.proxy = PDProxy(config, self.pairs, self.legs)
         self.health = HealthChecker(
             self.registry,
@@ -143,6 +146,8 @@ class RouterApp:
         tokens = request_id_var.set(ids.router), client_request_id_var.set(ids.client)
         client = client_var.set(client_identity(scope, keyed=bool(self.config.api_keys)))  # the fair share's
         pin = pinned_revision.set(scope.get(PIN_SCOPE_KEY))  # the admin's x-sglpd-revision (rollout.py)
+        trace = self.tracer.request(endpoint, scope["headers"], ids.router) if self.tracer is not None else None
+        traced = current_trace.set(trace)
         try:
             try:
                 response = await self.serve(endpoint, scope, receive, ids, timing)
@@ -155,7 +160,10 @@ class RouterApp:
                 # A stream the client left is a 499 (nginx's "client closed request"), not a 200.
                 status = 499 if isinstance(response, RelayResponse) and response.abandoned else response.status_code
                 self._observe(endpoint, status, timing, response)
+                if trace is not None:
+                    trace.ended(status, outcome(status))
         finally:
+            current_trace.reset(traced)
             request_id_var.reset(tokens[0])
             client_request_id_var.reset(tokens[1])
             client_var.reset(client)
@@ -187,6 +195,8 @@ class RouterApp:
             await self.health.aclose()
             await self.legs.aclose()
             await self.owner.aclose()
+            if self.tracer is not None:
+                await asyncio.to_thread(self.tracer.shutdown)  # the spans still batched leave now
 
     # -- routes ---------------------------------------------------------------------------------
 

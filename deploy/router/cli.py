@@ -120,6 +120,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="(smg's 'warn' is 'warning')",
     )
     serve.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="export OpenTelemetry traces (a span per request and per leg, the legs' context sent to the engines "
+        "as W3C traceparent, which sglang reads with --enable-trace) to this OTLP/HTTP collector URL, e.g. "
+        "http://otel-collector:4318/v1/traces; off by default; needs the tracing extra",
+    )
+    serve.add_argument(
         "--drain-timeout",
         "--shutdown-grace-period-secs",
         type=float,
@@ -311,6 +319,7 @@ _FLAG_TO_FIELD = {
     "breaker_cooldown": "breaker_cooldown_s",
     "drain_timeout": "drain_timeout_s",
     "log_level": "log_level",
+    "otlp_traces_endpoint": "otlp_traces_endpoint",
     "allow_link_local_workers": "allow_link_local_workers",
 }
 

@@ -135,6 +135,8 @@ class RouterConfig:
     allow_link_local_workers: bool = False
     drain_timeout_s: float = 30.0
     log_level: str = "info"
+    # A collector's OTLP/HTTP traces URL; empty: no traces (tracing.py).
+    otlp_traces_endpoint: str = ""
     kubernetes: KubernetesDiscoveryConfig | None = None
     # Client requests sent to a candidate revision while another is approved (workers/rollout.py); 0: none.
     canary_share: float = 0.0

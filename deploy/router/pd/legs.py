@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from ..exceptions import UpstreamBusy, UpstreamError, UpstreamStatusError, UpstreamTimeout
 from ..log import logger, request_id_var
 from ..metrics import RouterMetrics
+from ..tracing import RequestTrace, current_trace, leg_headers
 from ..transport.client import Reply, WorkerClient
 from ..workers.registry import Worker
 
@@ -55,6 +56,33 @@ class Legs:
 
     async def post(self, worker: Worker, path: str, body: bytes, rid: str) -> Reply:
         """A unary leg. Errors are raised, not recorded: the caller decides which leg is to blame."""
+        if (trace := current_trace.get()) is not None:
+            return await self._traced(trace, self._post, worker, path, body, rid)
+        return await self._post(worker, path, body, rid)
+
+    async def open_stream(self, worker: Worker, path: str, body: bytes, rid: str) -> Reply:
+        """A streamed leg up to its first chunk. While the stream is open the worker's in-flight
+        count stays raised; a `PairStreamOutcome` ends it (or `end`, for a stream given up before
+        its relay)."""
+        if (trace := current_trace.get()) is not None:
+            return await self._traced(trace, self._open_stream, worker, path, body, rid)
+        return await self._open_stream(worker, path, body, rid)
+
+    async def _traced(self, trace: RequestTrace, send: Any, worker: Worker, path: str, body: bytes, rid: str) -> Reply:
+        """`send` the leg under a span of its own, whose context goes to the engine (tracing.py)."""
+        span, headers = trace.leg(worker, path, rid)
+        token = leg_headers.set(headers)
+        try:
+            reply: Reply = await send(worker, path, body, rid)
+        except BaseException as exc:
+            trace.leg_ended(span, getattr(exc, "status", None), exc)
+            raise
+        finally:
+            leg_headers.reset(token)
+        trace.leg_ended(span, reply.status)
+        return reply
+
+    async def _post(self, worker: Worker, path: str, body: bytes, rid: str) -> Reply:
         worker.dispatched()
         try:
             reply = await self.client.post(worker, path, body, rid)
@@ -66,10 +94,7 @@ class Legs:
         finally:
             self.end(worker)
 
-    async def open_stream(self, worker: Worker, path: str, body: bytes, rid: str) -> Reply:
-        """A streamed leg up to its first chunk. While the stream is open the worker's in-flight
-        count stays raised; a `PairStreamOutcome` ends it (or `end`, for a stream given up before
-        its relay)."""
+    async def _open_stream(self, worker: Worker, path: str, body: bytes, rid: str) -> Reply:
         worker.dispatched()
         try:
             reply = await self.client.open_stream(worker, path, body, rid)

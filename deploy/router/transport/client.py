@@ -24,6 +24,7 @@ import orjson
 from ...common.contract import unsendable_key
 from ..exceptions import UpstreamBusy, UpstreamError, UpstreamStatusError, UpstreamTimeout, UpstreamUnreachable
 from ..log import logger
+from ..tracing import leg_headers
 from ..workers.registry import Worker
 from .http1 import Answer, Http1Client
 
@@ -114,6 +115,8 @@ class WorkerClient(ABC):
         """POST and read the whole answer. A 5xx raises UpstreamStatusError (UpstreamBusy for a 429
         or sglang's 503 for a full queue)."""
         headers = {**self.headers, "x-request-id": rid}
+        if (traced := leg_headers.get()) is not None:  # the leg's span context (tracing.py)
+            headers.update(traced)
         status, content_type, stream = await self._send(worker, "POST", path, body, headers, "unary")
         content = await _read_all(stream)
         if status >= 500 or status == 429:
@@ -126,6 +129,8 @@ class WorkerClient(ABC):
         or a first event that is an error, raises
         UpstreamStatusError (nothing reached the client, so the request can still be retried)."""
         headers = {**self.headers, "x-request-id": rid}
+        if (traced := leg_headers.get()) is not None:
+            headers.update(traced)
         status, content_type, stream = await self._send(worker, "POST", path, body, headers, "stream")
         if status >= 400:
             content = await _read_all(stream)
