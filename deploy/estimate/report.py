@@ -18,7 +18,7 @@ def _table(e: Estimate) -> str:
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     sbo = (
-        f"SBO saves {e.sbo_saving:.1%} of the ITL,"
+        f"SBO {_saving_words(e.sbo_saving, 'saves', 'costs')},"
         if e.sbo_applies
         else "SBO does not apply (needs DeepEP low-latency),"
     )
@@ -28,7 +28,7 @@ def _table(e: Estimate) -> str:
         "",
         *("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows),
         "",
-        f"decode overlaps: {sbo} TBO would save {e.tbo_saving:.1%}",
+        f"decode overlaps: {sbo} TBO would {_saving_words(e.tbo_saving, 'save', 'cost')}",
         *([_sbo_line(e.sbo)] if e.sbo else []),
         f"P:D ratio: {e.pd_ratio:.2f} prefill instances per decode group balance these lengths",
         f"KV capacity (decode): {e.kv.tokens_per_gpu:,} tokens per GPU; the batch needs "
@@ -42,6 +42,15 @@ def _table(e: Estimate) -> str:
         lines += ["", "warnings:", *(f"  - {w}" for w in e.warnings)]
     lines += ["", "assumptions:", *(f"  - {a}" for a in e.assumptions)]
     return "\n".join(lines)
+
+
+def _saving_words(fraction: float, save: str, cost: str) -> str:
+    """A fraction of the ITL saved, in words that stay right when it is negative (an overlap that costs)."""
+    if round(fraction, 3) == 0:
+        return f"{save} nothing of the ITL"
+    if fraction < 0:
+        return f"{cost} {-fraction:.1%} more ITL"
+    return f"{save} {fraction:.1%} of the ITL"
 
 
 def _us(v: float) -> str:
