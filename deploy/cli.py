@@ -46,7 +46,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.check:
         from sglang_pd.deploy.ops.plan import check_plan
 
-        plan, status, note = check_plan(plan, local_deepep=args.local_deepep)
+        # On stderr, so that --format json|yaml|shell keeps stdout for the plan alone.
+        def progress(line: str) -> None:
+            print(line, file=sys.stderr, flush=True)
+
+        progress(f"plan --check {t.name}: SBO against DeepEP, then every command through sglang's resolver")
+        plan, status, note = check_plan(plan, local_deepep=args.local_deepep, progress=progress)
         if note:
             print(f"note: {note}", file=sys.stderr)
     print(format_plan(plan, args.format))

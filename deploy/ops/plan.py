@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -69,13 +70,15 @@ def build_plan(t: Topology, rules: RuleReport) -> Plan:
     return Plan(topology=t, rules=rules, commands=render_plan(t))
 
 
-def check_plan(p: Plan, local_deepep: bool = False) -> tuple[Plan, int, str | None]:
+def check_plan(
+    p: Plan, local_deepep: bool = False, progress: Callable[[str], None] | None = None
+) -> tuple[Plan, int, str | None]:
     """`plan --check`: sglang's resolver and effective view on every command.
 
     SBO is judged with the DeepEP the image builds (deploy/sglang/image_deepep.py), or with `local_deepep`
     with the one installed here. Returns the plan with the verdicts, an exit status (EXIT_INVALID when sglang
     rejects a command, would not run a feature the topology asks for, or would overflow DeepEP's dispatch
-    buffers), and a note when the check cannot run here.
+    buffers), and a note when the check cannot run here. `progress` gets a line per step as it goes.
     """
     from sglang_pd.deploy.sglang.check import SglangUnavailable, check_with_sglang
     from sglang_pd.deploy.sglang.compat import flag_report
@@ -97,9 +100,11 @@ def check_plan(p: Plan, local_deepep: bool = False) -> tuple[Plan, int, str | No
     if sbo_errors:
         p = replace(p, rules=replace(p.rules, errors=[*p.rules.errors, *sbo_errors]))
     try:
-        checks = check_with_sglang(t, local_deepep=local_deepep)
+        checks = check_with_sglang(t, local_deepep=local_deepep, progress=progress)
     except SglangUnavailable as exc:
         return p, (EXIT_INVALID if sbo_errors else EXIT_CHECK_UNAVAILABLE), str(exc)
+    if progress is not None:
+        progress("comparing the rendered flags with the installed sglang's")
     flags = flag_report(c.argv for cmds in p.commands.values() for c in cmds)
     p = replace(p, sglang_checks=[c.as_dict() for c in checks], sglang_flags=flags)
     passed = all(c.passed for c in checks) and not sbo_errors

@@ -40,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,11 +160,17 @@ def _write_model_dir(config: dict[str, Any], root: Path) -> str:
     return str(root)
 
 
-def check_with_sglang(t: Topology, python: str | None = None, local_deepep: bool = False) -> list[SglangCheck]:
+def check_with_sglang(
+    t: Topology,
+    python: str | None = None,
+    local_deepep: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> list[SglangCheck]:
     """Run sglang's resolver and checks on every distinct node command of the topology.
 
     The sglang-pd plugin decides SBO from a DeepEP: the image's (deploy/sglang/image_deepep.py), or with
-    `local_deepep` the one installed where this runs.
+    `local_deepep` the one installed where this runs. `progress` gets a line as the resolver starts and one
+    per command checked (sglang's import alone takes seconds).
     """
     if python is None and not sglang_available():
         raise SglangUnavailable(
@@ -202,7 +209,21 @@ def check_with_sglang(t: Topology, python: str | None = None, local_deepep: bool
                     "deepep": "local" if local_deepep else "image",
                 }
             )
-        results = _resolver(python or sys.executable, cap).resolve(jobs)
+        resolver = _resolver(python or sys.executable, cap)
+        unit = {"prefill": "instance", "decode": "group"}
+        names = [f"{c.role} {unit.get(c.role, 'instance')} {c.instance} node {c.node_rank}" for c in distinct.values()]
+        if progress is not None:
+            progress(
+                f"checking {len(jobs)} distinct command(s) with sglang's resolver"
+                + ("" if resolver.used else " (its first run imports sglang: about 10 s)")
+            )
+
+        def done(i: int, result: dict[str, Any]) -> None:
+            if progress is not None:
+                verdict = "accepted" if result.get("ok") else "REFUSED"
+                progress(f"  [{i + 1}/{len(jobs)}] {names[i]}: {verdict} by sglang")
+
+        results = resolver.resolve(jobs, on_result=done)
     by_key = dict(zip(distinct, results, strict=True))
     checks = []
     for c in commands:
@@ -246,6 +267,7 @@ class _Resolver:
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         self._lock = threading.Lock()
+        self.used = False  # True once it has resolved: sglang is imported
 
     def _read(self) -> None:
         assert self._proc.stdout is not None
@@ -254,8 +276,12 @@ class _Resolver:
                 self._lines.put(line[len(_RESULT) :])
         self._lines.put(None)
 
-    def resolve(self, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """sglang's verdict on each job, in order; raises when the child dies or takes too long."""
+    def resolve(
+        self, jobs: list[dict[str, Any]], on_result: Callable[[int, dict[str, Any]], None] | None = None
+    ) -> list[dict[str, Any]]:
+        """sglang's verdict on each job, in order (`on_result` gets each as it comes); raises when the child
+        dies or takes too long."""
+        self.used = True
         with self._lock:
             assert self._proc.stdin is not None
             deadline = time.monotonic() + CHILD_TIMEOUT_S
@@ -269,6 +295,8 @@ class _Resolver:
                     if line is None:
                         break
                     results.append(json.loads(line))
+                    if on_result is not None:
+                        on_result(len(results) - 1, results[-1])
             except (OSError, queue.Empty):
                 results = []
             if len(results) == len(jobs):
