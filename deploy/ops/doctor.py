@@ -20,6 +20,7 @@ import importlib.util
 import json
 import os
 import sys
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -294,6 +295,10 @@ def _engagement_row(e: dict[str, Any]) -> tuple[str, str]:
 def run(args: argparse.Namespace) -> int:
     from sglang_pd.sglang_patches import status
 
+    # sglang warns at import about its quantization backends on a machine without their GPU ("Only CUDA,
+    # HIP and XPU support AWQ currently.", srt/layers/quantization/awq/awq.py); doctor reports what this
+    # machine can run in its own rows, and only sglang's own UserWarnings are left out.
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"sglang(\.|$)")
     if args.capability is not None:
         status.assume_capability(args.capability)
     doc = collect(check_targets=not args.skip_targets, ep_nodes=args.ep_nodes)
