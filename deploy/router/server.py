@@ -23,6 +23,14 @@ class RouterServer(uvicorn.Server):
         super().__init__(config)
         self.router = app
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            # What it listens on, as bound (uvicorn's own "running on" line goes nowhere: log_config None).
+            bound = [s.getsockname() for server in self.servers for s in (server.sockets or ())]
+            urls = sorted({f"http://{_host_in_url(a[0])}:{a[1]}" for a in bound})
+            logger.info("listening", extra={"urls": urls, "openai_base_url": _openai_base(urls)})
+
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self.should_exit and sig == signal.SIGTERM:
             self.force_exit = True  # a second SIGTERM: stop waiting for the drain (as a second Ctrl-C)
@@ -33,6 +41,18 @@ class RouterServer(uvicorn.Server):
         if sig == signal.SIGTERM:
             # uvicorn re-raises captured signals on exit; a finished drain is a clean exit (0).
             self._captured_signals.remove(sig)
+
+
+def _host_in_url(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _openai_base(urls: list[str]) -> str | None:
+    """The OpenAI base URL a client on this machine uses: a wildcard address is reached on loopback."""
+    if not urls:
+        return None
+    url = urls[0].replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//[::1]:")
+    return f"{url}/v1"
 
 
 def uvicorn_config(app: RouterApp, **overrides: Any) -> uvicorn.Config:
