@@ -74,6 +74,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     parser.add_argument(
+        "--fault-kv-noise",
+        action="store_true",
+        help="FAULT, for testing rollout gates only: a prefill overwrites the KV it computes with noise before "
+        "its checksum, so the decode answers from noise (a bad revision that only an accuracy check catches); "
+        "prefill role only; off by default",
+    )
+    parser.add_argument(
         "--prepare-only", action="store_true", help="load the model (converting a GGUF into the cache), then exit"
     )
 
@@ -88,6 +95,12 @@ async def _serve(args: argparse.Namespace) -> int:
     from .model import load_model
     from .server import create_app, create_bootstrap_app
 
+    if args.fault_kv_noise and args.role != "prefill":
+        print(
+            f"error: --fault-kv-noise corrupts the KV a prefill sends; give it with --role prefill, not {args.role}.",
+            file=sys.stderr,
+        )
+        return 2
     t0 = time.monotonic()
     try:
         model = await asyncio.to_thread(load_model, args.model, seed=args.seed, threads=args.threads)
@@ -102,6 +115,7 @@ async def _serve(args: argparse.Namespace) -> int:
         served_name=args.served_model_name or model.name,
         page_size=args.page_size,
         kv_pages=args.kv_pages,
+        fault_kv_noise=args.fault_kv_noise,
         max_running_requests=args.max_running_requests,
         context_length=args.context_length,
         bootstrap_port=args.bootstrap_port,
