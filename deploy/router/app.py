@@ -78,6 +78,8 @@ class RouterApp:
         if client is None:
             client = HttpWorkerClient(timeouts=config.timeouts, api_key=worker_api_key)
         self.rollout = Rollout(self.registry, canary_share=config.canary_share, metrics=self.metrics)
+        if config.approved_revision:
+            self.rollout.approve(config.approved_revision, reason="--approved-revision")
         self.pairs = PairPicker(
             self.registry, make_policy(config.prefill_policy), make_policy(config.decode_policy), metrics=self.metrics,
             rollout=self.rollout,

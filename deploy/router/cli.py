@@ -269,6 +269,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="client requests sent to a candidate revision while another is approved (default 0: only requests "
         "pinned with x-sglpd-revision and the admin key reach a candidate; docs/upgrades.md)",
     )
+    rollout.add_argument(
+        "--approved-revision",
+        default=None,
+        metavar="REV",
+        help="the revision client requests go to from the start (default: the first with a healthy pair); give the "
+        "last approved one so that a restarted router holds client requests where they were",
+    )
     security.add_argument(
         "--allow-link-local-workers",
         action="store_true",
@@ -390,6 +397,8 @@ def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None
     fields["admin_key"] = args.admin_key or env.get(contract.ENV_ROUTER_ADMIN_KEY, "")
     if args.canary_share is not None:
         fields["canary_share"] = args.canary_share
+    if args.approved_revision is not None:
+        fields["approved_revision"] = args.approved_revision
     worker_api_key = (
         args.worker_api_key
         or env.get(contract.ENV_ROUTER_WORKER_API_KEY, "")

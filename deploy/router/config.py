@@ -18,6 +18,7 @@ from sglang_pd.deploy.common.contract import (
     worker_selector,
 )
 from sglang_pd.deploy.common.http_limits import ConnectionLimits
+from sglang_pd.deploy.spec.revision import revision_problem
 from sglang_pd.deploy.spec.topology import RouterSpec
 
 from .transport.client import Timeouts
@@ -140,6 +141,8 @@ class RouterConfig:
     kubernetes: KubernetesDiscoveryConfig | None = None
     # Client requests sent to a candidate revision while another is approved (workers/rollout.py); 0: none.
     canary_share: float = 0.0
+    # The revision approved at start ("": the first with a healthy pair), e.g. the last one the gate approved.
+    approved_revision: str = ""
     # Static workers: each URL may end in `@REVISION`, the worker's revision (registry.add_configured).
     prefill_workers: tuple[tuple[str, int | None], ...] = field(default=())
     decode_workers: tuple[str, ...] = field(default=())
@@ -190,6 +193,8 @@ class RouterConfig:
         for name in _POSITIVE:
             if getattr(self, name) <= 0:
                 raise ValueError(f"Config '{name}' has value {getattr(self, name)}. It must be > 0.")
+        if self.approved_revision and (problem := revision_problem(self.approved_revision)) is not None:
+            raise ValueError(f"Config 'approved_revision': {problem}")
         if not 0 <= self.canary_share <= 1:
             raise ValueError(
                 f"Config 'canary_share' has value {self.canary_share}. It must be between 0 and 1 (0: no canary)."

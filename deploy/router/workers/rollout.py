@@ -204,8 +204,9 @@ class Rollout:
     # -- the admin API's view -----------------------------------------------------------------
 
     def describe(self) -> dict[str, Any]:
-        """Every registered revision: its state, workers (healthy of registered) and requests in flight."""
-        approved = self.current()
+        """Every registered revision: its state, workers (healthy of registered) and requests in flight. It approves
+        nothing: until a request or an admin approves one, `approved` is null."""
+        approved = self.approved
         by_revision: dict[str, list[Worker]] = {}
         for worker in self.registry.all():
             by_revision.setdefault(worker.revision, []).append(worker)

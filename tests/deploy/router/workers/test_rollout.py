@@ -188,3 +188,28 @@ def test_canary_share_out_of_range_is_refused() -> None:
     assert config.canary_share == 0.1
     with pytest.raises(ValueError, match="canary_share"):
         build_config(parser.parse_args(["--decode", "http://d:30001", "--canary-share", "-0.1"]), {})
+
+
+def test_approved_revision_flag_holds_traffic_from_the_start(cluster_factory: Callable[..., Cluster]) -> None:
+    # Both revisions registered at start, b first: without the flag b would be approved (the control), with
+    # --approved-revision rev-a every client request goes to a.
+    cluster = cluster_factory(2, 2, processes=True)
+    (p0, p1), (d0, d1) = cluster.prefills, cluster.decodes
+    for approved, expected in (("", [0, 20]), ("rev-a", [20, 0])):
+        config = replace(
+            cluster.config(admin_key=ADMIN_KEY, approved_revision=approved),
+            prefill_workers=((p1.url + "@rev-b", p1.bootstrap_port), (p0.url + "@rev-a", p0.bootstrap_port)),
+            decode_workers=(d1.url + "@rev-b", d0.url + "@rev-a"),
+        )
+        before = _served(cluster)
+        with cluster.serve(config) as running:
+            deadline = time.monotonic() + 10
+            while not all(
+                r["paired"] for r in httpx.get(running.url + "/admin/revisions", headers=ADMIN).json()["revisions"]
+            ):
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert _send(running.url, 20) == [200] * 20
+        assert [n - b for n, b in zip(_served(cluster), before, strict=True)] == expected
+    with pytest.raises(ValueError, match="'approved_revision': revision 'a b' is not valid"):
+        RouterConfig(approved_revision="a b")
