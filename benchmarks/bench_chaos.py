@@ -3,9 +3,10 @@
 
 Each fault runs on a fresh stack of real processes on loopback: 2 prefill and 2 decode reference
 engines (tiny-deepseek-v3, fp32, Mooncake over TCP) behind the router at its defaults (migration
-limit 1, 2 retries, 5 s stall watchdog). C clients (default 16) send greedy streamed `/generate`
-requests back to back; the first round (before any fault) is the uninterrupted run every later
-answer of the same prompt is compared with, token by token. The fault comes after the warm-up;
+limit 1, 2 retries, 5 s stall watchdog). First every prompt is answered once with no load and no
+fault: the uninterrupted run every later answer of that prompt is compared with, token by token.
+Then C clients (default 16) send greedy streamed `/generate` requests back to back (16 prompts,
+32 tokens each); the fault comes after the warm-up;
 the load goes on for a while, then stops, and the engines' and the router's state is read once
 it settles.
 
@@ -22,9 +23,11 @@ Faults (`--faults`, default all):
     prefill_stale      SIGKILL a prefill and start it again at once on the same ports, while the
                        decodes keep the old prefill's peer state (Mooncake session, connections)
 
-Per fault: completion rate, streams migrated and the latency they added (p50/p99 of their end-to-
-end time less the uninterrupted median), time to terminal error of requests that could not go
-on, hung requests (not ended 60 s after the load stopped; must be 0), what the engines and the
+Per fault: completion rate (of the streams the router took; and of all requests, where those it
+refused while it was away count as failures), answers identical to the uninterrupted run,
+streams migrated and the latency they added (p50/p99 of their end-to-end time less the median of
+the warm-up's), streams cut (began, could not go on) and their time to terminal error, hung
+requests (not ended 60 s after the load stopped; must be 0), what the engines and the
 router still hold afterwards (KV pages, bootstrap rooms, running requests, KV transfers; the
 router's active requests and per-worker in-flight and admitted requests; must be 0), and the time
 from the fault until the goodput (tokens/s of completed answers over 3 s) is back to 90 % of the
@@ -102,6 +105,7 @@ class Request:
     end: float | None = None
     ids: list[int] = field(default_factory=list)
     error: str = ""  # an error event, a status, a broken connection
+    began: bool = False  # the router answered 200: the stream began
     done: bool = False  # `[DONE]` after a finish reason
     hung: bool = False
 
@@ -162,20 +166,29 @@ def summarize(
     fault_at: float,
     base_e2e: float | None,
 ) -> dict[str, object]:
-    """One fault's figures from its requests (those started after the warm-up's first round)."""
+    """One fault's figures from its requests. A request the router did not take (refused: no
+    connection, a 503 before the stream began) is counted apart: a closed-loop client sends the next
+    one 0.2 s later, so their number says how long the router was away, not how many streams broke.
+    `completion_rate` is of the streams the router took; `attempt_completion_rate` of all requests."""
     ended = [r for r in requests if not r.hung]
     completed = [r for r in ended if r.done and not r.error]
     failed = [r for r in ended if not (r.done and not r.error)]
+    refused = [r for r in failed if not r.began]
+    cut = [r for r in failed if r.began]  # streams that began and could not go on
+    taken = len(requests) - len(refused)
     identical = [r for r in completed if reference.get(r.prompt) == r.ids]
     migrated = [r for r in completed if r.rid in moved]
     added = [(r.end or 0) - r.start - base_e2e for r in migrated] if base_e2e is not None else []
-    tte = [(r.end or 0) - max(r.start, fault_at) for r in failed]
+    tte = [(r.end or 0) - max(r.start, fault_at) for r in cut]
     return {
         "requests": len(requests),
         "completed": len(completed),
-        "completion_rate": round(len(completed) / len(requests), 4) if requests else None,
+        "completion_rate": round(len(completed) / taken, 4) if taken else None,
+        "attempt_completion_rate": round(len(completed) / len(requests), 4) if requests else None,
         "identical": len(identical),
-        "failed": len(failed),
+        "compared": len([r for r in completed if r.prompt in reference]),
+        "refused": len(refused),
+        "cut": len(cut),
         "failures": sorted({r.error[:120] for r in failed})[:5],
         "hung": len(requests) - len(ended),
         "migrated": len(migrated),
@@ -344,6 +357,7 @@ async def _one(client: httpx.AsyncClient, url: str, r: Request) -> None:
             if resp.status_code != 200:
                 r.error = f"status {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return
+            r.began = True
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -362,6 +376,17 @@ async def _one(client: httpx.AsyncClient, url: str, r: Request) -> None:
         r.end = time.monotonic()
         if r.done and len(r.ids) != MAX_NEW and not r.error:
             r.error = f"answer of {len(r.ids)} tokens, not {MAX_NEW}"
+
+
+async def references(url: str) -> dict[int, list[int]]:
+    """The uninterrupted run: every prompt's answer, all at once, before any load or fault."""
+    answers = [Request(-1, p, f"chaos-ref-{p}", time.monotonic()) for p in range(PROMPTS)]
+    async with httpx.AsyncClient(timeout=httpx.Timeout(HANG_S)) as client:
+        await asyncio.gather(*(_one(client, url, r) for r in answers))
+    bad = [r for r in answers if r.error or not r.done]
+    if bad:
+        raise RuntimeError(f"the uninterrupted run failed before any fault: {bad[0].error or 'no [DONE]'}")
+    return {r.prompt: r.ids for r in answers}
 
 
 async def closed_loop(url: str, clients: int, stop_at: float, requests: list[Request]) -> None:
@@ -429,18 +454,34 @@ def _prefill_kill(stack: Stack) -> dict[str, object]:
 
 
 def _iptables(action: str) -> bool:
-    rule = ["INPUT", "-p", "tcp", "--dport", f"{MC_PORTS[0]}:{MC_PORTS[1]}", "-j", "DROP"]
-    return subprocess.run(["iptables", action, *rule], capture_output=True).returncode == 0
+    """Drop (or stop dropping) every TCP packet to or from the Mooncake port range, IPv4 and IPv6
+    (Mooncake's data port listens on `::`)."""
+    ok = True
+    for tool in ("iptables", "ip6tables"):
+        for match in ("--dport", "--sport"):
+            rule = ["INPUT", "-p", "tcp", match, f"{MC_PORTS[0]}:{MC_PORTS[1]}", "-j", "DROP"]
+            ok &= subprocess.run([tool, action, *rule], capture_output=True).returncode == 0
+    return ok
+
+
+def _kv_writes(stack: Stack) -> float:
+    """KV writes the live prefills have completed (sglang_pd_kv_transfers_total)."""
+    total = 0.0
+    for p in stack.prefills:
+        with contextlib.suppress(httpx.HTTPError):
+            text = httpx.get(f"{p.url}/metrics", timeout=5).text
+            total += _metric(parse_metrics(text), "sglang_pd_kv_transfers_total")
+    return total
 
 
 def _kv_cut(stack: Stack) -> dict[str, object]:
     if os.environ.get("SGLANG_PD_CHAOS_NETNS") == "1" and _iptables("-I"):
+        before = _kv_writes(stack)
         time.sleep(8)
+        during = _kv_writes(stack) - before  # 0 when the cut held
         _iptables("-D")
-        return {
-            "how": f"iptables DROP on tcp ports {MC_PORTS[0]}-{MC_PORTS[1]} in a private network namespace",
-            "cut_s": 8,
-        }
+        how = f"iptables DROP on tcp ports {MC_PORTS[0]}-{MC_PORTS[1]} in a private network namespace"
+        return {"how": how, "cut_s": 8, "kv_writes_completed_during_cut": during}
     # No private namespace here: the prefill's Mooncake peer (its transfer engine lives in the
     # engine process) goes away instead.
     notes = _prefill_kill(stack)
@@ -504,6 +545,7 @@ def run_fault(name: str, plan: Plan, tmp: Path) -> dict[str, object]:
 
 
 def _measure(name: str, stack: Stack, plan: Plan) -> dict[str, object]:
+    reference = asyncio.run(references(stack.router.url))
     requests: list[Request] = []
     t0 = time.monotonic()
     fault_at = t0 + plan.warm_s
@@ -527,24 +569,18 @@ def _measure(name: str, stack: Stack, plan: Plan) -> dict[str, object]:
         left = stack.leftovers()
     settled_s = time.monotonic() - settle_began
 
-    # The uninterrupted run: each prompt's first answer, completed before the fault.
-    reference: dict[int, list[int]] = {}
-    for r in sorted(requests, key=lambda r: r.start):
-        if r.done and not r.error and (r.end or 0) < fault_at and r.prompt not in reference:
-            reference[r.prompt] = r.ids
-    first_round = {f"chaos-{c}-0" for c in range(plan.clients)}
-    measured = [r for r in requests if r.rid not in first_round]
     clean = [(r.end or 0) - r.start for r in requests if r.done and not r.error and (r.end or 0) < fault_at]
     base_e2e = statistics.median(clean) if clean else None
-    figures = summarize(measured, reference, stack.moved(), fault_at, base_e2e)
+    figures = summarize(requests, reference, stack.moved(), fault_at, base_e2e)
     ends = [(r.end or 0, len(r.ids)) for r in requests if r.done and not r.error]
     warm = (t0 + plan.warm_s / 3, fault_at)
     return {
         "fault": name,
         **figures,
-        "reference_prompts": len(reference),
         "uninterrupted_e2e_p50_s": _round(base_e2e),
         "recovery_s": goodput_recovery_s(ends, warm, fault_at, stop_at),
+        # tokens of answers completed in each second from the load's start (the fault at warm_s)
+        "goodput_timeline": [sum(n for t, n in ends if i <= t - t0 < i + 1) for i in range(int(stop_at - t0))],
         "leftovers": left,
         "leftovers_settled_s": round(settled_s, 2),
         "notes": notes,
@@ -569,17 +605,21 @@ def _commit() -> str:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    head = "fault             compl.  ident.  migr.  added p50/p99 s   tte p50/max s   hung  left  recovery s"
-    rows = [head]
+    cols = "fault            taken  all    ident.     migr  added p50/p99 s  cut  tte p50/max s  refused"
+    rows = [cols + " hung left recov. s"]
     for r in results:
         a, e = r["added_latency_s"], r["time_to_error_s"]
-        left = sum(r["leftovers"].values())
         rows.append(
-            f"{r['fault']:<16} {r['completion_rate'] * 100:6.1f}% {r['identical']:>4}/{r['completed']:<4}"
-            f"{r['migrated']:>4}   {_fmt(a['p50'])}/{_fmt(a['p99'])}      {_fmt(e['p50'])}/{_fmt(e['max'])}"
-            f"      {r['hung']:>3}  {left:>4g}  {_fmt(r['recovery_s'])}"
+            f"{r['fault']:<16} {_pct(r['completion_rate'])} {_pct(r['attempt_completion_rate'])} "
+            f"{r['identical']:>4}/{r['compared']:<5} {r['migrated']:>4}  {_fmt(a['p50'])}/{_fmt(a['p99']):<9}"
+            f"{r['cut']:>4}  {_fmt(e['p50'])}/{_fmt(e['max']):<9}{r['refused']:>6} {r['hung']:>4} "
+            f"{sum(r['leftovers'].values()):>4g} {_fmt(r['recovery_s']):>7}"
         )
     return "\n".join(rows)
+
+
+def _pct(v: float | None) -> str:
+    return "    -" if v is None else f"{v * 100:5.1f}%"
 
 
 def _fmt(v: float | None) -> str:

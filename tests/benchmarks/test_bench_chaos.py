@@ -54,15 +54,18 @@ def test_leftovers_sum_engines_router_and_workers() -> None:
 def test_summarize_sorts_requests_by_outcome() -> None:
     reference = {0: [1, 2, 3], 1: [4, 5, 6]}
     requests = [
-        Request(0, 0, "a", start=0.0, end=2.0, ids=[1, 2, 3], done=True),  # identical
-        Request(1, 1, "b", start=0.0, end=3.5, ids=[4, 5, 6], done=True),  # identical, moved
-        Request(2, 1, "c", start=0.0, end=2.0, ids=[4, 5, 7], done=True),  # completed, differs
-        Request(3, 0, "d", start=5.0, end=9.0, error="error event"),  # failed 4 s after the fault at 5 s
-        Request(4, 0, "e", start=1.0, end=60.0, hung=True),
+        Request(0, 0, "a", start=0.0, end=2.0, ids=[1, 2, 3], began=True, done=True),  # identical
+        Request(1, 1, "b", start=0.0, end=3.5, ids=[4, 5, 6], began=True, done=True),  # identical, moved
+        Request(2, 1, "c", start=0.0, end=2.0, ids=[4, 5, 7], began=True, done=True),  # completed, differs
+        Request(3, 0, "d", start=5.0, end=9.0, began=True, error="error event"),  # cut 4 s after the fault at 5 s
+        Request(4, 0, "e", start=1.0, end=60.0, began=True, hung=True),
+        Request(5, 0, "f", start=6.0, end=6.1, error="ConnectError"),  # refused: the router was away
+        Request(6, 2, "g", start=6.0, end=8.0, ids=[9], began=True, done=True),  # no reference to compare
     ]
     got = summarize(requests, reference, moved={"b"}, fault_at=5.0, base_e2e=2.0)
-    assert got["requests"] == 5 and got["completed"] == 3 and got["completion_rate"] == 0.6
-    assert got["identical"] == 2 and got["failed"] == 1 and got["hung"] == 1 and got["migrated"] == 1
+    assert got["requests"] == 7 and got["completed"] == 4 and got["refused"] == 1 and got["cut"] == 1
+    assert got["completion_rate"] == round(4 / 6, 4) and got["attempt_completion_rate"] == round(4 / 7, 4)
+    assert got["identical"] == 2 and got["compared"] == 3 and got["hung"] == 1 and got["migrated"] == 1
     assert got["added_latency_s"] == {"p50": 1.5, "p99": 1.5}
     assert got["time_to_error_s"] == {"p50": 4.0, "max": 4.0}
     assert "fault" not in table([{**got, "fault": "x", "leftovers": {}, "recovery_s": None}]).splitlines()[1]
