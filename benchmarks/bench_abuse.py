@@ -12,15 +12,29 @@ on the router's host):
 - big-prompt: one 30 MB chat message, then one just under the body limit (parsed and sent on);
 - idle: 20,000 TCP connections opened and left silent;
 - slow-heads: 200 connections sending their request head at 1 byte/s;
-- slow-bodies: 200 connections sending a 1 MiB body at 1 byte/s after a whole head.
+- slow-bodies: 200 connections sending a 1 MiB body at 1 byte/s after a whole head;
+- connection-hold: up to 10,100 connections open, each sending a whole head with `Content-Length:
+  10` and no body, reopened when the router closes them, at most `--hold-rate` (500) new ones a
+  second, for `--hold-seconds` (the router's connection cap held by one client);
+- engine-flood (with `--engine URL`, the decode's): the same with idle connections to the engine's
+  own port, while the victims also send one-token chat completions through the
+  router and read `/readiness`, which must keep its decode (an engine at its connection cap
+  answers a marked 503 that ejects nothing).
+
+The attacker is one client on one address (127.0.0.1); the victims come from another
+(`--victim-source`, default 127.0.0.2), as a second client would. For connection-hold and
+engine-flood every victim request must get 200: p99 and failures are reported against the 1 s
+bound (`victims_ok`).
 
 Against a local stack (`sglang-pd up local-cpu` in another shell, as root for the descriptors):
 
-    .venv/bin/python -m benchmarks.bench_abuse --router http://127.0.0.1:8000 --out out/abuse.json
+    .venv/bin/python -m benchmarks.bench_abuse --router http://127.0.0.1:8000 \\
+        --engine http://127.0.0.1:30001 --out out/abuse.json
 
 Prints a table and writes JSON with the command, machine and date. The exit status is 1 when a
-victim request failed or got other than 200 or 503, or when an attacker's connection was still
-open after the router's timeout plus a margin.
+victim request failed or got other than 200 or 503 (other than 200, or a p99 over 1 s, in
+connection-hold and engine-flood), or when an attacker's connection was still open after the
+router's timeout plus a margin.
 """
 
 from __future__ import annotations
@@ -49,10 +63,14 @@ VICTIM_INTERVAL_S = 0.1
 # The router's shipped timeouts (deploy/common/http_limits.py) and the margin an attacker's connection may
 # outlive them by before it counts as not cut.
 HEAD_TIMEOUT_S = 10.0
-BODY_TIMEOUT_S = 60.0
+BODY_GRACE_S = 10.0  # then 1 KiB/s: a body at 1 byte/s is cut at the end of the grace
 CUT_MARGIN_S = 5.0
 IDLE_PER_PROCESS = 15_000
 IDLE_HOLD_S = 15.0
+HOLD_CONNECTIONS = 10_100
+VICTIM_P99_BOUND_S = 1.0
+# Attacks in which victims must all get 200 within the bound (no 503 for load counts as served).
+STRICT = ("connection-hold", "engine-flood")
 
 
 @dataclass
@@ -65,10 +83,22 @@ class AttackResult:
     attacker_cut_s: list[float] = field(default_factory=list)  # when the router closed it
     rss_mb: dict[str, float] = field(default_factory=dict)
     descriptors: dict[str, int] = field(default_factory=dict)
+    decodes_seen: list[int] = field(default_factory=list)  # /readiness's decode count, engine-flood
 
     @property
     def victims_bad(self) -> int:
-        return sum(n for k, n in self.victims.items() if k not in ("200", "503"))
+        allowed = ("200",) if self.name in STRICT else ("200", "503")
+        return sum(n for k, n in self.victims.items() if k not in allowed)
+
+    def p99(self) -> float | None:
+        lat = sorted(self.victim_latencies_s)
+        return lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None
+
+    @property
+    def victims_ok(self) -> bool:
+        p99 = self.p99()
+        slow = self.name in STRICT and (p99 is None or p99 >= VICTIM_P99_BOUND_S)
+        return not self.victims_bad and not slow and min(self.decodes_seen, default=1) >= 1
 
     def row(self) -> dict[str, object]:
         lat = sorted(self.victim_latencies_s)
@@ -88,6 +118,8 @@ class AttackResult:
             "attacker_cut_after_s": {"min": round(cut[0], 2), "max": round(cut[-1], 2)} if cut else None,
             "router_rss_mb": self.rss_mb,
             "router_descriptors": self.descriptors,
+            **({"readiness_decodes_min": min(self.decodes_seen)} if self.decodes_seen else {}),
+            "victims_ok": self.victims_ok,
         }
 
 
@@ -143,15 +175,22 @@ def _raise_descriptor_limit(want: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
 
 
-async def _victims(base: str, result: AttackResult, stop: asyncio.Event) -> None:
-    """Fresh-connection GETs, ten a second, until `stop`."""
-    paths = ("/readiness", "/v1/models")
+async def _victims(base: str, result: AttackResult, stop: asyncio.Event, source: str, model: str = "") -> None:
+    """Fresh-connection requests from `source`, ten a second, until `stop`: GETs of /readiness and
+    /v1/models, and with `model` also one-token chat completions (every third request)."""
     n = 0
     while not stop.is_set():
         t0 = time.monotonic()
         try:
-            async with httpx.AsyncClient(timeout=30) as client:
-                resp = await client.get(base + paths[n % 2])
+            transport = httpx.AsyncHTTPTransport(local_address=source)
+            async with httpx.AsyncClient(timeout=30, transport=transport) as client:
+                if model and n % 3 == 2:
+                    body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+                    resp = await client.post(base + "/v1/chat/completions", json=body)
+                else:
+                    resp = await client.get(base + ("/readiness", "/v1/models")[n % 3 % 2])
+                    if resp.status_code == 200 and n % 3 == 0 and model:
+                        result.decodes_seen.append(int(resp.json().get("decode", 0)))
             result.victims[str(resp.status_code)] += 1
         except httpx.HTTPError as exc:
             result.victims[type(exc).__name__] += 1
@@ -178,7 +217,12 @@ async def _until_answered(reader: asyncio.StreamReader, t0: float, result: Attac
 
 
 async def _run(
-    name: str, base: str, router: RouterProcess, attack: Callable[[AttackResult], Awaitable[None]]
+    name: str,
+    base: str,
+    router: RouterProcess,
+    attack: Callable[[AttackResult], Awaitable[None]],
+    victim_source: str,
+    model: str = "",
 ) -> AttackResult:
     result = AttackResult(name)
     result.rss_mb["before"], result.descriptors["before"] = router.rss_mb(), router.descriptors()
@@ -195,7 +239,8 @@ async def _run(
                     await stop.wait()
 
     t0 = time.monotonic()
-    tasks = [asyncio.ensure_future(_victims(base, result, stop)), asyncio.ensure_future(sample())]
+    victims = _victims(base, result, stop, victim_source, model if name == "engine-flood" else "")
+    tasks = [asyncio.ensure_future(victims), asyncio.ensure_future(sample())]
     try:
         await attack(result)
     finally:
@@ -217,7 +262,15 @@ def _head(host: str, length: int | None, *, chunked: bool = False) -> bytes:
     return b"\r\n".join(lines) + b"\r\n\r\n"
 
 
-def attacks(host: str, port: int, idle: int) -> dict[str, Callable[[AttackResult], Awaitable[None]]]:
+def attacks(
+    host: str,
+    port: int,
+    idle: int,
+    *,
+    engine: tuple[str, int] | None = None,
+    hold_s: float = 30.0,
+    hold_rate: float = 500.0,
+) -> dict[str, Callable[[AttackResult], Awaitable[None]]]:
     async def connect() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         return await asyncio.open_connection(host, port)
 
@@ -291,13 +344,63 @@ def attacks(host: str, port: int, idle: int) -> dict[str, Callable[[AttackResult
             await push(result, _head(host, len(body)), body)
             await asyncio.sleep(3)
 
-    return {  # memory first, so that its figures start from the router's own baseline
+    async def hold(result: AttackResult, target: tuple[str, int], head: bytes, n: int) -> None:
+        """Up to `n` connections to `target` open at once, each sending `head` and then nothing; one
+        the server closes is opened again, at most `hold_rate` new connections a second in all,
+        until `hold_s` has passed."""
+        deadline = time.monotonic() + hold_s
+        slots = asyncio.Semaphore(n)
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                t0 = time.monotonic()
+                with contextlib.suppress(ConnectionError):
+                    writer.write(head)
+                answered = asyncio.ensure_future(_until_answered(reader, t0, result))
+                await asyncio.wait({answered}, timeout=max(0.0, deadline - time.monotonic()))
+                if not answered.done():
+                    answered.cancel()
+                    result.attacker["held to the end"] += 1
+                writer.close()
+            finally:
+                slots.release()
+
+        while time.monotonic() < deadline:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    await slots.acquire()
+                    try:
+                        reader, writer = await asyncio.open_connection(*target)
+                    except OSError as exc:
+                        result.attacker[f"connect: {type(exc).__name__}"] += 1
+                        slots.release()
+                    else:
+                        task = asyncio.ensure_future(one(reader, writer))
+                        tasks.add(task)
+                        task.add_done_callback(tasks.discard)
+                    await asyncio.sleep(1.0 / hold_rate)
+        await asyncio.gather(*tasks)
+
+    async def connection_hold(result: AttackResult) -> None:
+        await hold(result, (host, port), _head(host, 10), HOLD_CONNECTIONS)
+
+    async def engine_flood(result: AttackResult) -> None:
+        assert engine is not None
+        await hold(result, engine, b"", HOLD_CONNECTIONS)
+
+    found: dict[str, Callable[[AttackResult], Awaitable[None]]] = {
+        # memory first, so that its figures start from the router's own baseline
         "big-bodies": big_bodies,
         "big-prompt": big_prompt,
         "idle": idle_connections,
         "slow-heads": slow_heads,
         "slow-bodies": slow_bodies,
+        "connection-hold": connection_hold,
     }
+    if engine is not None:
+        found["engine-flood"] = engine_flood
+    return found
 
 
 async def hold_idle(host: str, port: int, n: int) -> None:
@@ -318,6 +421,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--router", required=True, help="the router's base URL (on this host)")
     ap.add_argument("--idle", type=int, default=20_000, help="idle connections of the first attack")
+    ap.add_argument("--engine", help="the decode engine's base URL (on this host): adds engine-flood")
+    ap.add_argument("--victim-source", default="127.0.0.2", help="the victims' source address (default 127.0.0.2)")
+    ap.add_argument("--hold-seconds", type=float, default=30.0, help="length of connection-hold and engine-flood")
+    ap.add_argument(
+        "--hold-rate", type=float, default=500.0, help="new connections a second in connection-hold and engine-flood"
+    )
     ap.add_argument("--only", action="append", help="run only this attack (repeatable)")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     ap.add_argument("--hold-idle", type=int, help=argparse.SUPPRESS)  # a child of the idle attack
@@ -332,18 +441,27 @@ def main(argv: list[str] | None = None) -> int:
     if not pids:
         ap.error(f"no process on this host listens on port {port}; start the router first (sglang-pd up).")
     router = RouterProcess(pids)
+    _raise_descriptor_limit(2 * HOLD_CONNECTIONS + 1024)
+    engine = None
+    if args.engine:
+        e = urlsplit(args.engine)
+        engine = (e.hostname or "127.0.0.1", e.port or 80)
+    model = httpx.get(args.router + "/v1/models", timeout=30).json()["data"][0]["id"] if engine else ""
+    load_before = os.getloadavg()
     results = []
-    for name, attack in attacks(host, port, args.idle).items():
+    for name, attack in attacks(
+        host, port, args.idle, engine=engine, hold_s=args.hold_seconds, hold_rate=args.hold_rate
+    ).items():
         if args.only and name not in args.only:
             continue
-        result = asyncio.run(_run(name, args.router, router, attack))
+        result = asyncio.run(_run(name, args.router, router, attack, args.victim_source, model))
         results.append(result)
         print(json.dumps(result.row()))
-    limits = {"slow-heads": HEAD_TIMEOUT_S, "slow-bodies": HEAD_TIMEOUT_S + BODY_TIMEOUT_S}
+    limits = {"slow-heads": HEAD_TIMEOUT_S, "slow-bodies": BODY_GRACE_S}
     not_cut = [
         r.name for r in results if r.name in limits and max(r.attacker_cut_s, default=0) > limits[r.name] + CUT_MARGIN_S
     ]
-    bad = [r.name for r in results if r.victims_bad]
+    bad = [r.name for r in results if not r.victims_ok]
     print(f"victims failed during: {bad or 'none'}; attackers not cut in time: {not_cut or 'none'}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -351,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": " ".join([sys.executable, "-m", "benchmarks.bench_abuse", *(argv or sys.argv[1:])]),
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "load_average": {"before": load_before, "after": os.getloadavg()},
             "router_pids": pids,
             "results": [r.row() for r in results],
         }

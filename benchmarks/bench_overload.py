@@ -12,9 +12,29 @@ Against a local stack (`sglang-pd up local-cpu` in another shell):
     .venv/bin/python -m benchmarks.bench_overload --router http://127.0.0.1:8000 \\
         --prefill http://127.0.0.1:30000 --decode http://127.0.0.1:30001 --out out/overload.json
 
-Prints a table and writes JSON with the command, machine and date. The exit status is 1 when a
-request ended other than with 200, 429 or 503, when a 200 stream was cut, or when the engines kept
-rooms, pages or requests.
+With `--attack`, one client (127.0.0.1) attacks the admission instead while `--victims` clients
+(8) from another address (`--victim-source`, 127.0.0.2) send small chat completions (a short
+prompt, `--victim-max-tokens` 4) back to back for `--seconds`:
+
+- none: no attacker (the victims' own latency on this machine, to compare with);
+- starvation: 3 streamed chats with `max_tokens` 3,860 at a time, again as each ends (the whole
+  decode pool, were each reserved whole);
+- head-of-line: one 60 KB prompt (past the context) with `max_tokens` 64 at a time, again as each
+  ends (such a prompt once sat at the head of the router's queue and held every request behind it).
+
+The victims ask for the router's timing breakdown (`x-sglpd-timing: 1`), so that the time they
+waited in the router's admission queue is read from each answer's Server-Timing apart from the
+engines' own time. Every victim request must end with 200 and the victims' p99 admission wait stay
+under 1 s (`victims_ok`); their end-to-end p99 is reported beside it, and on CPU engines it is
+mostly the engines' compute, which the attacker's requests share.
+
+    .venv/bin/python -m benchmarks.bench_overload --router http://127.0.0.1:8000 \\
+        --prefill http://127.0.0.1:30000 --decode http://127.0.0.1:30001 --attack starvation \\
+        --attack head-of-line --seconds 60 --out out/admission.json
+
+Prints a table and writes JSON with the command, machine, load and date. The exit status is 1 when
+a request ended other than with 200, 429 or 503, when a 200 stream was cut, when a victim failed or
+its p99 reached 1 s, or when the engines kept rooms, pages or requests.
 """
 
 from __future__ import annotations
@@ -38,6 +58,8 @@ __all__ = ["LoadResult", "engine_leftovers", "run_load"]
 # Answers a loaded router may give besides a whole 200: both carry Retry-After.
 LOAD_STATUSES = frozenset({429, 503})
 # Engine gauges that must be back at 0 once no request is in flight.
+VICTIM_P99_BOUND_S = 1.0
+ATTACKS = ("none", "starvation", "head-of-line")
 LEFTOVER_GAUGES = (
     "sglang_pd_refengine_bootstrap_rooms",
     "sglang_pd_refengine_kv_pages_used",
@@ -53,6 +75,7 @@ class LoadResult:
     outcomes: Counter[str] = field(default_factory=Counter)
     latencies_s: dict[str, list[float]] = field(default_factory=dict)  # by outcome
     retry_after_missing: int = 0  # 429/503 answers without Retry-After
+    queue_s: list[float] = field(default_factory=list)  # admission waits, from Server-Timing
     samples: dict[str, str] = field(default_factory=dict)  # one body per bad outcome
 
     @property
@@ -81,10 +104,21 @@ class LoadResult:
         }
 
 
+def _queue_s(server_timing: str) -> float | None:
+    """The `queue` part of the router's Server-Timing header, in seconds."""
+    for part in server_timing.split(","):
+        name, _, rest = part.strip().partition(";dur=")
+        if name == "queue" and rest:
+            return float(rest) / 1000
+    return None
+
+
 async def _one(client: httpx.AsyncClient, url: str, body: dict[str, object], result: LoadResult) -> None:
     t0 = time.monotonic()
     try:
         async with client.stream("POST", url, json=body) as resp:
+            if (queued := _queue_s(resp.headers.get("server-timing", ""))) is not None:
+                result.queue_s.append(queued)
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 key = str(resp.status_code)
@@ -142,6 +176,77 @@ async def run_load(
     return result
 
 
+async def run_attack(
+    router: str,
+    attack: str,
+    *,
+    seconds: float = 60.0,
+    victims: int = 8,
+    victim_max_tokens: int = 4,
+    victim_source: str = "127.0.0.2",
+    attacker_source: str = "127.0.0.1",
+    headers: dict[str, str] | None = None,
+) -> dict[str, object]:
+    """`attack` (one of ATTACKS) from `attacker_source` while `victims` closed-loop clients from
+    `victim_source` send small chat completions; both sides' outcomes and latencies."""
+    url = f"{router}/v1/chat/completions"
+    attacker, victim = LoadResult(0, seconds), LoadResult(victims, seconds)
+    deadline = time.monotonic() + seconds
+
+    def client(source: str, n: int) -> httpx.AsyncClient:
+        transport = httpx.AsyncHTTPTransport(local_address=source, limits=httpx.Limits(max_connections=n))
+        asked = {**(headers or {}), "x-sglpd-timing": "1"}
+        return httpx.AsyncClient(timeout=httpx.Timeout(600.0), transport=transport, headers=asked)
+
+    async def attack_loop(c: httpx.AsyncClient, body: dict[str, object], until: float) -> None:
+        while time.monotonic() < until:
+            await _one(c, url, body, attacker)
+
+    async def victim_loop(i: int, c: httpx.AsyncClient) -> None:
+        n = 0
+        while time.monotonic() < deadline:
+            body = {"messages": [{"role": "user", "content": f"Victim {i}, {n}: say hi."}],
+                    "max_tokens": victim_max_tokens, "stream": True}  # fmt: skip
+            await _one(c, url, body, victim)
+            n += 1
+
+    bodies: list[dict[str, object]] = []
+    if attack == "starvation":
+        long = {"messages": [{"role": "user", "content": "Write a very long story."}], "max_tokens": 3860,
+                "stream": True, "ignore_eos": True}  # fmt: skip
+        bodies = [long] * 3
+    elif attack == "head-of-line":
+        bodies = [{"messages": [{"role": "user", "content": "x " * 30_000}], "max_tokens": 64, "stream": True}]
+    elif attack != "none":
+        raise ValueError(f"Unknown attack {attack!r}; choose one of {', '.join(ATTACKS)}.")
+    async with client(attacker_source, max(1, len(bodies))) as a, client(victim_source, victims) as v:
+        # The attacker runs on until the victims are done, so that they never run alone.
+        attacks = [asyncio.ensure_future(attack_loop(a, b, deadline)) for b in bodies]
+        await asyncio.sleep(2.0)  # the attack takes hold first
+        await asyncio.gather(*(victim_loop(i, v) for i in range(victims)))
+        for task in attacks:
+            task.cancel()
+        await asyncio.gather(*attacks, return_exceptions=True)
+
+    def p99(values: list[float]) -> float | None:
+        lat = sorted(values)
+        return round(lat[min(len(lat) - 1, int(len(lat) * 0.99))], 3) if lat else None
+
+    queued = p99(victim.queue_s)
+    return {
+        "attack": attack,
+        "victims": victim.summary(),
+        "attacker": attacker.summary(),
+        "victim_p99_s": p99(victim.latencies_s.get("200", [])),
+        "victim_admission_wait_p99_s": queued,
+        "victim_admission_wait_max_s": round(max(victim.queue_s), 3) if victim.queue_s else None,
+        "victims_ok": queued is not None
+        and queued < VICTIM_P99_BOUND_S
+        and set(victim.outcomes) == {"200"}
+        and len(victim.queue_s) == victim.outcomes["200"],
+    }
+
+
 def _gauges(url: str, headers: dict[str, str] | None) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics", headers=headers, timeout=10).text
     values: dict[str, float] = {}
@@ -174,8 +279,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--attack", action="append", choices=ATTACKS, help="run this attack instead (repeatable)")
+    ap.add_argument("--victims", type=int, default=8, help="victim clients during an attack")
+    ap.add_argument("--victim-max-tokens", type=int, default=4)
+    ap.add_argument("--victim-source", default="127.0.0.2", help="the victims' source address")
     ap.add_argument("--out", type=Path, help="write the result as JSON here")
     args = ap.parse_args(argv)
+    if args.attack:
+        return _main_attacks(args, argv)
     client_key = os.environ.get("SGLANG_PD_ROUTER_API_KEY")
     worker_key = os.environ.get("SGLANG_PD_WORKER_API_KEY")
     headers = {"authorization": f"Bearer {client_key}"} if client_key else None
@@ -203,6 +314,49 @@ def main(argv: list[str] | None = None) -> int:
         }
         args.out.write_text(json.dumps(report, indent=2) + "\n")
     return 1 if result.bad or result.retry_after_missing or leftovers else 0
+
+
+def _main_attacks(args: argparse.Namespace, argv: list[str] | None) -> int:
+    client_key = os.environ.get("SGLANG_PD_ROUTER_API_KEY")
+    worker_key = os.environ.get("SGLANG_PD_WORKER_API_KEY")
+    headers = {"authorization": f"Bearer {client_key}"} if client_key else None
+    load_before = os.getloadavg()
+    rows = []
+    for attack in args.attack:
+        row = asyncio.run(
+            run_attack(
+                args.router,
+                attack,
+                seconds=args.seconds,
+                victims=args.victims,
+                victim_max_tokens=args.victim_max_tokens,
+                victim_source=args.victim_source,
+                headers=headers,
+            )
+        )
+        rows.append(row)
+        v, a = row["victims"], row["attacker"]
+        print(
+            f"{attack}: victims {v['outcomes']} p99 {row['victim_p99_s']} s, admission wait p99 "  # type: ignore[index]
+            f"{row['victim_admission_wait_p99_s']} s; attacker {a['outcomes']}"  # type: ignore[index]
+        )
+    engines = {f"prefill{i}": u for i, u in enumerate(args.prefill)} | {
+        f"decode{i}": u for i, u in enumerate(args.decode)
+    }
+    leftovers = engine_leftovers(engines, headers={"authorization": f"Bearer {worker_key}"} if worker_key else None)
+    print(f"engines after the attacks: {leftovers or 'no rooms, pages or requests left'}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        report = {
+            "command": " ".join([sys.executable, "-m", "benchmarks.bench_overload", *(argv or sys.argv[1:])]),
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "load_average": {"before": load_before, "after": os.getloadavg()},
+            "results": rows,
+            "engine_leftovers": leftovers,
+        }
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if all(r["victims_ok"] for r in rows) and not leftovers else 1
 
 
 if __name__ == "__main__":
