@@ -58,7 +58,8 @@ _SGLANG_RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "repetition_penalty": (0.0, 2.0, True, True),
 }
 _MAX_N = 128  # OpenAI's limit
-_MAX_TOP_LOGPROBS = 20  # chat; legacy completions allow 5
+_MAX_TOP_LOGPROBS = 20  # chat; legacy completions allow 5; `/generate`'s top_logprobs_num too
+_MAX_TOKEN_IDS_LOGPROB = 64  # `/generate`'s token_ids_logprob, ids per prompt (as stop ids)
 # OpenAI's API reference: `stop` "up to 4 sequences", `tools` "a max of 128 functions",
 # `logit_bias` values "from -100 to 100", `metadata` "up to 16 key-value pairs". sglang's native
 # `/generate` documents no bound; the router holds it to the same 4 stop sequences and stop ids
@@ -319,6 +320,39 @@ def _check_generate(payload: dict[str, Any]) -> None:
     logprob = payload.get("return_logprob")
     if logprob is not None and not isinstance(logprob, bool | list):
         raise _type_error("return_logprob", "a boolean", logprob)
+    _check_generate_logprobs(payload)
+
+
+def _per_prompt(value: Any) -> list[Any]:
+    """A `/generate` option given once, or as a list with one value per prompt of a batch."""
+    return value if isinstance(value, list) else [value]
+
+
+def _check_generate_logprobs(payload: dict[str, Any]) -> None:
+    # sglang's GenerateReqInput bounds none of these; each one costs work per generated token (a
+    # top-k over the vocabulary, a gather per listed id), so they get the chat API's bounds.
+    top = payload.get("top_logprobs_num")
+    if top is not None:
+        for value in _per_prompt(top):
+            if not _is_int(value):
+                raise _type_error("top_logprobs_num", "an integer (or a list of them, one per prompt)", value)
+            if not 0 <= value <= _MAX_TOP_LOGPROBS:
+                raise _range_error("top_logprobs_num", f"between 0 and {_MAX_TOP_LOGPROBS}", value)
+    start = payload.get("logprob_start_len")
+    if start is not None:
+        for value in _per_prompt(start):
+            if not _is_int(value):
+                raise _type_error("logprob_start_len", "an integer (or a list of them, one per prompt)", value)
+            if value < -1:
+                raise _range_error("logprob_start_len", "-1 (the last prompt token) or a prompt position >= 0", value)
+    ids = payload.get("token_ids_logprob")
+    if ids is not None:
+        lists = ids if isinstance(ids, list) and ids and all(isinstance(i, list) for i in ids) else [ids]
+        for one in lists:
+            if not isinstance(one, list) or not all(_is_int(i) and i >= 0 for i in one):
+                raise _type_error("token_ids_logprob", "a list of token ids (or one such list per prompt)", one)
+            if len(one) > _MAX_TOKEN_IDS_LOGPROB:
+                raise _range_error("token_ids_logprob", f"at most {_MAX_TOKEN_IDS_LOGPROB} token ids", len(one))
 
 
 def _check_sampling_params(params: dict[str, Any], prefix: str) -> None:

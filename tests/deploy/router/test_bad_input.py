@@ -69,12 +69,31 @@ CHAT = "/v1/chat/completions"
         ("/v1/completions", b'{"prompt": {"a": 1}}', "prompt", "invalid_type"),
         ("/generate", b'{"sampling_params": {}}', "text", "missing_required_parameter"),
         ("/generate", b'{"text": 5}', "text", "invalid_type"),
+        # The logprob options of /generate, which sglang bounds in no way.
+        ("/generate", b'{"text": "x", "top_logprobs_num": 100000}', "top_logprobs_num", "invalid_value"),
+        ("/generate", b'{"text": ["x", "y"], "top_logprobs_num": [1, 21]}', "top_logprobs_num", "invalid_value"),
+        ("/generate", b'{"text": "x", "top_logprobs_num": "all"}', "top_logprobs_num", "invalid_type"),
+        ("/generate", b'{"text": "x", "logprob_start_len": -5}', "logprob_start_len", "invalid_value"),
+        ("/generate", b'{"text": "x", "token_ids_logprob": [1, "a"]}', "token_ids_logprob", "invalid_type"),
+        (
+            "/generate",
+            b'{"text": "x", "token_ids_logprob": [' + b",".join(b"%d" % i for i in range(65)) + b"]}",
+            "token_ids_logprob",
+            "invalid_value",
+        ),
     ],
 )
 def test_bad_body_is_400(client: httpx.Client, path: str, content: bytes, param: str | None, code: str | None) -> None:
     resp = client.post(path, content=content, headers={"content-type": "application/json"})
     assert_openai_error(resp, 400, param=param, code=code)
     assert resp.headers["x-request-id"]
+
+
+def test_bounded_generate_logprob_options_pass(client: httpx.Client) -> None:
+    # Control for the bounds above: the same options within them reach the workers and answer.
+    body = {"text": "x", "return_logprob": True, "top_logprobs_num": 20, "logprob_start_len": -1,
+            "token_ids_logprob": list(range(64)), "sampling_params": {"max_new_tokens": 2}}  # fmt: skip
+    assert client.post("/generate", json=body).status_code == 200
 
 
 def test_unknown_model_is_404(client: httpx.Client) -> None:
