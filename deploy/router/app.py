@@ -80,6 +80,7 @@ class RouterApp:
         self.rollout = Rollout(self.registry, canary_share=config.canary_share, metrics=self.metrics)
         if config.approved_revision:
             self.rollout.approve(config.approved_revision, reason="--approved-revision")
+        self.owner.follow(self.rollout)
         self.pairs = PairPicker(
             self.registry, make_policy(config.prefill_policy), make_policy(config.decode_policy), metrics=self.metrics,
             rollout=self.rollout,
@@ -383,15 +384,7 @@ class RouterApp:
             )  # fmt: skip
         if (problem := revision_problem(revision)) is not None:
             raise ApiError(400, f"'revision': {problem}", param="revision", code="invalid_value")
-        if self.owner.process_index is not None:
-            raise ApiError(
-                501, "Approving a revision through a router process group is not supported: run the router with "
-                "--processes 1 during rollouts (docs/upgrades.md).",
-                code="not_supported",
-            )  # fmt: skip
-        if (why := self.rollout.approvable(revision)) is not None:
-            raise ApiError(409, why, param="revision", code="not_paired")
-        self.rollout.approve(revision)
+        await self.owner.approve(revision)  # a process group's control process approves it for every process
         return _json(self.rollout.describe())
 
     async def remove_worker(self, request: Request) -> Response:

@@ -2,15 +2,17 @@
 socket pair between the control process, which owns the workers' health, and each serving process
 (the serving process inherits its end: no socket path, nothing another process could connect to).
 
-    control → serving   {"type": "workers", "workers": [Worker.state(), ...]}
-                            on attach, then whenever the workers or their health change
+    control → serving   {"type": "workers", "workers": [Worker.state(), ...], "rollout": Rollout.state()}
+                            on attach, then whenever the workers, their health or the approved
+                            revision change
                         {"type": "reply", "id": N, "status": S, "body": {...}}
                             the answer to a request; sent after the "workers" it caused
     serving → control   {"type": "alive", "index": I, "pid": P}
                             on attach, then every second from its event loop (a process whose
                             loop stops, frozen or stuck, stops sending it)
-                        {"type": "request", "id": N, "op": "add" | "remove", "args": {...}}
-                            a /workers change made through this process's admin API
+                        {"type": "request", "id": N, "op": "add" | "remove" | "approve", "args": {...}}
+                            a /workers change or a revision's approval made through this process's
+                            admin API
                         {"type": "report", "kind": "probe_passed" | "probe_failed" | "stalled",
                          "url": U, "role": R, "detail": TEXT}
                             what this process saw of a worker: the outcome of a 5xx-confirmation
@@ -68,8 +70,11 @@ class ControlServer:
         handle: Handler,
         on_report: ReportHandler,
         on_alive: Callable[[int, int], None],
+        rollout: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
+        """`rollout`: the approval the serving processes follow (`Rollout.state()`)."""
         self._state = state
+        self._rollout = rollout
         self._handle = handle
         self._on_report = on_report
         self._on_alive = on_alive
@@ -92,7 +97,10 @@ class ControlServer:
 
     def publish(self) -> None:
         """Send the workers' state to every serving process, if it changed since the last send."""
-        line = _line({"type": "workers", "workers": self._state()})
+        message: dict[str, Any] = {"type": "workers", "workers": self._state()}
+        if self._rollout is not None:
+            message["rollout"] = self._rollout()
+        line = _line(message)
         if line == self._last:
             return
         self._last = line
@@ -145,9 +153,12 @@ class ControlLink:
         index: int,
         on_workers: Callable[[list[dict[str, Any]]], None],
         on_lost: Callable[[], None] | None = None,
+        on_rollout: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         """`sock`: this process's end of its socket pair. `on_lost`: what to do when the channel
-        breaks (default: SIGTERM to this process, which drains it)."""
+        breaks (default: SIGTERM to this process, which drains it). `on_rollout`: takes the approval
+        the control process holds."""
+        self._on_rollout = on_rollout
         self.sock = sock
         self.index = index
         self._on_workers = on_workers
@@ -214,6 +225,8 @@ class ControlLink:
                 message = orjson.loads(line)
                 if message["type"] == "workers":
                     self._on_workers(message["workers"])
+                    if self._on_rollout is not None and "rollout" in message:
+                        self._on_rollout(message["rollout"])
                     if self._first is not None and not self._first.done():
                         self._first.set_result(None)
                 elif message["type"] == "reply":

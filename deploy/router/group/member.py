@@ -17,6 +17,7 @@ from ..exceptions import ControlLost
 from ..types import Role
 from ..workers.health import HealthChecker, HealthReport
 from ..workers.registry import WorkerRegistry
+from ..workers.rollout import Rollout
 from .control import ControlLink
 
 __all__ = ["GroupMember"]
@@ -32,7 +33,8 @@ class GroupMember:
     def __init__(self, control_socket: socket.socket, index: int) -> None:
         self.process_index: int | None = index
         self._registry: WorkerRegistry | None = None
-        self.link = ControlLink(control_socket, index, self._apply)
+        self._rollout: Rollout | None = None
+        self.link = ControlLink(control_socket, index, self._apply, on_rollout=self._apply_rollout)
         self.report: HealthReport | None = self.link.report
         self._refresh_gauges: Callable[[], None] = lambda: None
         self._gauges: asyncio.Task[None] | None = None
@@ -40,6 +42,16 @@ class GroupMember:
     def _apply(self, states: list[dict[str, Any]]) -> None:
         assert self._registry is not None, "attach() first"
         self._registry.sync(states)
+
+    def _apply_rollout(self, state: dict[str, Any]) -> None:
+        if self._rollout is not None:
+            self._rollout.apply(state)
+
+    def follow(self, rollout: Rollout) -> None:
+        self._rollout = rollout
+
+    async def approve(self, revision: str) -> None:
+        await self._ask("approve", revision=revision)  # its state arrives before the reply
 
     def attach(self, registry: WorkerRegistry, health: HealthChecker, refresh_gauges: Callable[[], None]) -> None:
         self._registry, self._refresh_gauges = registry, refresh_gauges

@@ -69,6 +69,7 @@ from ..transport.client import HttpWorkerClient
 from ..workers.discovery import KubernetesDiscovery
 from ..workers.health import HealthChecker
 from ..workers.registry import WorkerRegistry, add_configured
+from ..workers.rollout import Rollout
 from .control import HEARTBEAT_S, ControlServer
 
 __all__ = ["ProcessGroup", "split_limits"]
@@ -132,8 +133,13 @@ class ProcessGroup:
         self.discovery = (
             KubernetesDiscovery(self.registry, config.kubernetes) if config.kubernetes is not None else None
         )
+        # The approved revision the serving processes follow (workers/rollout.py); approvals are made here.
+        self.rollout = Rollout(self.registry)
+        if config.approved_revision:
+            self.rollout.approve(config.approved_revision, reason="--approved-revision")
         self.server = ControlServer(
             state=lambda: [w.state() for w in self.registry.all()],
+            rollout=self._rollout_state,
             handle=self._handle,
             on_report=self._on_report,
             on_alive=self._on_alive,
@@ -354,6 +360,12 @@ class ProcessGroup:
                 )  # fmt: skip
                 await self.health.check(worker, wait_s=self.config.health_timeout_s)
                 return 201, worker.state()
+            if op == "approve":
+                revision = args["revision"]
+                if (why := self.rollout.approvable(revision)) is not None:
+                    return 409, {"message": why, "param": "revision", "code": "not_paired"}
+                self.rollout.approve(revision)
+                return 200, self.rollout.state()
             if op == "remove":
                 removed = self.registry.remove(args["url"], args.get("role"))
                 if not removed:
@@ -363,6 +375,10 @@ class ProcessGroup:
         except WorkerRegistrationError as exc:
             return 400, {"message": str(exc), "param": "url", "code": "invalid_value"}
         return 400, {"message": f"Unknown control operation {op!r}.", "code": "invalid_value"}
+
+    def _rollout_state(self) -> dict[str, Any]:
+        self.rollout.current()  # as a serving process does on a request: the first revision with a pair
+        return self.rollout.state()
 
     def _on_report(self, kind: str, url: str, role: str, detail: str) -> None:
         pd_role = as_role(role)

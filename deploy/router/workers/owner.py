@@ -19,6 +19,7 @@ from ..types import Role
 from .discovery import KubernetesDiscovery, ListFunc
 from .health import HealthChecker, HealthReport
 from .registry import WorkerRegistry, add_configured
+from .rollout import Rollout
 
 __all__ = ["LocalWorkers", "WorkerOwner"]
 
@@ -49,6 +50,13 @@ class WorkerOwner(Protocol):
         """Deregister the workers at `url` (of `role`, or both): each as it was shown; 404 when none."""
         ...
 
+    def follow(self, rollout: Rollout) -> None:
+        """Take the app's Rollout (once, before `start`): approvals made through `approve` reach it."""
+
+    async def approve(self, revision: str) -> None:
+        """Approve `revision` (workers/rollout.py); ApiError 409 when it has no healthy pair."""
+        ...
+
 
 class LocalWorkers:
     """This process owns its workers: the configured ones, `/workers` changes and discovery."""
@@ -63,6 +71,7 @@ class LocalWorkers:
         self._registry: WorkerRegistry | None = None
         self._health: HealthChecker | None = None
         self.discovery: KubernetesDiscovery | None = None
+        self._rollout: Rollout | None = None
 
     def attach(self, registry: WorkerRegistry, health: HealthChecker, refresh_gauges: Callable[[], None]) -> None:
         self._registry, self._health = registry, health
@@ -90,6 +99,15 @@ class LocalWorkers:
         # (a generation: sglang takes 1 s at best, 20 s at worst).
         await self._health.check(worker, wait_s=self._config.health_timeout_s)
         return 201, worker.to_json()
+
+    def follow(self, rollout: Rollout) -> None:
+        self._rollout = rollout
+
+    async def approve(self, revision: str) -> None:
+        assert self._rollout is not None, "follow() first"
+        if (why := self._rollout.approvable(revision)) is not None:
+            raise ApiError(409, why, param="revision", code="not_paired")
+        self._rollout.approve(revision)
 
     async def remove(self, url: str, role: Role | None) -> list[dict[str, Any]]:
         assert self._registry is not None, "attach() first"

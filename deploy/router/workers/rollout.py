@@ -130,9 +130,11 @@ class Rollout:
     def apply(self, state: dict[str, Any]) -> None:
         """Take the approval a process group's control process holds (`state()` of its Rollout)."""
         approved = state.get("approved")
-        if approved is not None and approved != self.approved:
+        if approved is None:  # the control process has approved none yet: keep ours
+            return
+        if approved != self.approved:
             self.approve(approved, reason="group")
-        self.previous = list(state.get("previous", self.previous))
+        self.previous = list(state.get("previous", []))
 
     def state(self) -> dict[str, Any]:
         return {"approved": self.approved, "previous": list(self.previous)}
