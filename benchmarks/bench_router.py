@@ -391,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     meta: dict[str, Any] = {
         "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.bench_router", *(argv or sys.argv[1:])]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        or None,
         "cpu": _cpu_model(),
         "cpus": os.cpu_count(),
         "load_average_at_start": os.getloadavg(),
@@ -465,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
                     error_samples=[e for c in runs for e in c.error_samples][:3],
                 )
                 cells.append(merged)
+    # The machine's load while measuring (1, 5, 15 min): the run shares its cores with whatever else runs.
+    meta["load_average_at_end"] = os.getloadavg()
     meta["rounds"] = {
         f"{t}|{'stream' if st else 'unary'}|{c}": [asdict(x) for x in runs] for (t, st, c), runs in rounds.items()
     }

@@ -12,18 +12,67 @@ in a py-spy profile of benchmarks/bench_router.py's load (unary, concurrency 64)
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 
 from ...common.http_limits import ConnectionLimits, LimitedProtocol, limited_protocol
 
-__all__ = ["CLIENT_GONE", "RouterProtocol", "router_protocol"]
+__all__ = ["CLIENT_GONE", "CoalescingTransport", "RouterProtocol", "router_protocol"]
 
 CLIENT_GONE = "sglang_pd.client_gone"
+
+
+class CoalescingTransport:
+    """A connection's transport that sends a response's head with the bytes that follow it.
+
+    uvicorn writes a response's status line and headers, then its body, as two writes: two
+    send() calls per unary answer, where one does (the head alone is never useful to a client).
+    The head (a write that opens with `HTTP/1.1 `) is held until the next write, which goes out
+    with it, or until the end of the event loop's turn (a stream's head whose first chunk comes
+    later). Bytes are never reordered or dropped: whatever is held leaves before any later write,
+    and before the transport closes."""
+
+    __slots__ = ("_held", "_loop", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        held = self._held
+        if held is not None:
+            self._held = None
+            self._transport.write(held + data)
+        elif data.startswith(b"HTTP/1.1 "):
+            self._held = data
+            self._loop.call_soon(self.flush)
+        else:
+            self._transport.write(data)
+
+    def flush(self) -> None:
+        held, self._held = self._held, None
+        if held is not None and not self._transport.is_closing():
+            self._transport.write(held)
+
+    def writelines(self, data: Iterable[bytes]) -> None:
+        self.write(b"".join(data))
+
+    def write_eof(self) -> None:
+        self.flush()
+        self._transport.write_eof()
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> object:  # the rest of the transport's API, as it is
+        return getattr(self._transport, name)
 
 
 class RouterProtocol(LimitedProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._gone: asyncio.Future[None] = self.loop.create_future()
-        super().connection_made(transport)
+        super().connection_made(CoalescingTransport(transport, self.loop))  # type: ignore[arg-type]
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
