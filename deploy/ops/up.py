@@ -67,6 +67,7 @@ from sglang_pd.deploy.kv.mooncake_logs import LogAnnotator
 from sglang_pd.deploy.ops.launch import API_KEY_SHOWN, LaunchError, checked_worker_key, worker_key_args
 from sglang_pd.deploy.router.cli import router_flags
 from sglang_pd.deploy.sglang.compat import SglangVersionError, adapt_argv, installed_options
+from sglang_pd.deploy.spec.presets import has_random_weights
 from sglang_pd.deploy.spec.topology import InstanceEndpoint, Topology, TopologyError, load_checked_topology
 
 __all__ = ["ChildSpec", "Stack", "add_arguments", "local_children", "run"]
@@ -898,6 +899,11 @@ def run(args: argparse.Namespace) -> int:
         # Through the stack's lock: the router's log lines go to the same console from another thread.
         stack.echo(f"ready in {time.monotonic() - t0:.1f} s ({engine} engine, topology {t.name})")
         stack.echo(f"OpenAI API: {base}/v1")
+        if engine == "reference" and has_random_weights(t.model.path):
+            stack.echo(
+                f"note: {t.name}'s model, {t.model.path}, has random weights (it shows the MLA KV path): its "
+                "answers are noise, not text. For a model that answers in words: make run (topology local-cpu)."
+            )
         if not args.no_smoke:
             try:
                 stack.echo(smoke_check(base, t.model.name, api_key))

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from ..spec.presets import PRESETS_DIR
+from ..spec.presets import PRESETS_DIR, TINY_MODEL, has_random_weights
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -38,11 +38,11 @@ __all__ = [
     "ModelSource",
     "PackagedGGUF",
     "converted_gguf_dir",
+    "has_random_weights",
     "packaged_gguf_path",
     "resolve_model",
 ]
 
-TINY_MODEL = "tiny-deepseek-v3"
 TINY_CONFIG = PRESETS_DIR / "tiny-deepseek-v3-config.json"
 CACHE_ENV = "SGLANG_PD_CACHE_DIR"
 SOURCE_FILE = "sglang-pd-source.json"  # written last into a converted directory: it is complete
