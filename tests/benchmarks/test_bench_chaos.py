@@ -18,16 +18,19 @@ def _steady(start: float, end: float, per_s: int) -> list[tuple[float, int]]:
     return [(start + i + 0.5, per_s) for i in range(int(end - start))]
 
 
-def test_recovery_is_the_first_full_window_after_the_fault() -> None:
+def test_recovery_is_when_full_goodput_returns_for_good() -> None:
     # 10 tokens/s before the fault at 6 s, nothing for 4 s, then 10 tokens/s again from 10 s.
     ends = _steady(0, 6, 10) + _steady(10, 30, 10)
-    # the window [9.75, 12.75) holds the answers at 10.5, 11.5 and 12.5: it ends 6.75 s after the fault
-    assert goodput_recovery_s(ends, (0, 6), 6, 30) == 6.75
+    # from the window [9.75, 12.75) on, every window holds 3 answers: full goodput 3.75 s after the fault
+    assert goodput_recovery_s(ends, (0, 6), 6, 30) == 3.75
+    # A burst of answers right after the fault, then the dip: recovery is after the dip.
+    burst = [*_steady(0, 6, 10), (6.1, 60), *_steady(12, 30, 10)]
+    assert goodput_recovery_s(burst, (0, 6), 6, 30) == 5.75
     # A dip that never ends is no recovery; half the goodput is not "full".
     assert goodput_recovery_s(_steady(0, 6, 10), (0, 6), 6, 30) is None
     assert goodput_recovery_s(_steady(0, 6, 10) + _steady(6, 30, 5), (0, 6), 6, 30) is None
-    # A fault that costs nothing recovers in one window.
-    assert goodput_recovery_s(_steady(0, 30, 10), (0, 6), 6, 30) == 3.0
+    # A fault that costs nothing: full goodput from the fault on.
+    assert goodput_recovery_s(_steady(0, 30, 10), (0, 6), 6, 30) == 0.0
 
 
 def test_leftovers_sum_engines_router_and_workers() -> None:
