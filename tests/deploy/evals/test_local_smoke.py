@@ -36,6 +36,8 @@ def test_the_documented_smoke_passes_against_the_local_stack() -> None:
         for row in ("accuracy ", "truncated answers ", "errors / retries ", "gate min_accuracy ", "result "):
             assert any(line.startswith(row) for line in out.splitlines()), (row, out)
         assert "result                  PASS" in out, out
+        # The figures the doc quotes for SmolLM2 at 128 tokens.
+        assert "accuracy                0.0000  (0/5)" in out and "truncated answers       0.2000  (1)" in out, out
     assert "gate baseline_paired    PASS: paired on 5 questions" in second["stdout"], second["stdout"]
     assert "lost 0, gained 0: drop +0.0000, 0.95 upper bound +0.3511 (tango) below --max-drop 0.4" in second["stdout"]
     control = r["control"]
