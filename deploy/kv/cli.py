@@ -238,13 +238,17 @@ def _deepep_driver_check() -> dict[str, Any]:
     not change the exit code (KV transfer itself does not need it).
     """
     found = deepep_driver()
-    return {"check": "deepep-driver", "ok": found["ok"] is not False, "advisory": True, "detail": found["detail"]}
+    row = {"check": "deepep-driver", "ok": found["ok"] is not False, "advisory": True, "detail": found["detail"]}
+    if found["ok"] is None:  # no NVIDIA driver at all: nothing to judge, and the table says n/a, not yes
+        row["not_applicable"] = True
+    return row
 
 
 def _format_table(report: dict[str, Any]) -> str:
     out = [f"{'check':<13} {'ok':<4} detail"]
     for c in report["checks"]:
-        out.append(f"{c['check']:<13} {'yes' if c['ok'] else 'NO':<4} {c['detail']}")
+        ok = "n/a" if c.get("not_applicable") else "yes" if c["ok"] else "NO"
+        out.append(f"{c['check']:<13} {ok:<4} {c['detail']}")
     if report.get("bandwidth"):
         out.append("")
         out.append(f"{'shape':<11} {'pages':>6} {'layers':>6} {'MiB':>8} {'items':>6} {'p50 ms':>8} {'GB/s':>6}")
