@@ -26,6 +26,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sglang_pd.deploy.common.contract import DEFAULT_BOOTSTRAP_PORT, ENV_WORKER_API_KEY, WORKER_AUTH_HEADER
@@ -405,10 +406,20 @@ async def _one_token(engine: RefEngine) -> None:
         engine.end(ctx)
 
 
+def _left(app: FastAPI) -> None:
+    """A client that leaves while its body is read (the connection limits cut one whose body stops
+    coming, with 408, and log it once) ends its request quietly: no traceback per connection."""
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_left(_request: Request, _exc: ClientDisconnect) -> Response:
+        return Response(status_code=499)  # never sent: the connection is gone
+
+
 def create_app(engine: RefEngine, *, api_key: str | None = None) -> FastAPI:
     """The engine's HTTP API; `api_key` (default: $SGLANG_PD_WORKER_API_KEY) guards every route."""
     app = FastAPI(title="sglang-pd reference engine", docs_url=None, redoc_url=None)
     _guard(app, api_key)
+    _left(app)
 
     @app.exception_handler(RequestFailed)
     async def _failed(request: Request, exc: RequestFailed) -> Response:
@@ -577,6 +588,7 @@ def create_bootstrap_app(engine: RefEngine, *, api_key: str | None = None) -> Fa
     """The prefill's bootstrap API (the decode's KV claims), guarded like `create_app`."""
     app = FastAPI(title="sglang-pd reference engine bootstrap", docs_url=None, redoc_url=None)
     _guard(app, api_key)
+    _left(app)
 
     @app.get("/health")
     async def health() -> Response:
