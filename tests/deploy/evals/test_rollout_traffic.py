@@ -4,8 +4,10 @@
 1. Revision a serves. Revision b comes up beside it; the gate scores b alone (pinned), passes and approves it;
    a drains and is removed. No client request fails, the router counts no cross-revision pair, no client
    request reached b before its approval, and the report the gate wrote is b's.
+   The gate publishes b's report as the next baseline (to a loopback stand-in of the Kubernetes API).
 2. Revision c, whose prefill overwrites its KV with noise (--fault-kv-noise), comes up beside b; the gate fails
-   it and holds it: c gets no client request (the router's metric), and b keeps serving without a failure.
+   it and holds it: c gets no client request (the router's metric), its report is not published, and b keeps
+   serving without a failure.
 
 The questions are gsm8k-shaped and easy enough for the 135M model to answer right at greedy decoding (one
 gsm8k shot), so that a revision that garbles its KV is seen by the accuracy floor; what is under test is the
@@ -15,6 +17,7 @@ rollout, not the model.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import re
@@ -24,14 +27,19 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from sglang_pd.deploy.cli import main
 from sglang_pd.deploy.evals import PACKAGED_GSM8K
+from sglang_pd.deploy.evals import cli as eval_cli_module
 from tests.support.polling import free_port
+
+from .test_publish import _KubeApi
 
 pytestmark = pytest.mark.slow
 
@@ -194,12 +202,24 @@ class Watch:
         self._thread.join(timeout=30)
 
 
-def _gate(url: str, data: Path, revision: str, report: Path) -> subprocess.CompletedProcess[str]:
-    argv = [*CLI, "eval", "gsm8k", "--base-url", url + "/v1", "--api-key", ADMIN_KEY, "--revision", revision]
-    argv += ["--approve", "--data", str(data), "--num-shots", "1", "--max-tokens", "32", "--parallel", "2"]
+@dataclass
+class GateRun:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _gate(url: str, data: Path, revision: str, report: Path) -> GateRun:
+    """`sglang-pd eval gsm8k` in this process (so that its Kubernetes API is the loopback stand-in), publishing a
+    clean pass to the ConfigMap `baseline`."""
+    argv = ["eval", "gsm8k", "--base-url", url + "/v1", "--api-key", ADMIN_KEY, "--revision", revision, "--approve"]
+    argv += ["--data", str(data), "--num-shots", "1", "--max-tokens", "32", "--parallel", "2"]
     argv += ["--min-accuracy", "0.5", "--max-truncation-rate", "1", "--wait-ready", "120", "--timeout", "400"]
-    argv += ["--quiet", "--output", str(report)]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    argv += ["--quiet", "--output", str(report), "--publish-baseline", "baseline"]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return GateRun(code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture
@@ -211,7 +231,19 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
         running.close()
 
 
-def test_rollout_approves_a_good_revision_and_holds_a_bad_one(procs: Procs, tmp_path: Path) -> None:
+@pytest.fixture
+def kube(monkeypatch: pytest.MonkeyPatch) -> Iterator[_KubeApi]:
+    """The Kubernetes API the gate publishes its baseline to: a loopback stand-in recording each PATCH."""
+    api = _KubeApi(200)
+    api.thread.start()
+    monkeypatch.setattr(eval_cli_module, "in_cluster", lambda: api.cluster)
+    yield api
+    api.server.shutdown()
+    api.server.server_close()
+    api.thread.join(timeout=10)
+
+
+def test_rollout_approves_a_good_revision_and_holds_a_bad_one(procs: Procs, kube: _KubeApi, tmp_path: Path) -> None:
     data = _questions(tmp_path / "easy.jsonl")
     pa, da = procs.engine("prefill-a", "prefill"), procs.engine("decode-a", "decode")[0]
     router_port = free_port()
@@ -244,6 +276,8 @@ def test_rollout_approves_a_good_revision_and_holds_a_bad_one(procs: Procs, tmp_
         report_b = json.loads((tmp_path / "report-b.json").read_text())
         assert report_b["status"] == "pass" and report_b["config"]["revision"] == "rev-b"
         assert _traffic(url, "rev-b", "pinned") == len(EASY)
+        assert len(kube.requests) == 1  # the next baseline: b's report
+        assert json.loads(kube.stored())["config"]["revision"] == "rev-b" and "stored this report" in gate_b.stderr
         deadline = time.monotonic() + 120
         while _revisions(url)["rev-a"]["state"] != "drained":
             assert time.monotonic() < deadline, _revisions(url)
@@ -270,6 +304,7 @@ def test_rollout_approves_a_good_revision_and_holds_a_bad_one(procs: Procs, tmp_
     assert report_c["config"]["revision"] == "rev-c"
     assert report_c["metrics"]["accuracy"] < report_b["metrics"]["accuracy"]
     assert _traffic(url, "rev-c", "pinned") == len(EASY)
+    assert len(kube.requests) == 1  # c's report was not published: the baseline is still b's
     assert _traffic(url, "rev-c", "client") == 0 and _traffic(url, "rev-c", "canary") == 0
     assert _revisions(url)["approved"] == "rev-b"
 
