@@ -22,14 +22,14 @@ def test_recovery_is_when_full_goodput_returns_for_good() -> None:
     # 10 tokens/s before the fault at 6 s, nothing for 4 s, then 10 tokens/s again from 10 s.
     ends = _steady(0, 6, 10) + _steady(10, 30, 10)
     # from the window [9.75, 12.75) on, every window holds 3 answers: full goodput 3.75 s after the fault
-    assert goodput_recovery_s(ends, (0, 6), 6, 30) == 3.75
+    assert goodput_recovery_s(ends, (0, 6), 6, 30, window=3, share=0.9) == 3.75
     # A burst of answers right after the fault, then the dip: recovery is after the dip.
     burst = [*_steady(0, 6, 10), (6.1, 60), *_steady(12, 30, 10)]
-    assert goodput_recovery_s(burst, (0, 6), 6, 30) == 5.75
+    assert goodput_recovery_s(burst, (0, 6), 6, 30, window=3, share=0.9) == 5.75
     # A dip that never ends is no recovery; half the goodput is not "full".
-    assert goodput_recovery_s(_steady(0, 6, 10), (0, 6), 6, 30) is None
-    assert goodput_recovery_s(_steady(0, 6, 10) + _steady(6, 30, 5), (0, 6), 6, 30) is None
-    # A fault that costs nothing: full goodput from the fault on.
+    assert goodput_recovery_s(_steady(0, 6, 10), (0, 6), 6, 30, window=3, share=0.9) is None
+    assert goodput_recovery_s(_steady(0, 6, 10) + _steady(6, 30, 5), (0, 6), 6, 30, window=3, share=0.9) is None
+    # A fault that costs nothing: full goodput from the fault on (the defaults: 5 s windows at 80 %).
     assert goodput_recovery_s(_steady(0, 30, 10), (0, 6), 6, 30) == 0.0
 
 
@@ -78,7 +78,7 @@ def test_bad_arguments_name_the_problem(capsys: pytest.CaptureFixture[str]) -> N
     with pytest.raises(SystemExit) as exc:
         main(["--faults", "decode_kill,meteor"])
     assert exc.value.code == 2
-    assert "unknown fault(s) meteor; choose from decode_kill" in capsys.readouterr().err
+    assert "unknown fault(s) meteor; choose from none, decode_kill" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--clients", "0"])
     assert "--clients has value 0" in capsys.readouterr().err
