@@ -9,7 +9,7 @@ import argparse
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -72,14 +72,14 @@ def a_serving(cluster_factory: Callable[..., Cluster]) -> Callable[..., Any]:
     """`start(**config)`: revision a (p0, d0) serving through a router; p1 and d1 are up, not registered."""
     cluster = cluster_factory(2, 2, processes=True)
 
-    def start(**changes: Any) -> Iterator[Any]:
+    def start(**changes: Any) -> Any:
         p0, d0 = cluster.prefills[0], cluster.decodes[0]
         config: RouterConfig = replace(
             cluster.config(admin_key=ADMIN_KEY, **changes),
             prefill_workers=((p0.url + "@rev-a", p0.bootstrap_port),),
             decode_workers=(d0.url + "@rev-a",),
         )
-        return cluster.serve(config)  # type: ignore[return-value]
+        return cluster.serve(config)
 
     start.cluster = cluster  # type: ignore[attr-defined]
     return start
