@@ -30,6 +30,8 @@ import pytest
 from .conftest import TINY_MODEL, Launcher, Proc, launcher
 from .test_migration import MAX_NEW, MOONCAKE_PORTS, StreamResult, _all_admitted, _moved_ids, _pct, _router, _stream
 
+pytestmark = pytest.mark.slow  # real processes, 64 streams three times: about two minutes on 2 cores
+
 STREAMS = 64
 ROUNDS = 3
 HANG_S = 120.0

@@ -25,6 +25,8 @@ import pytest
 from .conftest import TINY_MODEL, Proc, launcher
 from .test_migration import MOONCAKE_PORTS, _all_admitted, _moved_ids, _router
 
+pytestmark = pytest.mark.slow  # real processes, about a minute on 2 cores
+
 STREAMS = 8  # per route
 UNARY = 4  # per route
 MAX_NEW = 48
