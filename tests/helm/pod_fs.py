@@ -16,6 +16,7 @@ What a pod sees comes from four places, each modelled from its documentation:
 
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,7 +155,13 @@ def lay_out(
     for name in node.interfaces if pod.spec.get("hostNetwork") else ("lo", "eth0"):
         (under("/sys/class/net") / name).mkdir(parents=True, exist_ok=True)
     mount_config_maps(root, docs, pod.spec, c)
-    env = _env(c, pod, node, secrets or {})
+    # The Secrets the chart renders (its generated worker key), then those the test adds.
+    rendered = {
+        d["metadata"]["name"]: {k: base64.b64decode(v).decode() for k, v in (d.get("data") or {}).items()}
+        for d in docs
+        if d["kind"] == "Secret"
+    }
+    env = _env(c, pod, node, {**rendered, **(secrets or {})})
     gpus = _requests(c, "nvidia.com/gpu")
     uuids = [f"GPU-{pod.role}-{pod.index}-{i:02d}" for i in range(gpus)]
     for i in range(gpus):

@@ -117,6 +117,7 @@ def test_optional_objects_render_only_when_asked(render) -> None:
         "RoleBinding",
         "Pod",
         "Job",  # the plan check, a pre-install/pre-upgrade hook
+        "Secret",  # the generated worker key
     }
     assert {d["metadata"]["name"] for d in render() if d["kind"] == "Job"} == {"demo-sglang-pd-plan"}
     on = {d["kind"] for d in render(EVERYTHING_ON)}

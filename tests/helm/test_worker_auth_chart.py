@@ -3,6 +3,7 @@ as `--api-key` only by `sglang-pd launch`, never written into a manifest; probes
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 from typing import Any
@@ -58,14 +59,37 @@ def test_pods_with_the_key_pass_kubernetes_schemas(render) -> None:
         kubernetes_validate.validate(pod, "1.33.0", strict=True)
 
 
-def test_without_the_secret_nothing_mentions_a_worker_key(chart, render) -> None:
+def test_by_default_the_chart_generates_the_key_and_every_pod_reads_it(chart, render) -> None:
     docs = render()
+    (secret,) = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == "demo-sglang-pd-worker-key"]
+    (value,) = secret["data"].values()
+    assert list(secret["data"]) == ["worker-key"] and len(base64.b64decode(value)) == 48
+    generated = {"secretKeyRef": {"name": "demo-sglang-pd-worker-key", "key": "worker-key"}}
+    (router,) = _containers(docs, "Deployment", "-router")
+    assert _env(router)[ENV_ROUTER_WORKER_API_KEY] == generated
+    for c in _containers(docs, "LeaderWorkerSet", "-prefill") + _containers(docs, "LeaderWorkerSet", "-decode"):
+        assert _env(c)[ENV_WORKER_API_KEY] == generated
+    notes = chart.render({}, name="demo", namespace="llm")["sglang-pd/templates/NOTES.txt"]
+    assert "The engines are keyed" in notes and "no worker key" not in notes
+    # A named Secret replaces the generated one.
+    named = render({"workerKeySecret": SECRET})
+    assert not [d for d in named if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-worker-key")]
+
+
+def test_without_a_key_host_network_is_refused(chart) -> None:
+    error = _refused(chart, {"workerKeySecret": {"generate": False}})
+    assert "rdma.mode hostNetwork puts the engines' HTTP and bootstrap ports on the nodes' own addresses" in error
+    assert "--set workerKeySecret.generate=true" in error
+
+
+def test_opting_out_off_the_host_network_mentions_no_worker_key(chart, render) -> None:
+    values = {"workerKeySecret": {"generate": False}, "rdma": {"mode": "devicePlugin"}}
+    docs = render(values)
+    assert not [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-worker-key")]
     for c in _containers(docs, "Deployment", "-router") + _containers(docs, "LeaderWorkerSet", "-decode"):
         assert not {ENV_WORKER_API_KEY, ENV_ROUTER_WORKER_API_KEY} & set(_env(c))
-    notes = chart.render({}, name="demo", namespace="llm")["sglang-pd/templates/NOTES.txt"]
-    assert "no worker key (workerKeySecret.name)" in notes
-    notes = chart.render({"workerKeySecret": SECRET}, name="demo", namespace="llm")["sglang-pd/templates/NOTES.txt"]
-    assert "no worker key" not in notes
+    notes = chart.render(values, name="demo", namespace="llm")["sglang-pd/templates/NOTES.txt"]
+    assert "no worker key (workerKeySecret.generate is false and workerKeySecret.name is empty)" in notes
 
 
 def test_the_gate_calls_the_router_not_the_engines(render) -> None:
@@ -198,6 +222,6 @@ def test_schema_refuses_names_kubernetes_would_not_take(chart, values, where) ->
 
 def test_values_document_the_worker_key() -> None:
     text = (Path(__file__).resolve().parents[2] / "helm" / "sglang-pd" / "values.yaml").read_text()
-    assert yaml.safe_load(text)["workerKeySecret"] == {"name": "", "key": "worker-key"}
-    for key in ("workerKeySecret.name", "workerKeySecret.key"):
+    assert yaml.safe_load(text)["workerKeySecret"] == {"name": "", "key": "worker-key", "generate": True}
+    for key in ("workerKeySecret.name", "workerKeySecret.key", "workerKeySecret.generate"):
         assert f"## @param {key} " in text

@@ -97,14 +97,26 @@ Return the router's ServiceAccount name.
 {{- end -}}
 
 {{/*
-Return the env entry of the worker key, read from workerKeySecret (set workerKeySecret.name first):
-call with (dict "name" "SGLANG_PD_WORKER_API_KEY" "context" $). The value never enters the spec.
+Return the name of the Secret holding the worker key: workerKeySecret.name, else the one the chart
+generates (workerKeySecret.generate), else nothing (the engines take requests without a key).
+*/}}
+{{- define "sglang-pd.workerKeySecretName" -}}
+{{- if .Values.workerKeySecret.name -}}
+{{- .Values.workerKeySecret.name -}}
+{{- else if .Values.workerKeySecret.generate -}}
+{{- printf "%s-worker-key" (include "sglang-pd.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Return the env entry of the worker key, read from its Secret (sglang-pd.workerKeySecretName, which must
+not be empty): call with (dict "name" "SGLANG_PD_WORKER_API_KEY" "context" $). The value never enters the spec.
 */}}
 {{- define "sglang-pd.workerKeyEnv" -}}
 - name: {{ .name }}
   valueFrom:
     secretKeyRef:
-      name: {{ .context.Values.workerKeySecret.name }}
+      name: {{ include "sglang-pd.workerKeySecretName" .context }}
       key: {{ .context.Values.workerKeySecret.key }}
 {{- end -}}
 
@@ -372,6 +384,9 @@ Collect every values problem the schema cannot express, then fail once with each
 {{- end -}}
 {{- if and .Values.workerKeySecret.name (not .Values.workerKeySecret.key) -}}
 {{- $messages = append $messages (printf "workerKeySecret.key: the Secret %q is named but not the key in it that holds the worker key. Set --set workerKeySecret.key=<key in the Secret>." .Values.workerKeySecret.name) -}}
+{{- end -}}
+{{- if and (eq .Values.rdma.mode "hostNetwork") (not (include "sglang-pd.workerKeySecretName" .)) -}}
+{{- $messages = append $messages "workerKeySecret: rdma.mode hostNetwork puts the engines' HTTP and bootstrap ports on the nodes' own addresses, where no NetworkPolicy applies, and without a worker key anything that reaches a GPU node may call /generate, /abort_request and /flush_cache there. Set --set workerKeySecret.generate=true (the default), or name a Secret with --set workerKeySecret.name=<secret>, or use rdma.mode devicePlugin or none." -}}
 {{- end -}}
 {{- range $where, $env := dict "env" .Values.env "prefill.env" .Values.prefill.env "decode.env" .Values.decode.env -}}
 {{- range $name := list "SGLANG_PD_WORKER_API_KEY" "SGLANG_PD_ROUTER_WORKER_API_KEY" -}}
@@ -767,7 +782,7 @@ spec:
               key: {{ $.Values.model.hub.tokenSecret.key }}
         {{- end }}
         {{- end }}
-        {{- if $.Values.workerKeySecret.name }}
+        {{- if include "sglang-pd.workerKeySecretName" $ }}
         # The worker key; `sglang-pd launch` passes it to sglang as --api-key when it execs it.
         {{- include "sglang-pd.workerKeyEnv" (dict "name" "SGLANG_PD_WORKER_API_KEY" "context" $) | nindent 8 }}
         {{- end }}

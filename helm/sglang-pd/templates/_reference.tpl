@@ -47,7 +47,7 @@ reference engine requires on /health too, unlike sglang), the same request sent 
 Call with (dict "port" 30000 "period" 10 "failures" 3 "context" $).
 */}}
 {{- define "sglang-pd.referenceProbe" -}}
-{{- if .context.Values.workerKeySecret.name -}}
+{{- if include "sglang-pd.workerKeySecretName" .context -}}
 exec:
   command:
     - python
@@ -117,7 +117,7 @@ spec:
           valueFrom:
             fieldRef:
               fieldPath: status.podIP
-        {{- if $.Values.workerKeySecret.name }}
+        {{- if include "sglang-pd.workerKeySecretName" $ }}
         # The worker key: the engine requires it on every route, the router and the peer engine send it.
         {{- include "sglang-pd.workerKeyEnv" (dict "name" "SGLANG_PD_WORKER_API_KEY" "context" $) | nindent 8 }}
         {{- end }}
