@@ -7,7 +7,7 @@ limit 1, 2 retries, 5 s stall watchdog). First every prompt is answered once wit
 fault: the uninterrupted run every later answer of that prompt is compared with, token by token.
 Then C clients (default 16) send greedy streamed `/generate` requests back to back (16 prompts,
 16 to 48 tokens); the fault comes after the warm-up;
-the load goes on for a while, then stops, and the engines' and the router's state is read once
+the load goes on for a while, then ends, and the engines' and the router's state is read once
 it settles.
 
 Faults (`--faults`, default all):
