@@ -46,19 +46,22 @@ class StreamResult:
     response_ids: set[str] = field(default_factory=set)  # the meta_info ids the stream's events carried
 
 
-def _body(i: int) -> dict[str, object]:
+def _body(i: int, max_new: int = MAX_NEW) -> dict[str, object]:
     # Half the prompts are token ids, half text (the router then asks the decode for the ids).
-    sampling = {"temperature": 0.0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
+    sampling = {"temperature": 0.0, "max_new_tokens": max_new, "ignore_eos": True}
     if i % 2:
         return {"input_ids": [(7 * i + k) % 200 + 10 for k in range(5 + i % 7)], "sampling_params": sampling,
                 "stream": True}  # fmt: skip
     return {"text": f"Prompt number {i}: tell a story about", "sampling_params": sampling, "stream": True}
 
 
-async def _stream(client: httpx.AsyncClient, url: str, i: int, progress: list[int]) -> StreamResult:
+async def _stream(
+    client: httpx.AsyncClient, url: str, i: int, progress: list[int], max_new: int = MAX_NEW
+) -> StreamResult:
     out = StreamResult()
     started = time.perf_counter()
-    async with client.stream("POST", f"{url}/generate", json=_body(i), headers={"x-request-id": f"mig-{i}"}) as r:
+    body, headers = _body(i, max_new), {"x-request-id": f"mig-{i}"}
+    async with client.stream("POST", f"{url}/generate", json=body, headers=headers) as r:
         assert r.status_code == 200, await r.aread()
         async for line in r.aiter_lines():
             if not line.startswith("data:"):

@@ -28,11 +28,12 @@ import httpx
 import pytest
 
 from .conftest import TINY_MODEL, Launcher, Proc, launcher
-from .test_migration import MAX_NEW, MOONCAKE_PORTS, StreamResult, _all_admitted, _moved_ids, _pct, _router, _stream
+from .test_migration import MOONCAKE_PORTS, StreamResult, _all_admitted, _moved_ids, _pct, _router, _stream
 
 pytestmark = pytest.mark.slow  # real processes, 64 streams three times: about two minutes on 2 cores
 
 STREAMS = 64
+MAX_NEW = 32  # tokens per stream: three rounds of 64 streams stay near two minutes on 2 cores
 ROUNDS = 3
 HANG_S = 120.0
 ENGINE_GAUGES = (
@@ -73,7 +74,7 @@ async def _run(url: str, kill: Proc | None, delay: float, sample: tuple[list[Pro
     limits = httpx.Limits(max_connections=STREAMS + 4)
     started = time.perf_counter()
     async with httpx.AsyncClient(timeout=httpx.Timeout(HANG_S), limits=limits) as client:
-        tasks = [asyncio.ensure_future(_stream(client, url, i, progress)) for i in range(STREAMS)]
+        tasks = [asyncio.ensure_future(_stream(client, url, i, progress, MAX_NEW)) for i in range(STREAMS)]
         if kill is not None:
             await asyncio.sleep(delay)
             kill.kill()
