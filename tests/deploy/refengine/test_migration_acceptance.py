@@ -30,7 +30,7 @@ import pytest
 from .conftest import TINY_MODEL, Launcher, Proc, launcher
 from .test_migration import MOONCAKE_PORTS, StreamResult, _all_admitted, _moved_ids, _pct, _router, _stream
 
-pytestmark = pytest.mark.slow  # real processes, 64 streams three times: about two minutes on 2 cores
+pytestmark = pytest.mark.slow  # real processes, 64 streams three times: about a minute on 2 cores
 
 STREAMS = 64
 MAX_NEW = 32  # tokens per stream: three rounds of 64 streams stay near two minutes on 2 cores
