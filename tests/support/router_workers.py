@@ -54,8 +54,17 @@ __all__ = ["SGLANG_VERSIONS", "FakeReply", "FakeWorker", "InProcessClient", "InP
 # The sglang releases whose /server_info layout the worker can report.
 SGLANG_VERSIONS = ("0.5.17", "0.5.23")
 
-_SEEN_HEADERS = ("authorization", "x-request-id", "connection", "x-client-secret", "cookie", "te", "upgrade",
-                 "traceparent", "tracestate")
+_SEEN_HEADERS = (
+    "authorization",
+    "x-request-id",
+    "connection",
+    "x-client-secret",
+    "cookie",
+    "te",
+    "upgrade",
+    "traceparent",
+    "tracestate",
+)
 _MAX_TOKENS = 512  # a fake engine has no context limit; this keeps fuzzed requests short
 _CONTEXT_LEN = 4096  # what /v1/models and /server_info report (the fake itself has no limit)
 # Settings `configure()` may change.
