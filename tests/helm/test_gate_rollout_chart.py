@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from .conftest import by_kind, one, preset_topology, preset_values
+from .conftest import by_kind, one, own_topology_values, preset_topology, preset_values
 from .test_gate_chart import _command, _flag, _parsed
 
 ALL_ROLLOUT_GATES = {
@@ -75,10 +75,9 @@ def test_the_budget_follows_the_startup_budget_and_the_groups(render) -> None:
     groups = preset_topology("deepseek-v3-h20-3p2d")["decode"]["groups"]
     assert budgets(slower) == (max(rollout, groups * 15000 + MARGIN_S), 15000)
     assert budgets(slower)[0] > rollout
-    more = copy.deepcopy(base)
     topology = preset_topology("deepseek-v3-h20-3p2d")
     topology["decode"]["groups"] = topology["decode"]["groups"] + 4
-    more["topology"] = topology
+    more = {**own_topology_values(topology), "gate": {"hook": {"enabled": True}}}
     assert budgets(more)[0] > rollout and budgets(more)[1] == ready
 
 
