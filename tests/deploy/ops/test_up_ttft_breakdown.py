@@ -115,7 +115,7 @@ def run_stack(tmp_path: Path, hook: str) -> tuple[list[tuple[float, dict[str, fl
             for i in range(TIMED):
                 timings.append(timed_stream(client, url, i))
         stop.touch()
-        out, _ = load.proc.communicate(timeout=60)
+        out, _ = load.proc.communicate(timeout=180)  # the requests in flight finish (slow under CI load)
         completed = int(out.split()[-1])
         time.sleep(0.5)  # the last request lines reach the console
         return timings, completed, list(up.seen) + [up.lines.get() for _ in range(up.lines.qsize())]

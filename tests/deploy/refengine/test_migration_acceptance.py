@@ -64,10 +64,11 @@ def _held(engines: list[Proc], router: Proc) -> dict[str, float]:
     return out
 
 
-async def _run(url: str, kill: Proc | None, delay: float, sample: tuple[list[Proc], Proc] | None) -> tuple[
-    list[StreamResult], float, dict[str, float]
-]:  # fmt: skip
-    """STREAMS concurrent streams; `kill` SIGKILLed `delay` s after they start. Returns the results,
+async def _run(
+    url: str, kill: Proc | None, delay: float, sample: tuple[list[Proc], Proc] | None, mid_streams: int = 0
+) -> tuple[list[StreamResult], float, dict[str, float]]:
+    """STREAMS concurrent streams; `kill` SIGKILLed `delay` s after they start, or with `mid_streams`
+    once that many streams are past their first token and far from their last. Returns the results,
     the run's length, and the most each gauge held while it ran (sampled when `sample` is given)."""
     progress = [0] * STREAMS
     peak: dict[str, float] = {}
@@ -75,7 +76,12 @@ async def _run(url: str, kill: Proc | None, delay: float, sample: tuple[list[Pro
     started = time.perf_counter()
     async with httpx.AsyncClient(timeout=httpx.Timeout(HANG_S), limits=limits) as client:
         tasks = [asyncio.ensure_future(_stream(client, url, i, progress, MAX_NEW)) for i in range(STREAMS)]
-        if kill is not None:
+        if kill is not None and mid_streams:
+            while sum(0 < p < MAX_NEW // 2 for p in progress) < mid_streams:
+                assert not all(t.done() for t in tasks), "the streams ended before the kill"
+                await asyncio.sleep(0.01)
+            kill.kill()
+        elif kill is not None:
             await asyncio.sleep(delay)
             kill.kill()
         if sample is not None:
@@ -153,11 +159,13 @@ def test_64_streams_decode_killed_at_random_points(tmp_path: Path) -> None:
             _all_admitted(router)
         assert moved_total, "no stream was on a killed decode: the rounds killed nothing that mattered"
 
-        # The control: the same kill with migration off breaks streams.
+        # The control: the same kill with migration off breaks streams. It waits for streams in
+        # mid-answer (on either decode): a kill timed by the clock alone may come while every stream is
+        # still before its first token, and those the router retries even without migration.
         control = _router(lx, prefill, decodes, limit=0)
         lx.wait(control)
         _all_admitted(control)
-        broken, _, _ = asyncio.run(_run(control.url, decodes[0], rng.uniform(0.3, 0.6) * length, None))
+        broken, _, _ = asyncio.run(_run(control.url, decodes[0], 0.0, None, mid_streams=STREAMS // 4))
     ended_in_error = [r for r in broken if r.error]
     assert ended_in_error, "limit 0: the kill should have ended the killed decode's streams with the error event"
     print(
