@@ -82,7 +82,8 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/mypy
 
 # Test processes for `make unit`: the tests mostly wait on the servers they start, so three share
-# CI's two cores; the files marked `serial` (latency bounds) then run alone.
+# CI's two cores (each with one torch thread: tests/conftest.py); the tests marked `serial` (latency
+# bounds, whole stacks under load) then run one at a time.
 JOBS ?= 3
 
 unit: $(VENV)/.installed  ## the whole non-GPU suite, as CI runs it

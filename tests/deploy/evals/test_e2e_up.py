@@ -80,6 +80,7 @@ def _stack() -> Iterator[str]:
 QUESTIONS = 8  # two rounds of --parallel 4: enough to exercise the pipeline, which is what is under test
 
 
+@pytest.mark.serial  # the whole stack and the gate: needs both cores
 def test_gate_against_sglang_pd_up(gsm8k_path: Path, tmp_path: Path) -> None:
     report_path = tmp_path / "report.json"
     with _stack() as base_url:

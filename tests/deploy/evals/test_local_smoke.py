@@ -10,7 +10,7 @@ import pytest
 from tests.support.gate_smoke_scenarios import GATE_DOC, documented_commands
 from tests.support.netns import netns_unavailable, run_in_netns
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # two whole stacks, one after the other: needs both cores
 
 UNAVAILABLE = netns_unavailable()
 

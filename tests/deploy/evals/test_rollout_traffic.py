@@ -41,7 +41,7 @@ from tests.support.polling import free_port
 
 from .test_publish import _KubeApi
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # three revisions under client load: needs both cores
 
 CLI = [sys.executable, "-m", "sglang_pd.deploy.cli"]
 ADMIN_KEY = "sk-admin-rollout-e2e"

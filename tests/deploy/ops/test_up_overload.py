@@ -14,7 +14,7 @@ from benchmarks.bench_overload import engine_leftovers, run_load
 from .test_up import _topology
 from .test_up_smoke import _Up
 
-pytestmark = pytest.mark.slow  # over 8 s in all on 2 cores: `make quick` leaves it out
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # a whole stack under 64 streams: needs both cores
 
 CLIENTS = 64  # twice the preset's max_running_requests on each engine
 SECONDS = 20.0

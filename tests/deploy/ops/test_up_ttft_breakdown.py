@@ -27,7 +27,8 @@ from sglang_pd.deploy.router.metrics import TTFT_PARTS
 from .test_up import _topology
 from .test_up_smoke import _Up
 
-pytestmark = pytest.mark.slow  # two stacks started and loaded: about a minute on 2 cores
+# Two stacks started and loaded, the breakdown against the client's clock: about a minute on 2 idle cores.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 # Mooncake's ports away from its default range, where another stack's KV fence on this host
 # (`up` without --no-kv-firewall) refuses every other process's connections.

@@ -124,6 +124,12 @@ def _all_admitted(router: Proc) -> None:
         time.sleep(0.2)
 
 
+async def _decoding(engine: Proc) -> bool:
+    """Whether `engine` has a request in its running batch (its own gauge)."""
+    gauges = await asyncio.to_thread(engine.metrics)
+    return sum(v for k, v in gauges.items() if k.split("{")[0] == "sglang_pd_refengine_running_requests") > 0
+
+
 def _moved_ids(router: Proc) -> set[str]:
     """The client request ids of the streams the router's log says moved."""
     moved = set()
@@ -139,6 +145,7 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
+@pytest.mark.serial  # four engines and two routers: needs both cores
 def test_decode_killed_mid_stream_streams_go_on(tmp_path: Path) -> None:
     rng = random.Random()
     kill_after = rng.randint(2, MAX_NEW // 4)

@@ -28,9 +28,19 @@ import httpx
 import pytest
 
 from .conftest import TINY_MODEL, Launcher, Proc, launcher
-from .test_migration import MOONCAKE_PORTS, StreamResult, _all_admitted, _moved_ids, _pct, _router, _stream
+from .test_migration import (
+    MOONCAKE_PORTS,
+    StreamResult,
+    _all_admitted,
+    _decoding,
+    _moved_ids,
+    _pct,
+    _router,
+    _stream,
+)
 
-pytestmark = pytest.mark.slow  # real processes, 64 streams three times: about a minute on 2 cores
+# Real processes, 64 streams three times: about a minute on 2 idle cores.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 STREAMS = 64
 MAX_NEW = 32  # tokens per stream: three rounds of 64 streams stay near two minutes on 2 cores
@@ -77,7 +87,9 @@ async def _run(
     async with httpx.AsyncClient(timeout=httpx.Timeout(HANG_S), limits=limits) as client:
         tasks = [asyncio.ensure_future(_stream(client, url, i, progress, MAX_NEW)) for i in range(STREAMS)]
         if kill is not None and mid_streams:
-            while sum(0 < p < MAX_NEW // 2 for p in progress) < mid_streams:
+            # Streams in mid-answer, and the victim itself decoding some: under load the streams in
+            # mid-answer may all sit on the other decode while the victim's still wait for their KV.
+            while sum(0 < p < MAX_NEW // 2 for p in progress) < mid_streams or not await _decoding(kill):
                 assert not all(t.done() for t in tasks), "the streams ended before the kill"
                 await asyncio.sleep(0.01)
             kill.kill()

@@ -170,6 +170,7 @@ def timed_stream(url: str) -> tuple[float, dict[str, float], str]:
     return ttft, parts, r.headers["x-router-request-id"]
 
 
+@pytest.mark.serial  # its parts are held to the client's clock within 5 %
 def test_ttft_breakdown_adds_up_and_points_at_the_slow_part(
     cluster_factory: Callable[..., Cluster], tmp_path: Path
 ) -> None:

@@ -15,6 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
+from sglang_pd.deploy.router.workers.capacity import CapacityGate
+
 from ..conftest import Cluster
 
 CHAT = "/v1/chat/completions"
@@ -102,6 +104,15 @@ def test_a_request_that_fits_passes_a_queue_head_that_does_not(cluster_factory: 
         assert head_status == 200
 
 
+async def _until_waiting(gate: CapacityGate, n: int, timeout_s: float = 20) -> None:
+    """Until `n` requests wait at the gate (a fixed sleep is too short on a loaded host)."""
+    deadline = time.monotonic() + timeout_s
+    while gate.waiting < n:
+        assert time.monotonic() < deadline, f"{gate.waiting} waiting after {timeout_s} s, expected {n}"
+        await asyncio.sleep(0.01)
+    assert gate.waiting == n, gate.waiting
+
+
 @pytest.mark.parametrize("identity", ["api key", "address"])
 def test_a_client_holding_its_share_waits_behind_another_client(
     cluster_factory: Callable[..., Cluster], identity: str
@@ -129,10 +140,9 @@ def test_a_client_holding_its_share_waits_behind_another_client(
                         a_streams.push_async_callback(inner.aclose)
                     # A's fifth runs 3 s once admitted: if it took the freed slot, B would wait that long.
                     a_fifth = asyncio.ensure_future(a.post(running.url + CHAT, json=_chat("hi", 60)))
-                    await asyncio.sleep(0.2)
+                    await _until_waiting(running.app.proxy.gate, 1)  # A's fifth queues first
                     b_first = asyncio.ensure_future(b.post(running.url + CHAT, json=_chat("hi", 8)))
-                    await asyncio.sleep(0.2)
-                    assert running.app.proxy.gate.waiting == 2
+                    await _until_waiting(running.app.proxy.gate, 2)
                     tic = time.monotonic()
                     await closers[0].aclose()  # one of A's streams ends: its slot goes to B
                     b_status = (await b_first).status_code

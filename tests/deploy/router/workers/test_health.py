@@ -96,6 +96,7 @@ def sglang_timed(cluster_factory: Callable[..., Cluster]) -> Cluster:
     return cluster_factory(1, 2, processes=True, health_tick_s=FakeWorker.health_tick_s, token_delay=0.05)
 
 
+@pytest.mark.serial  # sglang's timing against the default probe timeouts: a latency bound
 def test_busy_workers_stay_healthy_with_the_default_settings(sglang_timed: Cluster) -> None:
     assert keeps_healthy(sglang_timed, {})
 
