@@ -917,12 +917,6 @@ def stage_pd(
             None if pd["fault_control"]["verdict"] == "passed" else pd["fault_control"]["verdict"],
         )
     pd["openai"] = check_openai_client()
-    arms: dict[str, str | None] = {"router": ROUTER, "direct": None}
-    pd["smg"] = start_smg(stack)
-    if pd["smg"]["started"]:
-        arms = {"router": ROUTER, "smg": SMG, "direct": None}
-    pd["routers"] = [routers_compared(c, arms, stream=stream) for stream in (True, False) for c in ROUTER_CONCURRENCIES]
-    stack.stop("smg")
     recording["servers"]["prefill"] = asyncio.run(record(PREFILL, "prefill", ENGINE_AUTH))
     recording["servers"]["decode"] = asyncio.run(record(DECODE, "decode", ENGINE_AUTH))
     with contextlib.suppress(httpx.HTTPError):
@@ -946,6 +940,14 @@ def stage_pd(
     }
     if gsm8k is not None:
         pd["gsm8k"] = run_gsm8k(stack.out, gsm8k)
+    # The routers compared last among the steps that keep the stack up: the longest step, and the
+    # one a run cut by its deadline can best do without (the verdicts and the abort figures come first).
+    arms: dict[str, str | None] = {"router": ROUTER, "direct": None}
+    pd["smg"] = start_smg(stack)
+    if pd["smg"]["started"]:
+        arms = {"router": ROUTER, "smg": SMG, "direct": None}
+    pd["routers"] = [routers_compared(c, arms, stream=stream) for stream in (True, False) for c in ROUTER_CONCURRENCIES]
+    stack.stop("smg")
     pd["router_workers_before_kill"] = httpx.get(f"{ROUTER}/workers", timeout=5).json()
     decode = find_child("sglang.launch_server", "--disaggregation-mode decode")
     if decode is not None:
