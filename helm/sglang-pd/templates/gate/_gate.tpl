@@ -13,6 +13,24 @@ Return the gate's ServiceAccount name (it may read and patch the baseline Config
 {{- end -}}
 
 {{/*
+Return the Secret holding the gate's own client key, or nothing when the router takes requests without
+keys. The gate reads that one key, never the router's list of every client's keys: a gate pod (and
+whoever can read its env) holds one key, which is also the only one a comma-separated list would not
+break as a bearer token.
+*/}}
+{{- define "sglang-pd.gate.apiKeySecretName" -}}
+{{- $router := .Values.router.apiKeySecret -}}
+{{- $gate := .Values.gate.apiKeySecret -}}
+{{- if $router.name -}}
+{{- $name := $gate.name | default $router.name -}}
+{{- if and (eq $name $router.name) (eq $gate.key $router.key) -}}
+{{- fail (printf "gate.apiKeySecret would give the gate Secret %s key %s, the router's whole list of client keys (router.apiKeySecret). Put the gate's own key, one of that list, under a key of its own, e.g. kubectl create secret generic %s --from-literal=%s=k1,k2,KG --from-literal=gate-api-key=KG, and leave gate.apiKeySecret.key at gate-api-key (docs/ports-and-auth.md)" $name $gate.key $router.name $router.key) -}}
+{{- end -}}
+{{- $name -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
 Return true when some gate runs at all (the baseline objects are only needed then).
 */}}
 {{- define "sglang-pd.gate.anyEnabled" -}}
@@ -158,13 +176,13 @@ questions, never stores, and writes its verdict for node-exporter's textfile col
     - --data
     - /data/gsm8k/test.jsonl
     {{- end }}
-  {{- if $.Values.router.apiKeySecret.name }}
+  {{- with include "sglang-pd.gate.apiKeySecretName" $ }}
   env:
     - name: OPENAI_API_KEY
       valueFrom:
         secretKeyRef:
-          name: {{ $.Values.router.apiKeySecret.name }}
-          key: {{ $.Values.router.apiKeySecret.key }}
+          name: {{ . }}
+          key: {{ $.Values.gate.apiKeySecret.key }}
   {{- end }}
   resources:
     requests: {cpu: "1", memory: 1Gi}
