@@ -172,8 +172,8 @@ def test_64_streams_decode_killed_at_random_points(tmp_path: Path) -> None:
         assert moved_total, "no stream was on a killed decode: the rounds killed nothing that mattered"
 
         # The control: the same kill with migration off breaks streams. It waits for streams in
-        # mid-answer (on either decode): a kill timed by the clock alone may come while every stream is
-        # still before its first token, and those the router retries even without migration.
+        # mid-answer and for the victim to be decoding: a kill timed by the clock alone may come while
+        # every stream is still before its first token, and those the router retries even without migration.
         control = _router(lx, prefill, decodes, limit=0)
         lx.wait(control)
         _all_admitted(control)
