@@ -31,6 +31,10 @@ MN-major, as sglang's fused SiLU-and-mul hands them to DeepGEMM. Variants:
   sglang's `compute_overlap_args` and `_combine_core` arrange it. ``--max-block-n 160`` applies
   sglang's H20 rule (`SGLANG_DEEPGEMM_ON_H20`, `srt/layers/moe/moe_runner/deep_gemm.py` lines
   652-654 in 0.5.17): 160 at ``expected_m <= 64``, else 256; only overlapped calls pass it.
+- ``full_alt@S`` (``--full-alt``): the same down GEMM and combine-send, with the shared expert on
+  the alternate stream from before the dispatch, as in ``none``. This is sglang's arrangement when
+  `SGLANG_BLACKWELL_OVERLAP_SHARED_EXPERTS_OUTSIDE_SBO` is set (`forward_deepep`'s third SBO branch):
+  the shared expert keeps the concurrency it has without SBO, and only the down GEMM changes.
 
 Each variant is captured in a CUDA graph (as sglang's decode runs) and timed over its replays with
 CUDA events, the variants interleaved round by round (median over ``--repeats`` rounds of
@@ -533,10 +537,17 @@ def read_on_side_stream(t: torch.Tensor, timeout_s: float = 5.0) -> torch.Tensor
 #: Timed and checked: sglang without SBO (ours, DeepGEMM's down GEMM), SBO's first half; ``full@S``
 #: follow, one per ``--combine-sms``.
 BASELINES = ("none", "deepgemm", "shared")
+#: Full SBO with the shared expert on the alternate stream from before the dispatch, as in sglang's
+#: baseline, and the down GEMM signalling the combine-send: the arrangement sglang runs when
+#: SGLANG_BLACKWELL_OVERLAP_SHARED_EXPERTS_OUTSIDE_SBO is set (`forward_deepep`'s third SBO branch).
+#: Timed beside ``full@S``, which runs the shared expert inside the dispatch-recv window.
+FULL_ALT = "full_alt"
 #: Replay check only: the down GEMM in two launches with every wait (must equal ``none``), and the
 #: same with one expert's waits skipped (the must-fail control).
 SPLIT, SKIP_WAIT = "full_split", "full_skip_wait"
-OVERLAPPED = ("full", SPLIT, SKIP_WAIT)
+OVERLAPPED = ("full", FULL_ALT, SPLIT, SKIP_WAIT)
+#: Variants whose shared expert runs on the alternate stream, beside the dispatch and routed GEMMs.
+SHARED_ON_ALT = ("none", "deepgemm", FULL_ALT)
 
 
 def parse_variant(name: str) -> tuple[str, int | None]:
@@ -586,7 +597,7 @@ class DecodeLayer:
         cur = torch.cuda.current_stream()
         logits = router_logits(x, w)
         shared: torch.Tensor | None = None
-        if base in ("none", "deepgemm"):  # sglang without SBO: the shared expert on the alternate stream
+        if base in SHARED_ON_ALT:  # as sglang without SBO: the shared expert on the alternate stream
             self.alt.wait_stream(cur)
             with torch.cuda.stream(self.alt):
                 shared = ex.shared(x)
@@ -609,7 +620,7 @@ class DecodeLayer:
             hook()
         else:
             self._overlapped(base, sms, aq, as_, recv_count, em, topk_idx, topk_w, handle)
-        if base in ("none", "deepgemm"):
+        if base in SHARED_ON_ALT:
             cur.wait_event(shared_done)
             if not torch.cuda.is_current_stream_capturing():
                 shared.record_stream(cur)  # allocated on the alternate stream, read on this one
@@ -622,7 +633,8 @@ class DecodeLayer:
         topk_idx: torch.Tensor, topk_w: torch.Tensor, handle: Any,
     ) -> None:  # fmt: skip
         """The down GEMM on ``num_sms - sms`` SMs signalling DeepEP's combine-send on the alternate
-        stream, which starts with the GEMM (sglang's `compute_overlap_args` and `_combine_core`).
+        stream, which starts with the GEMM (sglang's `compute_overlap_args` and `_combine_core`). In
+        ``full_alt`` the shared expert was enqueued on that stream first, so the send also waits for it.
 
         ``full_split`` and ``full_skip_wait`` launch the GEMM twice: first for every expert but the
         first one with tokens (``late``), then for ``late`` alone, with the same tile and programs, so
@@ -634,7 +646,7 @@ class DecodeLayer:
             max_block_n=full_max_block_n(self.max_block_n_rule, em),
         )  # fmt: skip
         late = early_m = None
-        if base != "full":  # `full` runs no extra kernel: its time is measured
+        if base not in ("full", FULL_ALT):  # these run no extra kernel: their times are measured
             experts = torch.arange(recv_count.numel(), device=recv_count.device)
             late = experts == torch.argmax((recv_count > 0).to(torch.int32))  # argmax: the first maximum
             early_m = torch.where(late, 0, recv_count)
@@ -723,7 +735,8 @@ def peers_ok(ok: bool) -> bool:
 
 def decode_variants(args: argparse.Namespace, deepgemm: bool) -> tuple[list[str], list[str]]:
     """(timed variants, replay-check-only variants) in run order."""
-    timed = [v for v in BASELINES if v != "deepgemm" or deepgemm] + [f"full@{s}" for s in args.combine_sms]
+    fulls = [f"{base}@{s}" for s in args.combine_sms for base in ("full", *((FULL_ALT,) if args.full_alt else ()))]
+    timed = [v for v in BASELINES if v != "deepgemm" or deepgemm] + fulls
     extra = [f"{SPLIT}@{args.combine_sms[0]}", f"{SKIP_WAIT}@{args.combine_sms[0]}"] if args.replay_check else []
     return timed, extra
 
@@ -930,10 +943,10 @@ def gather_row(rank: int, world: int, row: dict[str, Any]) -> dict[str, Any]:
 def print_decode_row(r: dict[str, Any]) -> None:
     """One line per token count: the times, full SBO against none, the checks."""
     v = r["variants"]
-    timed = [k for k in v if parse_variant(k)[0] in ("none", "deepgemm", "shared", "full")]
+    timed = [k for k in v if parse_variant(k)[0] in ("none", "deepgemm", "shared", "full", FULL_ALT)]
     if not getattr(print_decode_row, "header", False):
         cols = " ".join(f"{k:>9}" for k in timed)
-        fulls = " ".join(f"{k:>8}" for k in timed if k.startswith("full@"))
+        fulls = " ".join(f"{k:>8}" for k in timed if parse_variant(k)[0] in ("full", FULL_ALT))
         print(f"\n{'T/rank':>6} {'em':>4} {'bn':>4} | {cols} (us) | {fulls} (% slower than none) | ok  replays")
         print_decode_row.header = True  # type: ignore[attr-defined]
 
@@ -941,7 +954,9 @@ def print_decode_row(r: dict[str, Any]) -> None:
         return f"{v[k]['us']:9.1f}" if "us" in v.get(k, {}) else f"{'-':>9}"
 
     slower = " ".join(
-        f"{-r['saving_pct'][k]:8.1f}" if k in r["saving_pct"] else f"{'-':>8}" for k in timed if k.startswith("full@")
+        f"{-r['saving_pct'][k]:8.1f}" if k in r["saving_pct"] else f"{'-':>8}"
+        for k in timed
+        if parse_variant(k)[0] in ("full", FULL_ALT)
     )
     check = r.get("replay_check", {}).get("verdict")
     replays = "-" if check is None else ("ok" if check["ok"] else "FAILED: " + "; ".join(check["problems"]))
@@ -1361,6 +1376,11 @@ def main() -> None:
     p.add_argument("--combine-sms", type=lambda s: [int(v) for v in s.split(",")], default=[3],
                    help="SMs for DeepEP's combine-send in full SBO, comma-separated: one full@S variant each "
                    "(sglang's Hopper default: 3); the first is the one the replay check's controls use")  # fmt: skip
+    p.add_argument(
+        "--full-alt",
+        action="store_true",
+        help="also time full_alt@S per --combine-sms: full SBO, the shared expert on the alternate stream",
+    )
     p.add_argument(
         "--max-block-n",
         type=int,

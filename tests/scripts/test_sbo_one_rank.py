@@ -61,13 +61,26 @@ def test_variant_names_parse_and_bad_ones_say_what_exists(bench: ModuleType) -> 
 
 
 def test_the_sweep_gives_one_full_variant_per_send_sm_count_and_the_controls_use_the_first(bench: ModuleType) -> None:
-    args = type("Args", (), {"combine_sms": [3, 8, 16], "replay_check": 100})()
+    args = type("Args", (), {"combine_sms": [3, 8, 16], "replay_check": 100, "full_alt": False})()
     timed, extra = bench.decode_variants(args, deepgemm=True)
     assert timed == ["none", "deepgemm", "shared", "full@3", "full@8", "full@16"]
     assert extra == ["full_split@3", "full_skip_wait@3"]
     args.replay_check = 0
     timed, extra = bench.decode_variants(args, deepgemm=False)
     assert "deepgemm" not in timed and extra == []
+
+
+def test_full_alt_times_each_send_sm_count_beside_full_with_the_shared_expert_where_sglang_runs_it(
+    bench: ModuleType,
+) -> None:
+    args = type("Args", (), {"combine_sms": [3, 16], "replay_check": 0, "full_alt": True})()
+    timed, _ = bench.decode_variants(args, deepgemm=False)
+    assert timed == ["none", "shared", "full@3", "full_alt@3", "full@16", "full_alt@16"]
+    assert bench.parse_variant("full_alt@16") == ("full_alt", 16)
+    # none's arrangement for the shared expert; full's runs it inside the dispatch window
+    assert "full_alt" in bench.SHARED_ON_ALT and "full" not in bench.SHARED_ON_ALT
+    with pytest.raises(ValueError, match="unknown decode variant"):
+        bench.parse_variant("full_alt")
 
 
 def test_sglang_h20_rule_caps_the_overlapped_down_gemm_only_up_to_64_rows(bench: ModuleType) -> None:
