@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from sglang_pd.sglang_patches import combine, down_gemm, moe_config, shared_only, status
+from sglang_pd.sglang_patches import combine, down_gemm, moe_config, shared_only, shared_stream, status
 from sglang_pd.sglang_patches.targets import (
     SGLANG_TARGET_VERSION,
     SUPPORTED_SGLANG_VERSIONS,
@@ -59,6 +59,14 @@ HOOKS: dict[str, HookSpec] = {
             why="re-spell sm_90 combine keywords for a DeepEP that takes src_signals",
         ),
         HookSpec(
+            name="shared-stream",
+            target=shared_stream.TARGET,
+            hook=shared_stream.enable_dispatch_shared_one_stream_overlap,
+            hook_type="around",
+            requires=(f"sglang.srt.environ.envs.{shared_stream.OUTSIDE_SBO_ENV}",),
+            why="honour sglang's shared-experts-outside-SBO switch on sm_90: the shared expert on the alternate stream",
+        ),
+        HookSpec(
             name="shared-only",
             target=shared_only.TARGET,
             hook=shared_only.enable_combine_down_gemm_two_stream_overlap,
@@ -70,7 +78,7 @@ HOOKS: dict[str, HookSpec] = {
 
 _BY_MODE = {
     "off": ("moe-config",),
-    "full": ("moe-config", "down-gemm", "combine-signal", "combine-call"),
+    "full": ("moe-config", "down-gemm", "combine-signal", "combine-call", "shared-stream"),
     "shared-only": ("moe-config", "shared-only"),
 }
 

@@ -30,7 +30,7 @@ from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 
-from sglang_pd.sglang_patches import combine, down_gemm, moe_config, status
+from sglang_pd.sglang_patches import combine, down_gemm, moe_config, shared_stream, status
 from sglang_pd.sglang_patches.targets import HookSpec, check_target
 
 __all__ = ["DEFAULT_HOOKS", "OK", "PROBES", "apply_hooks", "hook_effects", "probe_all"]
@@ -249,12 +249,35 @@ def probe_shared_only() -> str:
     return OK
 
 
+def probe_shared_stream() -> str:
+    """In full mode with sglang's outside-SBO switch, the shared expert leaves the dispatch window (sm_90)."""
+    sbo = importlib.import_module("sglang.srt.batch_overlap.single_batch_overlap")
+    moe_utils = importlib.import_module("sglang.srt.layers.moe.utils")
+
+    def flags() -> contextlib.AbstractContextManager[Any]:
+        return _moe_flags(sbo_enabled=True, runner_backend=moe_utils.MoeRunnerBackend.DEEP_GEMM)
+
+    with _sm90_and_usable(), _mode("full"), flags(), mock.patch.dict(os.environ, {shared_stream.OUTSIDE_SBO_ENV: "1"}):
+        if sbo.SboFlags.fuse_shared_experts_inside_sbo():
+            return (
+                "no effect: with the outside-SBO switch SboFlags.fuse_shared_experts_inside_sbo() is still true, "
+                "so the shared expert runs inside the dispatch window"
+            )
+        if not sbo.SboFlags.enable_combine_down_gemm_two_stream_overlap():
+            return "the down-GEMM/combine half is off: SboFlags.enable_combine_down_gemm_two_stream_overlap() is false"
+    with _sm90_and_usable(), _mode("full"), flags(), mock.patch.dict(os.environ, {shared_stream.OUTSIDE_SBO_ENV: "0"}):
+        if not sbo.SboFlags.enable_dispatch_shared_one_stream_overlap():
+            return "the hook acts without the switch: the dispatch-window overlap is off although it is unset"
+    return OK
+
+
 #: The probe of each hook in `plugin.HOOKS`, by hook name.
 PROBES: dict[str, Callable[[], str]] = {
     "moe-config": probe_moe_config,
     "down-gemm": probe_down_gemm,
     "combine-signal": probe_combine_signal,
     "combine-call": probe_combine_call,
+    "shared-stream": probe_shared_stream,
     "shared-only": probe_shared_only,
 }
 

@@ -25,6 +25,7 @@ __all__ = [
     "ENV_ROUTER_API_KEYS",
     "ENV_ROUTER_WORKER_API_KEY",
     "ENV_SBO_MODE",
+    "ENV_SBO_SHARED_OUTSIDE",
     "ENV_WORKER_API_KEY",
     "EXIT_FAILED",
     "EXIT_INVALID",
@@ -163,6 +164,9 @@ class SBOMode(StrEnum):
 
 # The decode's single-batch-overlap mode, rendered by the launcher and read by the sglang plugin.
 ENV_SBO_MODE = "SGLANG_PD_SBO_MODE"
+# sglang's switch that runs the shared expert on the alternate stream under SBO (`srt/environ.py`), rendered
+# with full SBO; the plugin's shared-stream hook makes sm_90 honour it.
+ENV_SBO_SHARED_OUTSIDE = "SGLANG_BLACKWELL_OVERLAP_SHARED_EXPERTS_OUTSIDE_SBO"
 # What LeaderWorkerSet sets in every pod of a group (same reference as the labels above).
 ENV_LWS_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"
 ENV_LWS_WORKER_INDEX = "LWS_WORKER_INDEX"

@@ -13,7 +13,7 @@ import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from sglang_pd.deploy.common.contract import Role
+from sglang_pd.deploy.common.contract import ENV_SBO_SHARED_OUTSIDE, Role
 from sglang_pd.deploy.spec.rendered import DISPATCH_BUDGET_ENV, RENDERED_ENV, RENDERED_FLAGS
 from sglang_pd.deploy.spec.sbo_sms import COMBINE_SEND_SMS_ENV, rendered_send_sms
 from sglang_pd.deploy.spec.topology import DecodeSpec, SBOMode, Topology
@@ -147,6 +147,11 @@ def render_node(
                 _export(env, "SGLANG_DEEPGEMM_ON_H20", "1")
             if (send_sms := rendered_send_sms(t)) is not None:  # decode.sbo_send_sms (deploy/spec/sbo_sms.py)
                 _export(env, COMBINE_SEND_SMS_ENV, str(send_sms))
+            if spec.sbo is SBOMode.FULL:
+                # The shared expert on the alternate stream, as without SBO, while the down GEMM overlaps the
+                # combine-send. sglang honours this switch only on Blackwell; the plugin's shared-stream hook
+                # makes sm_90 honour it too (sglang_patches/shared_stream.py says what it measured).
+                _export(env, ENV_SBO_SHARED_OUTSIDE, "1")
         if spec.cuda_graph_max_bs is not None:
             a += _opt("--cuda-graph-max-bs-decode", str(spec.cuda_graph_max_bs))
         if spec.moe_a2a_backend == "deepep":

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from sglang_pd.deploy.common.contract import ENV_SBO_MODE
+from sglang_pd.deploy.common.contract import ENV_SBO_MODE, ENV_SBO_SHARED_OUTSIDE
 
 __all__ = [
     "ASSUMED_FAMILIES",
@@ -135,6 +135,7 @@ RENDERED_ENV: dict[str, Setting] = {
     "SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS": Setting(
         "decode.sbo_send_sms", note="with decode.sbo: full; checked against the link and the down GEMM's tiles"
     ),
+    ENV_SBO_SHARED_OUTSIDE: Setting("decode.sbo", note="1 with decode.sbo: full: the shared expert on the alt stream"),
     DISPATCH_BUDGET_ENV: Setting("decode.dispatch_token_budget"),
     "SGLANG_SCHEDULER_SKIP_ALL_GATHER": Setting("", note="1 on a one-GPU server with an MoE all-to-all"),
     "MC_FORCE_TCP": Setting("transfer.protocol"),

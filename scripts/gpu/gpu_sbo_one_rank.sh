@@ -22,8 +22,11 @@
 #
 # Knobs: SBO_COMMIT (recorded), SWEEP_SMS (combine-send SMs at max_block_n 256, default "3,8,16,24,32"),
 # SWEEP_SMS_160 (at 160; default "3,16", the whole sweep when at least 200 s are left), REPLAYS (default
-# 1000), RUN_DEEPEP_TEST=1 (DeepEP's own one-rank test_low_latency.py, about 60 s; off by default: the
-# same revision passed it at adccfcc and 45a80ce).
+# 1000), TOKENS (tokens per rank, default "1,8,64,128,256"), LAYER_ONLY=1 (build DeepEP and run only the
+# layer benchmark: no kernel tests, ordering tests or PTX check), SWEEP_SMS_160=skip (no max_block_n 160
+# run), RUN_DEEPEP_TEST=1 (DeepEP's own one-rank test_low_latency.py, about 60 s; off by default: the
+# same revision passed it at adccfcc and 45a80ce). The must-fail control runs at the first SWEEP_SMS value.
+# Every run times `full_alt@S` beside `full@S`: the shared expert on the alternate stream, as rendered.
 # One rank has no peer and no NIC: DeepEP copies locally. What this shows is the chain's correctness
 # and SBO's overhead on one GPU; RDMA, NVLink peers, multi-rank skew and the gain need two GPUs.
 set -uo pipefail
@@ -50,6 +53,9 @@ limit() {
 }
 # Seconds kept back for what follows the kernel test matrix: the ordering tests, the two layer runs, the report.
 ORDERING_S=50 BENCH256_S=170 BENCH160_S=100 REPORT_S=10
+LAYER_ONLY=${LAYER_ONLY:-0}
+[ "${SWEEP_SMS_160:-}" = skip ] && BENCH160_S=0
+[ "$LAYER_ONLY" = 1 ] && ORDERING_S=0
 
 if [ -f .gpu_bundle/manifest.json ]; then
   # Keep the carried part of the sglang bundle for the next call, even if this one runs out of time
@@ -64,10 +70,16 @@ source scripts/gpu/use_deepep.sh
 # CPU; the build uses a few of the 16 cores). The ordering tests wait: they need the GPU to themselves.
 export TRITON_CACHE_DIR=/tmp/triton-cache-one-rank-$$
 tests_limit=$(limit 330 $(( ORDERING_S + BENCH256_S + BENCH160_S + REPORT_S )))
-say "kernels' GPU test matrix in 3 processes, at most ${tests_limit} s (Triton cache $TRITON_CACHE_DIR)"
 declare -A test_pid test_t0
-for group in "fp8_a:test_fp8_masked_gemm and 4x256x7168x2048" "fp8_b:test_fp8_masked_gemm and 3x70x200x256" \
-  "rest:not test_fp8_masked_gemm and not ordering and not interpreter"; do
+groups=()
+if [ "$LAYER_ONLY" = 1 ]; then
+  say "LAYER_ONLY=1: no kernel tests, ordering tests or PTX check"
+else
+  say "kernels' GPU test matrix in 3 processes, at most ${tests_limit} s (Triton cache $TRITON_CACHE_DIR)"
+  groups=("fp8_a:test_fp8_masked_gemm and 4x256x7168x2048" "fp8_b:test_fp8_masked_gemm and 3x70x200x256"
+    "rest:not test_fp8_masked_gemm and not ordering and not interpreter")
+fi
+for group in "${groups[@]}"; do
   name=${group%%:*}
   PYTHONPATH=.mypy-root:.${PYTHONPATH:+:$PYTHONPATH} timeout "$tests_limit" "$PY" -m pytest tests/kernels -m gpu -q \
     -p no:cacheprovider --durations=5 -k "${group#*:}" >"$out/kernel_tests_$name.log" 2>&1 &
@@ -89,7 +101,9 @@ done
 
 step_t0=$(elapsed)
 ordering_limit=$(limit 120 $(( BENCH256_S + BENCH160_S + REPORT_S )))
-if [ "$ordering_limit" -ge 20 ]; then
+if [ "$LAYER_ONLY" = 1 ]; then
+  : # the layer benchmark alone
+elif [ "$ordering_limit" -ge 20 ]; then
   say "signal-ordering tests (1,000 runs a layout) and their must-fail controls, alone on the GPU (at most ${ordering_limit} s)"
   PYTHONPATH=.mypy-root:.${PYTHONPATH:+:$PYTHONPATH} timeout "$ordering_limit" \
     "$PY" -m pytest tests/kernels -m gpu -q -s -p no:cacheprovider -k ordering >"$out/kernel_tests_ordering.log" 2>&1
@@ -98,10 +112,12 @@ else
   echo "not run: ${ordering_limit} s left for it" >"$out/kernel_tests_ordering.log"
   rc=125
 fi
-step kernel_tests_ordering "$rc" $(( $(elapsed) - step_t0 ))
-say "ordering tests exit $rc: $(tail -n 1 "$out/kernel_tests_ordering.log")"
-grep -E "runs, |control: |FAILED|Error" "$out/kernel_tests_ordering.log" | head -n 12 | tee -a "$log"
-"$PY" scripts/gpu/check_ptx_fences.py "$TRITON_CACHE_DIR" --json "$out/ptx_fences.json" 2>&1 | tee -a "$log"
+if [ "$LAYER_ONLY" != 1 ]; then
+  step kernel_tests_ordering "$rc" $(( $(elapsed) - step_t0 ))
+  say "ordering tests exit $rc: $(tail -n 1 "$out/kernel_tests_ordering.log")"
+  grep -E "runs, |control: |FAILED|Error" "$out/kernel_tests_ordering.log" | head -n 12 | tee -a "$log"
+  "$PY" scripts/gpu/check_ptx_fences.py "$TRITON_CACHE_DIR" --json "$out/ptx_fences.json" 2>&1 | tee -a "$log"
+fi
 
 if [ "${RUN_DEEPEP_TEST:-0}" = 1 ] && [ "$deepep_rc" = 0 ]; then
   step_t0=$(elapsed)
@@ -130,7 +146,7 @@ bench() {  # NAME MAX_BLOCK_N COMBINE_SMS RESERVE EXTRA...
   bench_t0=$(elapsed)
   say "$name: bench_moe_layer.py --max-block-n $bn --combine-sms $sms (deadline ${deadline} s)"
   SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK=256 timeout $(( deadline + 10 )) "$PY" benchmarks/bench_moe_layer.py \
-    --gpus 1 --mode decode --num-experts 16 --tokens 1,8,64,128,256 --iters 50 --repeats 20 --combine-sms "$sms" \
+    --gpus 1 --mode decode --num-experts 16 --tokens "${TOKENS:-1,8,64,128,256}" --iters 50 --repeats 20 --combine-sms "$sms" --full-alt \
     --max-block-n "$bn" --replay-check "${REPLAYS:-1000}" --json "$out/$name.json" --deadline-s "$deadline" --hang-s 60 \
     "$@" >"$out/$name.log" 2>&1
   local rc=$?
@@ -145,9 +161,10 @@ sms160=${SWEEP_SMS_160:-}
 if [ -z "$sms160" ]; then
   if [ "$(limit 600 "$REPORT_S")" -ge 200 ]; then sms160=${SWEEP_SMS:-3,8,16,24,32}; else sms160=3,16; fi
 fi
-bench decode_1gpu_bn160 160 "$sms160" "$REPORT_S" --no-deepgemm --port 27331
+[ "$sms160" = skip ] || bench decode_1gpu_bn160 160 "$sms160" "$REPORT_S" --no-deepgemm --port 27331
 
-"$PY" scripts/gpu/sbo_one_rank_report.py "$out" --commit "$RUN_COMMIT" \
-  --command "SBO_COMMIT=$RUN_COMMIT bash scripts/gpu/gpu_sbo_one_rank.sh \$OUT/one_rank (carrying .gpu_bundle/deepep-src and .whl)" \
+knobs="$(for k in LAYER_ONLY TOKENS SWEEP_SMS SWEEP_SMS_160 REPLAYS; do [ -n "${!k:-}" ] && printf '%s=%s ' "$k" "${!k}"; done)"
+"$PY" scripts/gpu/sbo_one_rank_report.py "$out" --commit "$RUN_COMMIT" $([ "$LAYER_ONLY" = 1 ] && echo --layer-only) \
+  --command "${knobs}SBO_COMMIT=$RUN_COMMIT bash scripts/gpu/gpu_sbo_one_rank.sh \$OUT/one_rank (carrying .gpu_bundle/deepep-src and .whl)" \
   2>&1 | tee -a "$log"
 say "done"

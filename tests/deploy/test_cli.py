@@ -47,6 +47,7 @@ def test_plan_json_lists_node_commands(capsys) -> None:
         "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK": "128",
         "SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS": "16",
         "SGLANG_PD_SBO_MODE": "full",
+        "SGLANG_BLACKWELL_OVERLAP_SHARED_EXPERTS_OUTSIDE_SBO": "1",
     }
 
 

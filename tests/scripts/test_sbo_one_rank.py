@@ -184,6 +184,25 @@ def test_tests_that_all_skipped_fail_the_run(bench: ModuleType, tmp_path: Path) 
     assert any("none passed" in p for p in problems), problems
 
 
+def test_full_alt_is_judged_beside_full_and_a_layer_only_run_needs_no_kernel_tests(
+    bench: ModuleType, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    _write_run(bench, out)
+    for name in ("kernel_tests_fp8_a.log", "kernel_tests_ordering.log", "ptx_fences.json"):
+        (out / name).unlink()
+    data = json.loads((out / "decode_1gpu_bn256.json").read_text())
+    data["decode"][0]["variants"]["full_alt@16"] = {"us": 303.0, "us_min": 303.0, "timing": "cuda-graph", "ok": True}
+    (out / "decode_1gpu_bn256.json").write_text(json.dumps(data))
+    # the whole run still needs its kernel tests and PTX check: missing, they fail it
+    problems = report_mod.report(out)["verdict"]["problems"]
+    assert "no kernel test log" in problems and any("PTX" in p for p in problems), problems
+    result = report_mod.report(out, layer_only=True)
+    assert result["verdict"] == {"ok": True, "problems": []} and result["parts"].startswith("the layer benchmark only")
+    assert result["layer"]["max_block_n_256"][0]["full_vs_none_pct"]["full_alt@16"] == 1.0
+    assert "+1.0/" in report_mod.table(result)
+
+
 def test_pytest_summaries_parse() -> None:
     r = report_mod.pytest_result("F.\nFAILED tests/x.py::t - boom\n=== 1 failed, 272 passed, 1 error in 81.23s ===\n")
     assert r["complete"] and r["counts"] == {"failed": 1, "passed": 272, "error": 1} and r["seconds"] == 81.23

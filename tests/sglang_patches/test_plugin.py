@@ -27,7 +27,7 @@ def test_entry_point_is_installed() -> None:
 @pytest.mark.parametrize(
     ("mode", "hooks"),
     [
-        ("full", ("moe-config", "down-gemm", "combine-signal", "combine-call")),
+        ("full", ("moe-config", "down-gemm", "combine-signal", "combine-call", "shared-stream")),
         ("shared-only", ("moe-config", "shared-only")),
         ("off", ("moe-config",)),
     ],

@@ -58,7 +58,13 @@ def test_the_release_reads_sbo_where_the_hook_expects(release: dict[str, Any]) -
 
 
 def test_sglangs_plugin_loader_applies_the_full_modes_hooks(release: dict[str, Any]) -> None:
-    assert release["patched_by_load_plugins"] == ["combine-call", "combine-signal", "down-gemm", "moe-config"]
+    assert release["patched_by_load_plugins"] == [
+        "combine-call",
+        "combine-signal",
+        "down-gemm",
+        "moe-config",
+        "shared-stream",
+    ]
 
 
 def test_unhooked_sglang_refuses_sbo_on_sm90(release: dict[str, Any]) -> None:
@@ -68,7 +74,7 @@ def test_unhooked_sglang_refuses_sbo_on_sm90(release: dict[str, Any]) -> None:
 
 def test_every_hook_takes_effect(release: dict[str, Any]) -> None:
     assert release["probes"] == dict.fromkeys(
-        ("moe-config", "down-gemm", "combine-signal", "combine-call", "shared-only"), "ok"
+        ("moe-config", "down-gemm", "combine-signal", "combine-call", "shared-stream", "shared-only"), "ok"
     )
 
 

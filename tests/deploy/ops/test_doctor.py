@@ -139,7 +139,14 @@ def test_other_architectures(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_hook_targets_are_checked_and_probed_against_the_installed_sglang() -> None:
     doc = doctor.collect(check_targets=True)
     assert doc["hook_targets"] == {name: "ok" for name in doc["hook_targets"]}
-    assert set(doc["hook_targets"]) == {"moe-config", "down-gemm", "combine-signal", "combine-call", "shared-only"}
+    assert set(doc["hook_targets"]) == {
+        "moe-config",
+        "down-gemm",
+        "combine-signal",
+        "combine-call",
+        "shared-stream",
+        "shared-only",
+    }
 
 
 NO_EFFECT_HOOKS = """

@@ -65,6 +65,8 @@ def test_decode_commands_per_node(r1) -> None:
             "SGLANG_PD_SBO_MODE": "full",
             # decode.sbo_send_sms, or its default for the GPU (deploy/spec/sbo_sms.py)
             "SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS": str(rendered_send_sms(r1)),
+            # the shared expert on the alternate stream (sglang_patches/shared_stream.py)
+            "SGLANG_BLACKWELL_OVERLAP_SHARED_EXPERTS_OUTSIDE_SBO": "1",
         }
 
 
@@ -74,6 +76,8 @@ def test_decode_sbo_mode_reaches_the_plugin(preset_dict, sbo: str, env: str | No
     data["decode"]["sbo"] = sbo
     c = render_node(parse_topology(data), "decode")
     assert c.env.get("SGLANG_PD_SBO_MODE") == env
+    # only full SBO moves the shared expert to the alternate stream (sglang_patches/shared_stream.py)
+    assert c.env.get("SGLANG_BLACKWELL_OVERLAP_SHARED_EXPERTS_OUTSIDE_SBO") == ("1" if sbo == "full" else None)
     assert ("--enable-single-batch-overlap" in c.argv) == (env is not None)
     assert "SGLANG_PLUGINS" not in c.env  # a whitelist would switch off the image's other sglang plugins
 
@@ -181,6 +185,7 @@ def test_shell_line_quotes_values_and_expands_leader(r1) -> None:
     c = render_node(r1, "decode")
     line = c.shell()
     assert line.startswith(
+        "SGLANG_BLACKWELL_OVERLAP_SHARED_EXPERTS_OUTSIDE_SBO=1 "
         f"SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS={rendered_send_sms(r1)} "
         "SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK=128 SGLANG_PD_SBO_MODE=full python3 -m sglang.launch_server"
     )
