@@ -63,12 +63,12 @@ def _sbo_line(t: SboTerms) -> str:
         what = f"combine-send on {t.send_sms} SMs, {t.send_sms_source}"
         head = f"SBO ({t.mode}; {what})" if t.mode == "full" else f"SBO (off here; full would run {what})"
         halves = (
-            f"{_us(t.combine_us_per_layer)} down GEMM against combine-send, "
-            f"{_us(t.shared_us_per_layer)} shared expert against dispatch"
+            f"{_us(t.combine_us_per_layer)} down GEMM against combine-send; the shared expert on the alternate "
+            "stream, as without SBO"
         )
     else:
         head = "SBO (shared-only: sglang runs no down-GEMM/combine overlap here)"
-        halves = f"{_us(t.shared_us_per_layer)} shared expert against dispatch"
+        halves = f"{_us(t.shared_us_per_layer)} shared expert in the dispatch window instead of the alternate stream"
     verdict = "gain" if t.us_per_layer >= 0 else "LOSS"
     return (
         f"{head}: {_us(t.us_per_layer)} per MoE layer ({halves}); {t.ms_per_step:+.2f} ms per step over "

@@ -394,10 +394,13 @@ class Roofline:
         tokens = batch / lay.attn_tp
         d0, d = self.low_latency(lay, "dispatch", tokens)
         c0, c = self.low_latency(lay, "combine", tokens)
-        if lay.sbo == "off" or lay.a2a != "low_latency":
+        if lay.a2a != "low_latency":
             return attn + d0 + d + shared + gate_up + down + c0 + c
-        # SBO: the shared expert runs while the dispatch is in flight (its send and receive copies
-        # keep SMs busy and stay on the critical path).
+        # The shared expert runs while the dispatch is in flight, whatever the SBO mode: without SBO and
+        # with full SBO as rendered, on the alternate stream from before the dispatch (sglang's
+        # `DeepseekV2MoE.forward_deepep`; sglang_patches/shared_stream.py); with shared-only SBO, on the
+        # compute stream between dispatch-send and -receive. The dispatch's send and receive copies keep SMs
+        # busy and stay on the critical path. SBO's gain is therefore the down-GEMM/combine half alone.
         dispatch = d0 + d
         sm_part = dispatch * self.hw.ll_sm_fraction
         hidden = self._eff("sbo_overlap")
