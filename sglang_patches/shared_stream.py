@@ -5,8 +5,8 @@ sglang has two places for the shared expert under SBO (`forward_deepep` in
 (`SboFlags.enable_dispatch_shared_one_stream_overlap`, forced on for every GPU but Blackwell), or,
 when `SGLANG_BLACKWELL_OVERLAP_SHARED_EXPERTS_OUTSIDE_SBO` is set, on the alternate stream from
 before the dispatch, while only the down GEMM overlaps the combine-send. On one H100 the first
-place cost full SBO 9-18 % of the MoE layer against sglang without SBO, and the second one was
-within 0.4 % at 1-128 tokens per rank (benchmarks/results/sbo_one_rank_h100_2026-12-06_058cd87.json):
+place made full SBO's MoE layer slower than sglang's without SBO, and the second one did not
+(`full@S` against `full_alt@S` in `benchmarks/bench_moe_layer.py`; the figures are in docs/sbo.md):
 in the dispatch window the shared expert gives up the concurrency with the routed GEMMs that it has
 without SBO. sglang reads the switch only where the first place is off, so on sm_90 it is ignored;
 this hook turns the first place off whenever the switch is set, and the renderer sets the switch

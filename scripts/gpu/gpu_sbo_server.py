@@ -32,11 +32,12 @@ last one's pool came out negative (benchmarks/results/sbo_server_h200_2026-12-03
 A stage measured in a later call compares with the SBO server's outputs kept in `--ref`.
 
 `--gemm-fault` adds the must-fail control (`faults/sbo_check_gemm_fault.py`): the `sbo` server
-starts armed, and after its outputs it answers the prompts again one at a time with experts 0-3
-dropped from SBO's down GEMM (which must differ from `nosbo`), then once more with the fault off
-(which must equal its own). Step times are not taken in such a run: the armed server runs one more
-multiply per MoE layer. The verdicts (`verdicts` in the report; exit 1 when one fails): the SBO
-server equals the server without SBO one request at a time, and the control is caught.
+starts armed, and after its outputs it answers the prompts three more times, one at a time, each
+from an empty radix cache: fault off, then with experts 0-3 dropped from SBO's down GEMM (which must
+differ from the pass before on some prompt), then fault off again (which must equal the first).
+Step times are not taken in such a run: the armed server runs one more multiply per MoE layer. The
+verdicts (`verdicts` in the report; exit 1 when one fails): the SBO server equals the server without
+SBO one request at a time, and the control is caught.
 
 One GPU has no network for the overlap to hide, so the step-time ratio is SBO's overhead here,
 not its gain. Writes `report.json` and each server's log under --out.
@@ -142,8 +143,25 @@ def server_command(topology: Path, sbo: bool, port: int) -> tuple[list[str], dic
     return [sys.executable, *argv], env
 
 
-async def greedy(base: str, texts: list[str], together: bool = False) -> list[dict[str, Any]]:
-    """Greedy outputs with logprobs, one request at a time (each its own batch), or all at once."""
+#: sglang refuses `/flush_cache` (400) while a request still runs: how often, and how far apart, to ask.
+FLUSH_TRIES, FLUSH_RETRY_S = 20, 0.25
+
+
+async def flush_cache(s: aiohttp.ClientSession, base: str) -> None:
+    """Empty the server's radix cache, so that the next request prefills its whole prompt itself."""
+    status, body = 0, ""
+    for _ in range(FLUSH_TRIES):
+        async with s.post(f"{base}/flush_cache") as r:
+            status, body = r.status, (await r.text())[:200]
+        if status == 200:
+            return
+        await asyncio.sleep(FLUSH_RETRY_S)
+    raise RuntimeError(f"POST {base}/flush_cache answered {status} {FLUSH_TRIES} times: {body}")
+
+
+async def greedy(base: str, texts: list[str], together: bool = False, flush: bool = False) -> list[dict[str, Any]]:
+    """Greedy outputs with logprobs, one request at a time (each its own batch), or all at once;
+    with ``flush``, one at a time, each from an empty radix cache."""
 
     async def one(s: aiohttp.ClientSession, text: str) -> dict[str, Any]:
         body = {
@@ -166,7 +184,12 @@ async def greedy(base: str, texts: list[str], together: bool = False) -> list[di
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
         if together:
             return list(await asyncio.gather(*(one(s, t) for t in texts)))
-        return [await one(s, t) for t in texts]
+        got = []
+        for t in texts:
+            if flush:
+                await flush_cache(s, base)
+            got.append(await one(s, t))
+        return got
 
 
 #: How the prompts are sent, each form in turn: one request at a time (each its own batch), the same
@@ -301,18 +324,22 @@ def await_server(stack: Stack, name: str, result: dict[str, Any]) -> None:
 
 
 def gemm_fault_outputs(base: str, texts: list[str], env: dict[str, str]) -> dict[str, Any]:
-    """The armed server's outputs one at a time with its fault on, then off again, and the fault's log."""
+    """The armed server's outputs one at a time with its fault off, on, then off again, every request
+    from an empty radix cache, and the fault's log. The flushes matter: a plain server caches what it
+    decoded, so a pass after the faulty one would read the faulty pass's KV pages for the prompt's last
+    partial page and differ from the clean pass for that reason alone."""
     flag = Path(env[GEMM_FAULT_FLAG_ENV])
+    before = asyncio.run(greedy(base, texts, flush=True))
     flag.touch()
     try:
         time.sleep(GEMM_FAULT_SETTLE_S)
-        with_fault = asyncio.run(greedy(base, texts))
+        with_fault = asyncio.run(greedy(base, texts, flush=True))
     finally:
         flag.unlink()
     time.sleep(GEMM_FAULT_SETTLE_S)
-    after = asyncio.run(greedy(base, texts))
+    after = asyncio.run(greedy(base, texts, flush=True))
     events = pd_verdicts.read_fault_log(Path(env[GEMM_FAULT_LOG_ENV]))
-    return {"with_fault": with_fault, "after_fault": after, "events": events}
+    return {"before_fault": before, "with_fault": with_fault, "after_fault": after, "events": events}
 
 
 def measure_server(stack: Stack, name: str, result: dict[str, Any], texts: list[str]) -> dict[str, Any]:
@@ -363,30 +390,31 @@ def all_identical(got: dict[str, Any]) -> bool:
     return bool(n) and got["identical"] == f"{n}/{n}"
 
 
-def gemm_fault_verdict(sbo: dict[str, Any], nosbo: dict[str, Any]) -> dict[str, Any]:
-    """Whether the armed SBO server's control was caught: its outputs with the fault on differ from
-    the server without SBO on some prompt, its outputs with the fault off again equal its own, and
-    the fault's log shows the GEMM passing the gate and the switch going on and off."""
+def gemm_fault_verdict(sbo: dict[str, Any]) -> dict[str, Any]:
+    """Whether the armed SBO server's control was caught: with the fault on, its outputs differ on some
+    prompt from its own with the fault off just before; with the fault off again they equal those; and
+    the fault's log shows the GEMM passing the gate and the switch going on and off. All three passes
+    run on the same server from an empty cache, so only the fault differs between them."""
     fault = sbo["gemm_fault"]
     kinds = [e.get("event") for e in fault["events"]]
     out: dict[str, Any] = {
-        "with_fault_vs_nosbo": compare(fault["with_fault"], nosbo["outputs"]),
-        "after_fault_vs_sbo": compare(fault["after_fault"], sbo["outputs"]),
+        "with_fault_vs_before": compare(fault["with_fault"], fault["before_fault"]),
+        "after_fault_vs_before": compare(fault["after_fault"], fault["before_fault"]),
         "events": kinds,
     }
     if "gated" not in kinds:
         failure = "the SBO down GEMM never passed the fault's gate (no 'gated' event): our kernel did not run"
     elif "on" not in kinds or "off" not in kinds:
         failure = f"the fault did not switch on and then off (events: {', '.join(map(str, kinds))})"
-    elif all_identical(out["with_fault_vs_nosbo"]):
+    elif all_identical(out["with_fault_vs_before"]):
         failure = (
-            "control not caught: with experts dropped from SBO's down GEMM the SBO server still matched "
-            "the server without SBO on every prompt, so this comparison cannot see a wrong expert output"
+            "control not caught: with experts dropped from SBO's down GEMM the SBO server still gave its "
+            "fault-free outputs on every prompt, so this comparison cannot see a wrong expert output"
         )
-    elif not all_identical(out["after_fault_vs_sbo"]):
+    elif not all_identical(out["after_fault_vs_before"]):
         failure = (
             "with the fault off again the SBO server did not return to its own outputs "
-            f"({out['after_fault_vs_sbo']['identical']}): the switch is not clean"
+            f"({out['after_fault_vs_before']['identical']}): the switch is not clean"
         )
     else:
         failure = None
@@ -478,7 +506,7 @@ def add_comparisons(report: dict[str, Any], ref: Path) -> None:
             f"({report['sbo_vs_nosbo']['identical']} identical)"
         )
         if "gemm_fault" in sbo:
-            report["gemm_fault_control"] = gemm_fault_verdict(sbo, nosbo)
+            report["gemm_fault_control"] = gemm_fault_verdict(sbo)
             verdicts["gemm_fault_control"] = report["gemm_fault_control"]["verdict"]
     if isinstance(nosbo.get("step_times"), list) and isinstance(sbo.get("step_times"), list):
         report["step_time_ratio_sbo_over_nosbo"] = step_time_ratio(sbo["step_times"], nosbo["step_times"])

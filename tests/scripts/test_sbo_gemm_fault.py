@@ -103,6 +103,7 @@ def _sbo(with_fault: list[list[int]], after: list[list[int]], events: list[str])
     return {
         "outputs": [_out([1, 2, 3]), _out([4, 5, 6])],
         "gemm_fault": {
+            "before_fault": [_out([1, 2, 3]), _out([4, 5, 6])],
             "with_fault": [_out(i) for i in with_fault],
             "after_fault": [_out(i) for i in after],
             "events": [{"event": e} for e in events],
@@ -115,9 +116,9 @@ EVENTS = ["armed", "gate", "gated", "on", "off"]
 
 
 def test_the_control_passes_when_the_fault_changes_an_output_and_the_switch_is_clean() -> None:
-    got = run.gemm_fault_verdict(_sbo([[1, 9, 9], [4, 5, 6]], [[1, 2, 3], [4, 5, 6]], EVENTS), NOSBO)
+    got = run.gemm_fault_verdict(_sbo([[1, 9, 9], [4, 5, 6]], [[1, 2, 3], [4, 5, 6]], EVENTS))
     assert got["verdict"] == "passed"
-    assert got["with_fault_vs_nosbo"]["identical"] == "1/2"
+    assert got["with_fault_vs_before"]["identical"] == "1/2"
 
 
 @pytest.mark.parametrize(
@@ -137,7 +138,7 @@ def test_the_control_passes_when_the_fault_changes_an_output_and_the_switch_is_c
 def test_the_control_fails_the_check(
     with_fault: list[list[int]], after: list[list[int]], events: list[str], reason: str
 ) -> None:
-    got = run.gemm_fault_verdict(_sbo(with_fault, after, events), NOSBO)
+    got = run.gemm_fault_verdict(_sbo(with_fault, after, events))
     assert reason in got["verdict"]
 
 
@@ -171,3 +172,43 @@ def test_only_the_sbo_server_is_armed(tmp_path: Path) -> None:
     assert stack.envs["sbo"]["PYTHONPATH"].split(os.pathsep)[0] == str(FAULTS)
     assert fault.FLAG_ENV not in stack.envs["nosbo"] and "PYTHONPATH" not in stack.envs["nosbo"]
     assert not (tmp_path / "gemm-fault.on").exists()  # armed, but off until the check switches it on
+
+
+def test_each_fault_pass_request_starts_from_an_empty_cache_and_a_refused_flush_is_asked_again() -> None:
+    """A loopback server answering as sglang does: `/flush_cache` is 400 while a request runs (here the
+    first time it is asked), `/generate` carries meta_info's output_token_logprobs."""
+    import asyncio
+
+    from aiohttp import web
+
+    seen: list[str] = []
+    refused = {"left": 1}
+
+    async def flush(_: web.Request) -> web.Response:
+        seen.append("flush")
+        if refused["left"]:
+            refused["left"] -= 1
+            return web.Response(status=400, text="Flush cache failed.\n")
+        return web.Response(text="Cache flushed.\n")
+
+    async def generate(request: web.Request) -> web.Response:
+        seen.append("generate " + (await request.json())["text"])
+        return web.json_response({"meta_info": {"output_token_logprobs": [[-0.5, 7, None]]}})
+
+    async def main() -> list[dict[str, Any]]:
+        app = web.Application()
+        app.router.add_post("/flush_cache", flush)
+        app.router.add_post("/generate", generate)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            return await run.greedy(f"http://127.0.0.1:{port}", ["a", "b"], flush=True)
+        finally:
+            await runner.cleanup()
+
+    got = asyncio.run(main())
+    assert got == [{"status": 200, "ids": [7], "logprobs": [-0.5]}] * 2
+    assert seen == ["flush", "flush", "generate a", "flush", "generate b"]
