@@ -645,10 +645,11 @@ class DecodeLayer:
             self.experts.down, aq, as_, out=self.down_out, num_sms=self.num_sms - sms,
             max_block_n=full_max_block_n(self.max_block_n_rule, em),
         )  # fmt: skip
-        late = early_m = None
+        late = late_index = early_m = None
         if base not in ("full", FULL_ALT):  # these run no extra kernel: their times are measured
             experts = torch.arange(recv_count.numel(), device=recv_count.device)
-            late = experts == torch.argmax((recv_count > 0).to(torch.int32))  # argmax: the first maximum
+            late_index = torch.argmax((recv_count > 0).to(torch.int32)).reshape(1)  # argmax: the first maximum
+            late = experts == late_index
             early_m = torch.where(late, 0, recv_count)
         self.signal.zero_()
         start = torch.cuda.Event()
@@ -657,9 +658,13 @@ class DecodeLayer:
         assert block_m is not None and threshold is not None
         self.alt.wait_event(start)
         with torch.cuda.stream(self.alt):
-            if base == SKIP_WAIT and late is not None:
+            if base == SKIP_WAIT and late_index is not None:
+                # index_fill_ writes `late`'s row alone. masked_fill_ would read and write back every
+                # counter while the early launch increments the other experts' on the main stream, and
+                # an increment lost that way leaves the combine waiting forever (the hangs seen in this
+                # control's eager call before this change).
                 blocks = triton.cdiv(self.m_max, block_m)
-                self.signal[: self.w.num_local * blocks].view(-1, blocks).masked_fill_(late[:, None], threshold)
+                self.signal[: self.w.num_local * blocks].view(-1, blocks).index_fill_(0, late_index, threshold)
             _, _, hook = self.buffer.low_latency_combine(
                 self.down_out, topk_idx, topk_w, handle, overlap=True, packed_recv_count=recv_count,
                 comp_signal=self.signal, block_m=block_m, threshold=threshold, num_sms=sms,
