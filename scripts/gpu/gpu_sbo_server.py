@@ -7,8 +7,9 @@ DeepEP antgroup-opt and written unit-scale FP8 weights into the preset's model f
 1. `sbo`: one sglang server with the `single-h200-sbo` decode flags minus PD: `--tp 1
    --moe-a2a-backend deepep --deepep-mode low_latency --moe-runner-backend deep_gemm
    --enable-single-batch-overlap`, our plugin in mode full. Greedy outputs of the prompts with
-   their logprobs, in each of REQUEST_FORMS; decode step times at batch 1-64 (CUDA graphs on), from the
-   streamed tokens and from the server's own decode lines; what SBO ran inside it
+   their logprobs, in each of REQUEST_FORMS; decode step times at batch 1-64 (CUDA graphs on): the
+   GPU time of each decode forward (CUDA events around sglang's forward, `faults/step_timer.py`),
+   beside the gaps between streamed tokens and the server's own decode lines; what SBO ran inside it
    (our kernel's calls and DeepEP's signalled combines, read from its log by `sglang-pd doctor
    --server-log ... --expect full`).
 2. `nosbo`: the same server without `--enable-single-batch-overlap` (plugin mode off): the same
@@ -23,12 +24,14 @@ DeepEP antgroup-opt and written unit-scale FP8 weights into the preset's model f
 
 Stages are measured in the order given; `sbo` may run twice (`sbo,nosbo,sbo`, reported as `sbo`,
 `nosbo`, `sbo_again`), so that one call's step-time A/B has the SBO server on both sides and shows
-its own drift. With `--together` their processes start at once, every one is waited for, and only
-then are they measured one after another; each stops once measured, so with `--stages pd,sbo` the
-SBO server's step times are taken with the GPU to itself. `sbo` and `nosbo` do not start
-together: each DeepEP low-latency server's CUDA graphs took 42.5 GB on this preset, and sglang
-sizes a server's KV pool from the memory free before it loads, so with three starting at once the
-last one's pool came out negative (benchmarks/results/sbo_server_h200_2026-12-03_5fb0e4d.json).
+its own drift. The verdict `sbo_step_time` holds the mean of the two SBO servers' GPU step times to
+within STEP_TIME_TOLERANCE of the server without SBO at every batch size. With `--together` the
+stages' processes start at once, every one is waited for, and only then are they measured one after
+another; each stops once measured, so with `--stages pd,sbo` the SBO server's step times are taken
+with the GPU to itself. `sbo` and `nosbo` do not start together: each DeepEP low-latency server's
+CUDA graphs took 42.5 GB on this preset, and sglang sizes a server's KV pool from the memory free
+before it loads, so with three starting at once the last one's pool came out negative
+(benchmarks/results/sbo_server_h200_2026-12-03_5fb0e4d.json).
 A stage measured in a later call compares with the SBO server's outputs kept in `--ref`.
 
 `--gemm-fault` adds the must-fail control (`faults/sbo_check_gemm_fault.py`): the `sbo` server
@@ -50,6 +53,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib
 import itertools
 import json
 import os
@@ -71,6 +75,9 @@ from gpu_pd_check import ROUTER, Stack, wait_server, wait_stack
 
 REPO = Path(__file__).resolve().parents[2]
 FAULTS_DIR = REPO / "scripts/gpu/faults"
+# The step timer's switch and file format (it runs inside the servers, armed from that folder).
+sys.path.insert(0, str(FAULTS_DIR))
+step_timer = importlib.import_module("step_timer")
 #: sbo_check_gemm_fault.py's switches (that module imports torch, so they are repeated here).
 GEMM_FAULT_FLAG_ENV, GEMM_FAULT_LOG_ENV = "SBO_CHECK_GEMM_FAULT_FLAG", "SBO_CHECK_GEMM_FAULT_LOG"
 #: Longer than the fault's watcher takes to see its flag file appear or go (POLL_S, 0.05 s).
@@ -82,9 +89,9 @@ PRESET = REPO / "deploy/spec/presets/single-h200-sbo.yaml"
 SERVER_PORTS = {"sbo": 31500, "nosbo": 33000}
 AGAIN = "_again"  # the report's name for the second run of a stage: sbo, nosbo, sbo_again
 #: The servers' share of GPU memory, the same for `sbo` and `nosbo` so that their step times compare,
-#: and small enough to start beside the PD stack's two (0.3 each): 0.1 (14 GiB) holds the 1.9 GB
-#: model and an 11 GB KV pool.
-SERVER_MEM_FRACTION = 0.1
+#: and small enough to start beside the PD stack's two (0.3 each): 0.15 (12 GiB on an H100) holds
+#: the 6.3 GB model (8 layers) and a 5 GB KV pool.
+SERVER_MEM_FRACTION = 0.15
 READY_S = 420.0
 MAX_NEW_TOKENS = 32
 #: Decode steps per request at each batch size: sglang logs a decode line every 40 steps
@@ -92,6 +99,11 @@ MAX_NEW_TOKENS = 32
 STEP_TOKENS = 168
 DECODE_LINE = re.compile(r"Decode batch, #running-req: (\d+),.*?gen throughput \(token/s\): ([\d.]+)")
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
+#: SBO's GPU step time may exceed the server's without it by this share at most (one GPU has no
+#: network send for the overlap to hide, so what is left is its overhead).
+STEP_TIME_TOLERANCE = 0.03
+#: Longer than the step timer's reader takes to write a completed forward (step_timer.POLL_S, 0.05 s).
+STEP_LOG_SETTLE_S = 0.5
 TOP_LOGPROBS = 1
 
 
@@ -232,10 +244,15 @@ def server_step_ms(log_text: str, batch: int) -> list[float]:
     ]
 
 
-async def step_times(base: str, log: Path) -> list[dict[str, Any]]:
-    """Per batch size while all requests decode together: the median gap between streamed tokens
-    (the client's view), and the median step time from the decode lines the server logged meanwhile
-    (`log`, the server's; free of HTTP and streaming)."""
+def gpu_step_ms(rows: list[tuple[int, bool, float]], batch: int) -> list[float]:
+    """The step timer's GPU times (ms) of the CUDA-graph decode forwards with `batch` requests."""
+    return [ms for b, graph, ms in rows if b == batch and graph]
+
+
+async def step_times(base: str, log: Path, steps: Path) -> list[dict[str, Any]]:
+    """Per batch size while all requests decode together: the median GPU time of a decode forward
+    (`steps`, the step timer's file), the median gap between streamed tokens (the client's view), and
+    the median step time from the decode lines the server logged meanwhile (`log`, the server's)."""
 
     async def one(s: aiohttp.ClientSession, i: int) -> list[float]:
         body = {
@@ -253,17 +270,27 @@ async def step_times(base: str, log: Path) -> list[dict[str, Any]]:
     rows = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
         await one(s, -1)  # the first request after start compiles what is left
+        await asyncio.sleep(STEP_LOG_SETTLE_S)
+        _, steps_seen = step_timer.read(str(steps))
         for batch in BATCHES:
             seen = log.stat().st_size
             runs = await asyncio.gather(*(one(s, i) for i in range(batch)))
             with log.open(errors="replace") as f:
                 f.seek(seen)
                 server = server_step_ms(f.read(), batch)
+            await asyncio.sleep(STEP_LOG_SETTLE_S)
+            timed, steps_seen = step_timer.read(str(steps), steps_seen)
+            gpu = gpu_step_ms(timed, batch)
             # Skip the first 8 gaps: requests are still being prefilled and joining the batch.
             gaps = [b - a for arr in runs for a, b in itertools.pairwise(arr[8:])]
             rows.append(
                 {
                     "batch": batch,
+                    "gpu_step_ms_p50": round(statistics.median(gpu), 4) if gpu else None,
+                    "gpu_step_ms_p10_p90": [round(q, 4) for q in statistics.quantiles(gpu, n=10)[::8]]
+                    if len(gpu) > 10
+                    else None,
+                    "gpu_steps": len(gpu),
                     "step_ms_p50": round(statistics.median(gaps) * 1e3, 3) if gaps else None,
                     "step_ms_p90": round(statistics.quantiles(gaps, n=10)[-1] * 1e3, 3) if len(gaps) > 10 else None,
                     "gaps": len(gaps),
@@ -292,23 +319,27 @@ def server_kind(name: str) -> str:
     return name.removesuffix(AGAIN)
 
 
-def gemm_fault_env(out: Path) -> dict[str, str]:
-    """What the armed SBO server gets on top of its own env: the faults folder first on its
-    PYTHONPATH, the flag file that switches the fault on (absent) and the fault's log."""
+def probe_env(out: Path, name: str, gemm_fault: bool) -> dict[str, str]:
+    """What stage `name`'s server gets on top of its own env: the faults folder first on its
+    PYTHONPATH and the step timer's file; armed (`gemm_fault`), also the flag file that switches the
+    fault on (absent) and the fault's log."""
     inherited = os.environ.get("PYTHONPATH")
-    return {
+    env = {
         "PYTHONPATH": os.pathsep.join([str(FAULTS_DIR), *([inherited] if inherited else [])]),
-        GEMM_FAULT_FLAG_ENV: str(out / "gemm-fault.on"),
-        GEMM_FAULT_LOG_ENV: str(out / "gemm-fault.log"),
+        step_timer.LOG_ENV: str(out / f"{name}.steps"),
     }
+    if gemm_fault:
+        env.update({GEMM_FAULT_FLAG_ENV: str(out / "gemm-fault.on"), GEMM_FAULT_LOG_ENV: str(out / "gemm-fault.log")})
+    return env
 
 
 def start_server(stack: Stack, topology: Path, name: str, gemm_fault: bool = False) -> dict[str, Any]:
-    """Start stage `name`'s server; with `gemm_fault` an `sbo` server starts armed (gemm_fault_env)."""
+    """Start stage `name`'s server with the step timer; with `gemm_fault` an `sbo` server starts armed."""
     kind = server_kind(name)
     argv, env = server_command(topology, kind == "sbo", SERVER_PORTS[kind])
-    if gemm_fault and kind == "sbo":
-        env.update(gemm_fault_env(stack.out))
+    armed = gemm_fault and kind == "sbo"
+    env.update(probe_env(stack.out, name, armed))
+    if armed:
         Path(env[GEMM_FAULT_FLAG_ENV]).unlink(missing_ok=True)
     stack.start(name, argv, env=env)
     return {"argv": argv[1:], "env": env, "started": time.monotonic()}
@@ -355,7 +386,8 @@ def measure_server(stack: Stack, name: str, result: dict[str, Any], texts: list[
     if armed or result.get("skip_step_times"):
         result["step_times"] = "not measured in a --gemm-fault run (its SBO server runs a multiply more per MoE layer)"
     else:
-        result["step_times"] = asyncio.run(step_times(base, stack.out / f"{name}.log"))
+        steps = Path(result["env"][step_timer.LOG_ENV])
+        result["step_times"] = asyncio.run(step_times(base, stack.out / f"{name}.log", steps))
     sbo = server_kind(name) == "sbo"
     result["doctor"] = doctor(stack.out / f"{name}.log", expect_full=sbo, probe_hooks=sbo)
     return result
@@ -457,16 +489,55 @@ def measure_pd(stack: Stack, pd: dict[str, Any], texts: list[str]) -> dict[str, 
     return pd
 
 
+def _over(x: dict[str, Any], y: dict[str, Any], key: str) -> float | None:
+    return round(x[key] / y[key], 4) if x.get(key) and y.get(key) else None
+
+
 def step_time_ratio(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per batch, a's step time over b's: as the client saw it, and from the servers' decode lines."""
-
-    def over(x: dict[str, Any], y: dict[str, Any], key: str) -> float | None:
-        return round(x[key] / y[key], 3) if x.get(key) and y.get(key) else None
-
+    """Per batch, a's step time over b's: on the GPU, as the client saw it, and from the servers' decode lines."""
     return [
-        {"batch": x["batch"], "ratio": over(x, y, "step_ms_p50"), "server_ratio": over(x, y, "server_step_ms_p50")}
+        {
+            "batch": x["batch"],
+            "gpu_ratio": _over(x, y, "gpu_step_ms_p50"),
+            "ratio": _over(x, y, "step_ms_p50"),
+            "server_ratio": _over(x, y, "server_step_ms_p50"),
+        }
         for x, y in zip(a, b, strict=True)
     ]
+
+
+def step_time_verdict(
+    sbo: list[dict[str, Any]], nosbo: list[dict[str, Any]], again: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """SBO on, off, on in one call: per batch, the mean of the two SBO servers' GPU step times over the
+    server's without SBO, and the second SBO server's over the first (the drift the A/B sits in)."""
+    rows = []
+    for x, y, z in zip(sbo, nosbo, again, strict=True):
+        on = [r["gpu_step_ms_p50"] for r in (x, z) if r.get("gpu_step_ms_p50")]
+        off = y.get("gpu_step_ms_p50")
+        rows.append(
+            {
+                "batch": x["batch"],
+                "sbo_ms": round(statistics.mean(on), 4) if len(on) == 2 else None,
+                "nosbo_ms": off,
+                "sbo_over_nosbo": round(statistics.mean(on) / off, 4) if len(on) == 2 and off else None,
+                "sbo_again_over_sbo": _over(z, x, "gpu_step_ms_p50"),
+            }
+        )
+    missing = [r["batch"] for r in rows if r["sbo_over_nosbo"] is None]
+    slow = [
+        f"{r['sbo_over_nosbo']:.3f} at batch {r['batch']}"
+        for r in rows
+        if (r["sbo_over_nosbo"] or 0) > 1 + STEP_TIME_TOLERANCE
+    ]
+    if not rows or missing:
+        verdict = f"no GPU step time at batch {', '.join(map(str, missing))} on every server: nothing to judge there"
+    elif slow:
+        over = f"more than {STEP_TIME_TOLERANCE:.0%}"
+        verdict = f"SBO's GPU step time exceeds the server's without it by {over}: {'; '.join(slow)}"
+    else:
+        verdict = "passed"
+    return {"per_batch": rows, "tolerance": STEP_TIME_TOLERANCE, "verdict": verdict}
 
 
 def stop_stage(stack: Stack, stage: str) -> None:
@@ -514,6 +585,13 @@ def add_comparisons(report: dict[str, Any], ref: Path) -> None:
     for other in ("nosbo", "sbo"):
         if isinstance(again, list) and isinstance(report.get(other, {}).get("step_times"), list):
             report[f"step_time_ratio_sbo{AGAIN}_over_{other}"] = step_time_ratio(again, report[other]["step_times"])
+    if (
+        isinstance(again, list)
+        and isinstance(nosbo.get("step_times"), list)
+        and isinstance(sbo.get("step_times"), list)
+    ):
+        report["sbo_step_time"] = step_time_verdict(sbo["step_times"], nosbo["step_times"], again)
+        report.setdefault("verdicts", {})["sbo_step_time"] = report["sbo_step_time"]["verdict"]
 
 
 def main() -> int:

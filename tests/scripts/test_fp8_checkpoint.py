@@ -49,7 +49,7 @@ def test_names_and_dtypes_follow_the_config(tmp_path: Path) -> None:
 
     state = load_file(str(out))
     fp8 = {k for k, v in state.items() if v.dtype == torch.float8_e4m3fn}
-    experts, layers = 4, 3
+    experts, layers = 4, int(cfg["num_hidden_layers"])  # type: ignore[call-overload]
     assert len(fp8) == (layers - 1) * experts * 3  # routed experts only: the rest is in modules_to_not_convert
     assert all(".mlp.experts." in k for k in fp8)
     for k in fp8:

@@ -8,7 +8,7 @@ import sys
 import time
 import types
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import yaml
@@ -105,8 +105,17 @@ def test_stage_lists_that_cannot_run_are_refused_before_anything_starts(
 class _Events:
     """The order in which main() starts, awaits, measures and stops the stages (no process runs)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, not_ready: frozenset[str] = frozenset()) -> None:
+    #: Each stage's step time (ms): the client's and the GPU's; the server's decode lines say half.
+    STEP_MS: ClassVar[dict[str, float]] = {"sbo": 2.0, "nosbo": 1.6, "sbo_again": 2.2}
+
+    def __init__(
+        self,
+        monkeypatch: pytest.MonkeyPatch,
+        not_ready: frozenset[str] = frozenset(),
+        step_ms: dict[str, float] | None = None,
+    ) -> None:
         self.log: list[tuple[str, str]] = []
+        step_ms = step_ms or self.STEP_MS
         stack_log = self.log
 
         class Stack:
@@ -145,8 +154,8 @@ class _Events:
         def measure_server(stack: Stack, name: str, result: dict[str, Any], texts: list[str]) -> dict[str, Any]:
             await_(name, result)
             self.log.append(("measure", name))
-            ms = {"sbo": 2.0, "nosbo": 1.6, "sbo_again": 2.2}[name]
-            step = [{"batch": 1, "step_ms_p50": ms, "server_step_ms_p50": ms / 2}]
+            ms = step_ms[name]
+            step = [{"batch": 1, "gpu_step_ms_p50": ms, "step_ms_p50": ms, "server_step_ms_p50": ms / 2}]
             forms = {form: [{"status": 200, "ids": [1, 2], "logprobs": [-0.1, -0.2]}] for form in run.REQUEST_FORMS}
             return dict(result, **forms, step_times=step)
 
@@ -205,7 +214,9 @@ def test_a_later_call_compares_with_the_sbo_outputs_an_earlier_one_kept(
     )
     assert code == 0
     assert report["sbo_vs_nosbo"]["identical"] == "1/1"
-    assert report["step_time_ratio_sbo_over_nosbo"] == [{"batch": 1, "ratio": 1.25, "server_ratio": 1.25}]
+    assert report["step_time_ratio_sbo_over_nosbo"] == [
+        {"batch": 1, "gpu_ratio": 1.25, "ratio": 1.25, "server_ratio": 1.25}
+    ]
     assert report["pd_vs_sbo_server"]["one at a time"]["identical"] == "0/1"
 
 
@@ -218,18 +229,47 @@ def test_one_stage_at_a_time_without_together(tmp_path: Path, monkeypatch: pytes
         ("start", "nosbo"), ("await", "nosbo"), ("measure", "nosbo"), ("stop", "nosbo"),
     ]  # fmt: skip
     assert report["sbo_vs_nosbo"]["identical"] == "1/1"
-    assert report["step_time_ratio_sbo_over_nosbo"] == [{"batch": 1, "ratio": 1.25, "server_ratio": 1.25}]
+    assert report["step_time_ratio_sbo_over_nosbo"] == [
+        {"batch": 1, "gpu_ratio": 1.25, "ratio": 1.25, "server_ratio": 1.25}
+    ]
 
 
 def test_sbo_on_both_sides_of_nosbo_in_one_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     events = _Events(monkeypatch)
     code, report = events.run(monkeypatch, tmp_path, "--stages", "sbo,nosbo,sbo")
-    assert code == 0
     assert [e for e in events.log if e[0] == "measure"] == [
         ("measure", "sbo"), ("measure", "nosbo"), ("measure", "sbo_again"),
     ]  # fmt: skip
-    assert report["step_time_ratio_sbo_again_over_nosbo"] == [{"batch": 1, "ratio": 1.375, "server_ratio": 1.375}]
-    assert report["step_time_ratio_sbo_again_over_sbo"] == [{"batch": 1, "ratio": 1.1, "server_ratio": 1.1}]
+    both = {"gpu_ratio": 1.375, "ratio": 1.375, "server_ratio": 1.375}
+    assert report["step_time_ratio_sbo_again_over_nosbo"] == [{"batch": 1, **both}]
+    assert report["step_time_ratio_sbo_again_over_sbo"] == [
+        {"batch": 1, "gpu_ratio": 1.1, "ratio": 1.1, "server_ratio": 1.1}
+    ]
+    # (2.0 + 2.2) / 2 over 1.6: 31 % slower, far past the 3 % allowed, and the run says so.
+    assert code == 1
+    assert report["sbo_step_time"]["per_batch"] == [
+        {"batch": 1, "sbo_ms": 2.1, "nosbo_ms": 1.6, "sbo_over_nosbo": 1.3125, "sbo_again_over_sbo": 1.1}
+    ]
+    assert report["verdicts"]["sbo_step_time"] == (
+        "SBO's GPU step time exceeds the server's without it by more than 3%: 1.312 at batch 1"
+    )
+
+
+@pytest.mark.parametrize(("sbo_again_ms", "passed"), [(2.04, True), (2.2, False)])
+def test_the_step_time_verdict_takes_the_mean_of_sbo_on_both_sides(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sbo_again_ms: float, passed: bool
+) -> None:
+    # On 1.98, off 2.0, on again 2.04 (mean 2.01, +0.5 %) passes; on again 2.2 (mean 2.09, +4.5 %) does not.
+    events = _Events(monkeypatch, step_ms={"sbo": 1.98, "nosbo": 2.0, "sbo_again": sbo_again_ms})
+    code, report = events.run(monkeypatch, tmp_path, "--stages", "sbo,nosbo,sbo")
+    assert (code == 0) is passed
+    assert (report["verdicts"]["sbo_step_time"] == "passed") is passed
+
+
+def test_no_step_time_verdict_without_a_gpu_time_on_every_server() -> None:
+    rows = [{"batch": 1, "gpu_step_ms_p50": 2.0}]
+    got = run.step_time_verdict(rows, [{"batch": 1, "gpu_step_ms_p50": None}], rows)
+    assert got["verdict"].startswith("no GPU step time at batch 1")
 
 
 def test_the_server_step_time_comes_from_sglangs_decode_lines() -> None:

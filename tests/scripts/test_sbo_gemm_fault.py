@@ -170,7 +170,13 @@ def test_only_the_sbo_server_is_armed(tmp_path: Path) -> None:
         run.start_server(stack, topology, name, gemm_fault=True)  # type: ignore[arg-type]
     assert stack.envs["sbo"][fault.FLAG_ENV] == str(tmp_path / "gemm-fault.on")
     assert stack.envs["sbo"]["PYTHONPATH"].split(os.pathsep)[0] == str(FAULTS)
-    assert fault.FLAG_ENV not in stack.envs["nosbo"] and "PYTHONPATH" not in stack.envs["nosbo"]
+    # Both servers carry the step timer (the faults folder on their path, each its own file); only SBO's is armed.
+    assert fault.FLAG_ENV not in stack.envs["nosbo"] and fault.LOG_ENV not in stack.envs["nosbo"]
+    assert stack.envs["nosbo"]["PYTHONPATH"].split(os.pathsep)[0] == str(FAULTS)
+    assert {stack.envs[n][run.step_timer.LOG_ENV] for n in ("sbo", "nosbo")} == {
+        str(tmp_path / "sbo.steps"),
+        str(tmp_path / "nosbo.steps"),
+    }
     assert not (tmp_path / "gemm-fault.on").exists()  # armed, but off until the check switches it on
 
 

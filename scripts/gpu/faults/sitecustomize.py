@@ -1,10 +1,11 @@
-"""Arms a GPU check's fault in every Python process that the check starts with it, and only there.
+"""Arms a GPU check's fault or probe in every Python process that the check starts with it, and only there.
 
 `scripts/gpu/gpu_pd_check.py` puts this folder first on the PYTHONPATH of the `sglang-pd up` it
 starts, with PD_CHECK_KV_FAULT_FLAG naming a flag file (pd_check_kv_fault.py says what the fault
 does while that file exists); `scripts/gpu/gpu_sbo_server.py --gemm-fault` does the same for its SBO
-server with SBO_CHECK_GEMM_FAULT_FLAG (sbo_check_gemm_fault.py). No other process gets this folder:
-the product has no fault switch.
+server with SBO_CHECK_GEMM_FAULT_FLAG (sbo_check_gemm_fault.py), and for every server it times with
+SBO_CHECK_STEP_LOG (step_timer.py: the GPU time of each decode forward). No other process gets this
+folder: the product has no fault switch.
 Python imports the first `sitecustomize` on sys.path, so this one would hide one the machine
 already has (Debian's and Ubuntu's Pythons ship one); it runs that one first.
 """
@@ -39,3 +40,7 @@ if os.environ.get("SBO_CHECK_GEMM_FAULT_FLAG"):
     import sbo_check_gemm_fault
 
     sbo_check_gemm_fault.install()
+if os.environ.get("SBO_CHECK_STEP_LOG"):
+    import step_timer
+
+    step_timer.install()
