@@ -244,9 +244,15 @@ def server_step_ms(log_text: str, batch: int) -> list[float]:
     ]
 
 
-def gpu_step_ms(rows: list[tuple[int, bool, float]], batch: int) -> list[float]:
-    """The step timer's GPU times (ms) of the CUDA-graph decode forwards with `batch` requests."""
-    return [ms for b, graph, ms in rows if b == batch and graph]
+def gpu_step_ms(rows: list[tuple[int, bool, float]], batch: int) -> tuple[int | None, list[float]]:
+    """The step timer's GPU times (ms) of the CUDA-graph decode forwards at the largest batch up to
+    `batch` in a window where `batch` requests were sent, and that batch size. The server may hold
+    fewer than asked: sglang 0.5.17 with --max-running-requests 64 decoded 63 at once, the 64th waiting."""
+    sizes = [b for b, graph, _ in rows if graph and b <= batch]
+    if not sizes:
+        return None, []
+    top = max(sizes)
+    return top, [ms for b, graph, ms in rows if b == top and graph]
 
 
 async def step_times(base: str, log: Path, steps: Path) -> list[dict[str, Any]]:
@@ -280,12 +286,13 @@ async def step_times(base: str, log: Path, steps: Path) -> list[dict[str, Any]]:
                 server = server_step_ms(f.read(), batch)
             await asyncio.sleep(STEP_LOG_SETTLE_S)
             timed, steps_seen = step_timer.read(str(steps), steps_seen)
-            gpu = gpu_step_ms(timed, batch)
+            gpu_batch, gpu = gpu_step_ms(timed, batch)
             # Skip the first 8 gaps: requests are still being prefilled and joining the batch.
             gaps = [b - a for arr in runs for a, b in itertools.pairwise(arr[8:])]
             rows.append(
                 {
                     "batch": batch,
+                    "gpu_batch": gpu_batch,
                     "gpu_step_ms_p50": round(statistics.median(gpu), 4) if gpu else None,
                     "gpu_step_ms_p10_p90": [round(q, 4) for q in statistics.quantiles(gpu, n=10)[::8]]
                     if len(gpu) > 10

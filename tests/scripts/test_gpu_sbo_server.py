@@ -341,3 +341,11 @@ def test_the_routers_generation_probes_are_counted_per_request_form() -> None:
     }
     got = run.health_probes_during(log, windows)
     assert got == {"outputs": 1, "outputs_again": 0, "outputs_together": 1}  # the 503 generated nothing
+
+
+def test_the_gpu_step_time_is_taken_at_the_batch_the_server_held() -> None:
+    # 64 requests sent; sglang decoded 63 at once (the 64th waited), then the last one alone.
+    rows = [(63, True, 2.2), (63, True, 2.4), (1, True, 1.7), (63, False, 9.0), (64, False, 9.0)]
+    assert run.gpu_step_ms(rows, 64) == (63, [2.2, 2.4])
+    assert run.gpu_step_ms(rows, 8) == (1, [1.7])
+    assert run.gpu_step_ms([(4, False, 3.0)], 4) == (None, [])  # eager forwards are not the graphs compared
