@@ -174,6 +174,7 @@ def test_a_reused_x_request_id_cannot_cut_another_clients_stream(pd_stack: PDSta
     url = f"{pd_stack.router.url}/v1/chat/completions"
     decode, router = pd_stack.decode, pd_stack.router
     aborts = router.metric("sglang_pd_router_aborts_total")
+    decode_aborted = decode.metric("sglang_pd_refengine_aborted_requests_total")
     # The attacker's request starts first: an engine keyed by rid holds the later one under it.
     with httpx.Client(timeout=60) as client, client.stream("POST", url, json=body, headers=headers) as attacker:
         attacker_chunks = _data_lines(attacker.iter_lines())
@@ -190,7 +191,9 @@ def test_a_reused_x_request_id_cannot_cut_another_clients_stream(pd_stack: PDSta
                 assert time.monotonic() < deadline, "the router never aborted the attacker's request"
                 time.sleep(0.05)
             time.sleep(0.5)  # the aborts reach the engines
-            assert decode.metric("sglang_pd_refengine_running_requests") == 1, "the victim still runs"
+            # The decode aborted the attacker's request at most. Whether the victim still runs proves
+            # nothing under load (it may have finished meanwhile); its whole answer below does.
+            assert decode.metric("sglang_pd_refengine_aborted_requests_total") <= decode_aborted + 1
             received += list(victim_chunks)
     assert victim.status_code == 200 and victim.headers["x-request-id"] == "shared"
     victim_id = victim.headers["x-router-request-id"]
