@@ -19,9 +19,12 @@ sglang loads. Then, in order:
    servers directly, rotated round by round at concurrency 1, 8, 32 and 64, streamed and unary
    (what each router adds); the decode server killed mid-stream.
    `single` keeps its outputs in --reference, so that `pd` may run in a later call on the machine.
+3. `doctor`: `sglang-pd doctor` on this machine.
 4. `smollm2`: SmolLM2-135M-Instruct on a plain server and through `up`: the capital question and
    `eval gsm8k` on 200 questions, the PD run judged against the plain one by the gate's paired rule.
-3. `doctor`: `sglang-pd doctor` on this machine (listed before `smollm2` in the usual order).
+5. `migration`: the preset with a second decode server on the same GPU (1P2D), 16 greedy streams
+   through `up`'s router with one decode SIGKILLed mid-stream; every stream must finish, and the
+   share identical to an uninterrupted run is measured (`migration_stage.py`).
 
 What must hold is in `pd_verdicts.py`: identity by token ids in every form, the context control
 (two prompts that end alike answer differently) and the fault control (a corrupted page shows).
@@ -55,6 +58,7 @@ from typing import Any
 
 import aiohttp
 import httpx
+import migration_stage
 import pd_verdicts
 import tree_commit
 from record_sglang_http import record
@@ -1189,6 +1193,32 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
     return short
 
 
+#: Each server's share of the GPU in the migration stage, where three share it: 0.25 (20 GiB on an
+#: H100) holds the 4-layer model and a KV pool far larger than 16 streams need.
+MIGRATION_MEM_FRACTION = 0.25
+STAGES = ("single", "pd", "doctor", "smollm2", "migration")
+
+
+def stage_migration(stack: Stack, report: dict[str, Any]) -> None:
+    """A decode killed mid-stream on a one-GPU 1P2D stack (`migration_stage.py`)."""
+    out = stack.out / "migration"
+    out.mkdir(parents=True, exist_ok=True)
+    preset = REPO / "deploy/spec/presets" / f"{TOPOLOGY}.yaml"
+    topology = migration_stage.one_prefill_two_decodes(preset, out, mem_fraction=MIGRATION_MEM_FRACTION)
+    section = migration_stage.run(
+        out,
+        topology,
+        migration_stage.SGLANG,
+        up_args=UP_OPEN_KV,
+        env={ENV_WORKER_API_KEY: ENGINE_KEY},
+        auth=ENGINE_AUTH,
+        ready_s=READY_S,
+    )
+    report["migration"] = section
+    for name, why in section["verdicts"].items():
+        verdict(report, f"migration_{name}", why)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -1212,6 +1242,12 @@ def main() -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     stages = args.stages.split(",")
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        print(
+            f"error: --stages: unknown stage(s) {', '.join(unknown)}; choose from {', '.join(STAGES)}", file=sys.stderr
+        )
+        return 2
     date = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     report: dict[str, Any] = {"date": date, "commit": tree.label(), "tree": tree.as_dict(), "argv": sys.argv}
     report["gpu"] = gpu_description()
@@ -1248,6 +1284,8 @@ def main() -> int:
                     stage_pd(stack, report, ref, args.gsm8k_data, recording, table)
                 elif stage == "smollm2":
                     stage_smollm2(stack, report, args.gsm8k_data)
+                elif stage == "migration":
+                    stage_migration(stack, report)
                 elif stage == "doctor":
                     p = subprocess.run(
                         [sys.executable, "-m", "sglang_pd.deploy.cli", "doctor"],
