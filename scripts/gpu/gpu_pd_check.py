@@ -1235,18 +1235,16 @@ def main() -> int:
         help="where `single` keeps its outputs for a `pd` stage run in a later call on the same machine",
     )
     args = parser.parse_args()
+    stages = args.stages.split(",")
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        print(f"error: --stages: no stage {', '.join(unknown)}; choose from {', '.join(STAGES)}", file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     try:
         tree = tree_commit.verify(REPO, allow_dirty=args.allow_dirty)
     except tree_commit.TreeError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    stages = args.stages.split(",")
-    unknown = [s for s in stages if s not in STAGES]
-    if unknown:
-        print(
-            f"error: --stages: unknown stage(s) {', '.join(unknown)}; choose from {', '.join(STAGES)}", file=sys.stderr
-        )
         return 2
     date = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     report: dict[str, Any] = {"date": date, "commit": tree.label(), "tree": tree.as_dict(), "argv": sys.argv}

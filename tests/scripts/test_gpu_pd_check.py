@@ -263,3 +263,10 @@ def test_a_later_pd_call_uses_the_single_outputs_of_the_same_commit_and_weights_
     assert check.load_reference(path, other) is None
     assert "abc" in str(other["reference_refused"])
     assert check.load_reference(tmp_path / "none.json", later) is None
+
+
+def test_an_unknown_stage_is_refused_before_anything_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["gpu_pd_check.py", "--out", str(out), "--stages", "single,migrate"])
+    assert check.main() == 2
+    assert not out.exists()  # refused before the tree check, the model or a server
