@@ -25,6 +25,9 @@ sglang loads. Then, in order:
 5. `migration`: the preset with a second decode server on the same GPU (1P2D), 16 greedy streams
    through `up`'s router with one decode SIGKILLed mid-stream; every stream must finish, and the
    share identical to an uninterrupted run is measured (`migration_stage.py`).
+6. `breakdown`: `up` of the preset under 4 streams of load; the router's TTFT breakdown must add up
+   to the client's TTFT within 5 %, and blame a 1 s delay injected into the prefill's forward
+   pass, then into its KV send, on the right part (`breakdown_stage.py`, `faults/pd_check_delay.py`).
 
 What must hold is in `pd_verdicts.py`: identity by token ids in every form, the context control
 (two prompts that end alike answer differently) and the fault control (a corrupted page shows).
@@ -57,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import breakdown_stage
 import httpx
 import migration_stage
 import pd_verdicts
@@ -736,15 +740,16 @@ def wait_server(stack: Stack, name: str, base: str, timeout_s: float) -> dict[st
 UP_STARTED = "try: curl "
 
 
-def wait_stack(stack: Stack, timeout_s: float) -> dict[str, Any]:
-    """Wait until `up` has finished starting (its smoke request included) and the router has a
-    healthy prefill and decode (its /readiness is 200 as soon as it serves, with or without workers:
-    the workers' health is in GET /workers)."""
+def wait_stack(stack: Stack, timeout_s: float, name: str = "up") -> dict[str, Any]:
+    """Wait until `up` (the child `name`) has finished starting (its smoke request included) and the
+    router has a healthy prefill and decode (its /readiness is 200 as soon as it serves, with or
+    without workers: the workers' health is in GET /workers)."""
     t0 = time.monotonic()
-    up_log = stack.out / "up.log"
+    up_log = stack.out / f"{name}.log"
+    up = stack.children[name]
     while time.monotonic() - t0 < timeout_s:
-        if not stack.children["up"].alive():
-            raise NotReady(f"`sglang-pd up` exited with code {stack.children['up'].proc.returncode}: {diagnose(stack)}")
+        if not up.alive():
+            raise NotReady(f"`sglang-pd up` exited with code {up.proc.returncode}: {diagnose(stack)}")
         if UP_STARTED not in up_log.read_text(errors="replace"):
             time.sleep(0.2)
             continue
@@ -1196,7 +1201,38 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
 #: Each server's share of the GPU in the migration stage, where three share it: 0.25 (20 GiB on an
 #: H100) holds the 4-layer model and a KV pool far larger than 16 streams need.
 MIGRATION_MEM_FRACTION = 0.25
-STAGES = ("single", "pd", "doctor", "smollm2", "migration")
+STAGES = ("single", "pd", "doctor", "smollm2", "migration", "breakdown")
+
+
+def stage_breakdown(stack: Stack, report: dict[str, Any]) -> None:
+    """The TTFT breakdown under load with no delay, a slowed prefill and a slowed KV send
+    (`breakdown_stage.py`), on `up` of the preset whose processes carry `faults/pd_check_delay.py`."""
+    out = stack.out / "breakdown"
+    delays = out / "delays"
+    delays.mkdir(parents=True, exist_ok=True)
+    inherited = os.environ.get("PYTHONPATH")
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(FAULTS_DIR), *([inherited] if inherited else [])]),
+        "PD_CHECK_DELAY_DIR": str(delays),
+        ENV_WORKER_API_KEY: ENGINE_KEY,
+    }
+    up = [sys.executable, "-m", "sglang_pd.deploy.cli", "up", TOPOLOGY, "--engine", "sglang"]
+    up += ["--log-dir", str(out / "engines"), *UP_OPEN_KV]
+    section: dict[str, Any] = {"argv": up[1:]}
+    report["breakdown"] = section
+    stack.start("up-breakdown", up, env=env)
+    section.update(wait_stack(stack, READY_S, name="up-breakdown"))
+    result = breakdown_stage.measure(ROUTER, delays, out)
+    section.update(result)
+    events = pd_verdicts.read_fault_log(delays / "delays.log")
+    section["delay_events"] = {f"{e['event']} {e.get('part')}": 0 for e in events}
+    for e in events:  # counted: a delay line is written per slowed batch or chunk
+        section["delay_events"][f"{e['event']} {e.get('part')}"] += 1
+    section["table"] = breakdown_stage.table(breakdown_stage.by_case(result))
+    section["verdicts"] = breakdown_stage.verdicts(result)
+    for name, why in section["verdicts"].items():
+        verdict(report, f"breakdown_{name}", why)
+    stack.stop("up-breakdown", signal.SIGINT, grace_s=60)
 
 
 def stage_migration(stack: Stack, report: dict[str, Any]) -> None:
@@ -1284,6 +1320,8 @@ def main() -> int:
                     stage_smollm2(stack, report, args.gsm8k_data)
                 elif stage == "migration":
                     stage_migration(stack, report)
+                elif stage == "breakdown":
+                    stage_breakdown(stack, report)
                 elif stage == "doctor":
                     p = subprocess.run(
                         [sys.executable, "-m", "sglang_pd.deploy.cli", "doctor"],

@@ -2,8 +2,10 @@
 
 `scripts/gpu/gpu_pd_check.py` puts this folder first on the PYTHONPATH of the `sglang-pd up` it
 starts, with PD_CHECK_KV_FAULT_FLAG naming a flag file (pd_check_kv_fault.py says what the fault
-does while that file exists); `scripts/gpu/gpu_sbo_server.py --gemm-fault` does the same for its SBO
-server with SBO_CHECK_GEMM_FAULT_FLAG (sbo_check_gemm_fault.py), and for every server it times with
+does while that file exists), and, in its TTFT breakdown stage, PD_CHECK_DELAY_DIR naming the folder
+of the prefill's and the KV send's switchable delays (pd_check_delay.py).
+`scripts/gpu/gpu_sbo_server.py --gemm-fault` does the same for its SBO server with
+SBO_CHECK_GEMM_FAULT_FLAG (sbo_check_gemm_fault.py), and for every server it times with
 SBO_CHECK_STEP_LOG (step_timer.py: the GPU time of each decode forward). No other process gets this
 folder: the product has no fault switch.
 Python imports the first `sitecustomize` on sys.path, so this one would hide one the machine
@@ -40,6 +42,10 @@ if os.environ.get("SBO_CHECK_GEMM_FAULT_FLAG"):
     import sbo_check_gemm_fault
 
     sbo_check_gemm_fault.install()
+if os.environ.get("PD_CHECK_DELAY_DIR"):
+    import pd_check_delay
+
+    pd_check_delay.install()
 if os.environ.get("SBO_CHECK_STEP_LOG"):
     import step_timer
 
