@@ -182,7 +182,7 @@ def test_client_disconnect_aborts_both_legs(cluster_factory: Callable[..., Clust
             legs = _legs_of(cluster, rid)
             assert len(legs) == 2, (rid, legs)
             _wait_aborts(legs, rid)
-        assert all(w.in_flight == 0 for w in running.app.registry.all())
+        wait_until(lambda: all(w.in_flight == 0 for w in running.app.registry.all()))
 
 
 def test_hung_worker_times_out_cleanly(cluster_factory: Callable[..., Cluster]) -> None:
