@@ -14,11 +14,18 @@ in a `Server-Timing` header: deploy/router/timing.py). The client times each fro
 sent to its first body bytes, on a connection opened before the clock starts.
 
 What must hold (pure functions below, shown failing in `tests/scripts/test_breakdown_stage.py`):
-- `sums`: every timed request's parts add up to its client TTFT within 5 %;
+- `sums`: every timed request's parts add up to its client TTFT within 5 %, and the router's own
+  part (what is left once the others are placed) is not negative;
 - `blame`: under `prefill` the prefill part, and under `transfer` the transfer part, is the
   largest of every request and at least 0.8 × DELAY_S;
-- `control`: under `transfer` the parts without `transfer` miss the client's TTFT by more than
-  30 %: were the transfer not measured, the sum would show it.
+- `control`: the blame verdict must fail where its delay was not: on the `none` timings for both
+  parts, and on each delayed case's timings for the other part. A breakdown that put every delay in
+  one part, or blamed whatever was slow, fails here.
+
+The router learns where the prefill's forward pass ended from the prefill's answer
+(`meta_info.prefill_finished_time`). A decode whose first token reaches the router before that
+answer leaves the transfer inside `prefill` (timing.py): `blame_transfer` then fails, which is a
+finding about the breakdown on real sglang, not a fault of the check.
 """
 
 from __future__ import annotations
@@ -41,9 +48,8 @@ CASES = ("none", "prefill", "transfer")
 DELAY_S = 1.0
 TIMED = 8
 LOAD = 4
-#: How far the parts' sum may be from the client's TTFT, and how far it must be without the slowed part.
+#: How far the parts' sum may be from the client's TTFT, and the share of the delay its part must show.
 SUM_TOLERANCE = 0.05
-CONTROL_MISS = 0.30
 BLAME_SHARE = 0.8
 
 Timing = tuple[float, dict[str, float]]
@@ -79,6 +85,8 @@ def sums_verdict(case: str, timings: Sequence[Timing]) -> str | None:
         off = abs(shown(parts) - ttft) / ttft
         if off >= SUM_TOLERANCE:
             return f"{case}: the parts add up to {shown(parts):.4f} s against the client's {ttft:.4f} s ({off:.1%} off)"
+        if parts["router"] < 0:
+            return f"{case}: the router's own part is negative: the other parts overlap ({parts})"
     return None
 
 
@@ -91,12 +99,12 @@ def blame_verdict(case: str, timings: Sequence[Timing], delay_s: float = DELAY_S
     return None
 
 
-def control_verdict(timings: Sequence[Timing]) -> str | None:
-    """Under `transfer`, the parts without it must miss the client's TTFT by far."""
-    for ttft, parts in timings:
-        miss = abs(shown(parts, leave_out="transfer") - ttft) / ttft
-        if miss <= CONTROL_MISS:
-            return f"without `transfer` the parts still come within {miss:.1%} of the client's TTFT: {parts}"
+def control_verdict(cases: dict[str, list[Timing]], delay_s: float = DELAY_S) -> str | None:
+    """The blame verdict must fail on every case whose delay was elsewhere (or absent)."""
+    for part in ("prefill", "transfer"):
+        for case, timings in cases.items():
+            if case != part and timings and blame_verdict(part, timings, delay_s) is None:
+                return f"the {case} run's timings pass as a slowed {part}: the blame verdict cannot tell them apart"
     return None
 
 
@@ -119,9 +127,11 @@ def table(cases: dict[str, list[Timing]]) -> list[dict[str, Any]]:
 # Requests
 
 
-def timed_stream(client: httpx.Client, url: str, i: int) -> Timing:
+def timed_stream(client: httpx.Client, url: str, case: str, i: int) -> Timing:
+    # A prompt of its own per case: a cached prefix would make sglang send the KV in two parts
+    # (and wait the transfer delay twice).
     body = {
-        "text": f"Timed prompt {i}: where did the time go?",
+        "text": f"Timed prompt {i} of the {case} case: where did the time go?",
         "stream": True,
         "sampling_params": {"max_new_tokens": 4, "temperature": 0},
     }
@@ -184,7 +194,7 @@ def measure(url: str, delay_dir: Path | None, out: Path, cases: Sequence[str] = 
             timings: list[Timing] = []
             with httpx.Client(timeout=60, trust_env=False) as client:
                 for i in range(TIMED):
-                    timings.append(timed_stream(client, url, i))
+                    timings.append(timed_stream(client, url, case, i))
         finally:
             if flag is not None:
                 flag.unlink(missing_ok=True)
@@ -214,8 +224,8 @@ def verdicts(result: dict[str, Any]) -> dict[str, str | None]:
         out[f"sums_{case}"] = sums_verdict(case, timings)
         if case != "none":
             out[f"blame_{case}"] = blame_verdict(case, timings, result["delay_s"])
-    if "transfer" in cases:
-        out["control"] = control_verdict(cases["transfer"])
+    if len(cases) > 1:
+        out["control"] = control_verdict(cases, result["delay_s"])
     return out
 
 

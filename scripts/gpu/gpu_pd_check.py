@@ -1241,18 +1241,22 @@ def stage_migration(stack: Stack, report: dict[str, Any]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     preset = REPO / "deploy/spec/presets" / f"{TOPOLOGY}.yaml"
     topology = migration_stage.one_prefill_two_decodes(preset, out, mem_fraction=MIGRATION_MEM_FRACTION)
-    section = migration_stage.run(
-        out,
-        topology,
-        migration_stage.SGLANG,
-        up_args=UP_OPEN_KV,
-        env={ENV_WORKER_API_KEY: ENGINE_KEY},
-        auth=ENGINE_AUTH,
-        ready_s=READY_S,
-    )
-    report["migration"] = section
-    for name, why in section["verdicts"].items():
-        verdict(report, f"migration_{name}", why)
+    section: dict[str, Any] = {}
+    report["migration"] = section  # filled as the stage goes: a stage cut short keeps what it measured
+    try:
+        migration_stage.run(
+            out,
+            topology,
+            migration_stage.SGLANG,
+            up_args=UP_OPEN_KV,
+            env={ENV_WORKER_API_KEY: ENGINE_KEY},
+            auth=ENGINE_AUTH,
+            ready_s=READY_S,
+            report=section,
+        )
+    finally:
+        for name, why in section.get("verdicts", {}).items():
+            verdict(report, f"migration_{name}", why)
 
 
 def main() -> int:

@@ -59,7 +59,7 @@ ROUTER_ACTIVE = "sglang_pd_router_active_requests"
 @dataclass(frozen=True)
 class Engines:
     """How to find and read one kind of engine: the decode's command line, and the gauges that count
-    what an engine holds for requests (absent gauges are skipped and named in the report)."""
+    what an engine holds for requests (each reading names the gauges a server did not export)."""
 
     kind: str
     decode_needles: tuple[str, ...]
@@ -69,15 +69,18 @@ class Engines:
 SGLANG = Engines(
     kind="sglang",
     decode_needles=("sglang.launch_server", "--disaggregation-mode decode"),
-    # sglang's scheduler gauges (srt/metrics/collector.py): tokens in use exclude what the radix cache
-    # could evict; the decode's prealloc and transfer queues hold requests whose KV is on its way.
+    # sglang's scheduler gauges (srt/observability/metrics_collector.py; /metrics with
+    # --enable-metrics, which the renderer always gives): tokens in use exclude what the radix cache
+    # could evict; the prefill's bootstrap and in-flight queues and the decode's prealloc and
+    # transfer queues hold requests whose KV is on its way (the queues sglang's own idle check counts).
     gauges=(
         "sglang:num_used_tokens",
         "sglang:num_running_reqs",
         "sglang:num_queue_reqs",
+        "sglang:num_prefill_bootstrap_queue_reqs",
+        "sglang:num_prefill_inflight_queue_reqs",
         "sglang:num_decode_prealloc_queue_reqs",
         "sglang:num_decode_transfer_queue_reqs",
-        "sglang:num_prefill_inflight_queue_reqs",
     ),
 )
 REFERENCE = Engines(
@@ -178,9 +181,16 @@ async def one_stream(client: httpx.AsyncClient, base: str, i: int, max_new: int,
                 if data == "[DONE]":
                     out.done = True
                     continue
-                event = json.loads(data)
+                try:
+                    event = json.loads(data)
+                except json.JSONDecodeError:
+                    out.error = f"not JSON: {data[:200]!r}"
+                    continue
                 if "error" in event:
                     out.error = json.dumps(event["error"])[:300]
+                    continue
+                if not isinstance(event.get("output_ids"), list):
+                    out.error = f"an event without output_ids: {data[:200]!r}"
                     continue
                 out.ids = list(event["output_ids"])
                 progress[i] = len(out.ids)
@@ -232,7 +242,9 @@ async def run_streams(
 
 def gauges(base: str, names: tuple[str, ...], headers: Mapping[str, str]) -> dict[str, float]:
     """The named gauges of one server's /metrics, summed over their labels (absent ones left out)."""
-    text = httpx.get(f"{base}/metrics", headers=dict(headers), timeout=5).text
+    r = httpx.get(f"{base}/metrics", headers=dict(headers), timeout=5)
+    r.raise_for_status()
+    text = r.text
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("#") or not line.strip():
@@ -251,9 +263,12 @@ def held(
     out: dict[str, Any] = {}
     for name, base in servers.items():
         try:
-            out[name] = gauges(base, engines.gauges, auth)
+            read = gauges(base, engines.gauges, auth)
         except httpx.HTTPError as exc:
             out[name] = {"unreachable": type(exc).__name__}
+            continue
+        absent = [g for g in engines.gauges if g not in read]
+        out[name] = {**read, **({verdicts.ABSENT: absent} if absent else {})}
     for name, base in routers.items():
         try:
             active = gauges(base, (ROUTER_ACTIVE,), {}).get(ROUTER_ACTIVE)
@@ -301,20 +316,49 @@ def flush(prefill: str, decodes: list[str], auth: Mapping[str, str], tries: int 
 def find_process(*needles: str) -> int | None:
     """The lowest pid whose command line holds every needle."""
     for proc in sorted(Path("/proc").glob("[0-9]*"), key=lambda p: int(p.name)):
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError, PermissionError):
             cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             if all(n in cmd for n in needles) and "migration_stage" not in cmd:
                 return int(proc.name)
     return None
 
 
-def killer(engines: Engines, port: int) -> Callable[[], None]:
-    """SIGKILL the process group of the decode listening on `port` (its scheduler and detokenizer too)."""
-    pid = find_process(*engines.decode_needles, f"--port {port}")
+def decode_pid(engines: Engines, port: int) -> int | None:
+    """The pid of the decode server listening on `port` (its launcher: the group's leader)."""
+    return find_process(*engines.decode_needles, f"--port {port}")
+
+
+def killer(engines: Engines, port: int) -> tuple[int, Callable[[], None]]:
+    """The decode on `port`, and a call that SIGKILLs its process group (scheduler and detokenizer too)."""
+    pid = decode_pid(engines, port)
     if pid is None:
         raise RuntimeError(f"no {engines.kind} decode process with --port {port} found in /proc")
     pgid = os.getpgid(pid)
-    return lambda: os.killpg(pgid, signal.SIGKILL)
+
+    def kill() -> None:
+        with contextlib.suppress(ProcessLookupError):  # it died on its own meanwhile
+            os.killpg(pgid, signal.SIGKILL)
+
+    return pid, kill
+
+
+def wait_restarted(
+    engines: Engines, port: int, killed: int, auth: Mapping[str, str], alive: Callable[[], bool], timeout_s: float
+) -> float:
+    """Seconds until a new decode process (not `killed`) listens on `port` and answers /health 200.
+    Asked of the server itself: the router ejects a dead worker only after its failed probes, so its
+    view may still show the old decode healthy for seconds after the kill."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if not alive():
+            raise RuntimeError("`sglang-pd up` exited while its killed decode was restarting")
+        pid = decode_pid(engines, port)
+        if pid is not None and pid != killed:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/health", headers=dict(auth), timeout=5).status_code == 200:
+                    return time.monotonic() - t0
+        time.sleep(0.5)
+    raise RuntimeError(f"the decode on port {port} was not restarted and healthy within {timeout_s:g} s")
 
 
 def decoding(engines: Engines, base: str, auth: Mapping[str, str]) -> Callable[[], bool]:
@@ -383,56 +427,57 @@ def run(
     streams: int = STREAMS,
     max_new: int = MAX_NEW,
     control_port: int = CONTROL_PORT,
+    report: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The four runs on a 1P2D `topology` started by `sglang-pd up`; returns the report section,
-    its verdicts under "verdicts" (None where a requirement holds)."""
+    """The four runs on a 1P2D `topology` started by `sglang-pd up`. Fills `report` (a new dict when
+    none is given) as it goes, so that a run cut short keeps what it measured, and returns it; the
+    verdicts are under "verdicts" (None where a requirement holds)."""
     env, auth = dict(env or {}), dict(auth or {})
     ports = Ports.of(topology)
     servers = {"prefill": ports.prefill, **{f"decode-{i}": d for i, d in enumerate(ports.decodes)}}
-    report: dict[str, Any] = {
-        "topology": str(topology),
-        "engines": engines.kind,
-        "streams": streams,
-        "max_new": max_new,
-    }
+    report = {} if report is None else report
+    report.update(topology=str(topology), engines=engines.kind, streams=streams, max_new=max_new)
+    runs: dict[str, list[dict[str, Any]]] = report.setdefault("runs", {})
+    checks: dict[str, str | None] = report.setdefault("verdicts", {})
     cli = [sys.executable, "-m", "sglang_pd.deploy.cli"]
     up_argv = [*cli, "up", str(topology), "--engine", engines.kind, "--log-dir", str(out / "engines"), *up_args]
     report["up_argv"] = up_argv[1:]
+    up_log = out / "up-1p2d.log"
     up = start("up-1p2d", up_argv, out, env)
     control: Child | None = None
+
+    def measured(name: str, base: str, **kill: Any) -> dict[str, Any]:
+        report.setdefault("flush", {})[name] = flush(ports.prefill, ports.decodes, auth)
+        results, about = asyncio.run(run_streams(base, streams, max_new, **kill))
+        runs[name] = [r.as_dict() for r in results]
+        return about
+
     try:
-        wait_up(up, out / "up-1p2d.log", ready_s)
+        wait_up(up, up_log, ready_s)
         report["ready_s"] = round(wait_ready(ports.router, 2, up.alive, ready_s), 1)
-
-        def read(routers: Mapping[str, str]) -> dict[str, Any]:
-            return held(engines, servers, routers, auth)
-
-        runs: dict[str, list[Stream]] = {}
-        for name in ("uninterrupted", "again"):
-            report.setdefault("flush", {})[name] = flush(ports.prefill, ports.decodes, auth)
-            runs[name], _ = asyncio.run(run_streams(ports.router, streams, max_new))
-        idle = settled(lambda: read({"router": ports.router}), {})
+        measured("uninterrupted", ports.router)
+        measured("again", ports.router)
+        idle = settled(lambda: held(engines, servers, {"router": ports.router}, auth), {})
         report["idle"] = idle
 
-        report["flush"]["kill"] = flush(ports.prefill, ports.decodes, auth)
-        moved_before = verdicts.migrations(httpx.get(f"{ports.router}/metrics", timeout=5).text)
         victim_port = int(ports.decodes[0].rsplit(":", 1)[1])
-        runs["kill"], report["kill"] = asyncio.run(
-            run_streams(
-                ports.router,
-                streams,
-                max_new,
-                kill=killer(engines, victim_port),
-                decoding=decoding(engines, ports.decodes[0], auth),
-            )
-        )
+        killed, kill = killer(engines, victim_port)
+        moved_before = verdicts.migrations(httpx.get(f"{ports.router}/metrics", timeout=5).text)
+        report["kill"] = measured("kill", ports.router, kill=kill, decoding=decoding(engines, ports.decodes[0], auth))
         moved_after = verdicts.migrations(httpx.get(f"{ports.router}/metrics", timeout=5).text)
         report["migrations"] = {k: moved_after.get(k, 0.0) - moved_before.get(k, 0.0) for k in moved_after}
+        report["moved_streams"] = sorted(verdicts.moved_ids(up_log.read_text(errors="replace")))
+        report["figures"] = verdicts.figures(
+            runs["uninterrupted"], runs["again"], runs["kill"], max_new, moved=report["moved_streams"]
+        )
+        checks["migration"] = verdicts.kill_verdict(report["figures"], report["migrations"])
         live = {k: v for k, v in servers.items() if k != "decode-0"}
         report["after_kill"] = settled(lambda: held(engines, live, {"router": ports.router}, auth), idle)
+        checks["leftovers"] = verdicts.leftover_verdict(idle, report["after_kill"])
 
-        # The control: `up` restarts decode-0; a router that may not migrate sees the same kill.
-        report["restart_s"] = round(wait_ready(ports.router, 2, up.alive, ready_s), 1)
+        # The control: once `up` has restarted decode-0, a router that may not migrate sees the same kill.
+        report["restart_s"] = round(wait_restarted(engines, victim_port, killed, auth, up.alive, ready_s), 1)
+        wait_ready(ports.router, 2, up.alive, ready_s)
         control_url = f"http://127.0.0.1:{control_port}"
         control_argv = [*cli, "router", "--host", "127.0.0.1", "--port", str(control_port)]
         control_argv += ["--prefill", ports.prefill, str(ports.bootstrap_port)]
@@ -440,31 +485,13 @@ def run(
         control_argv += ["--decode-policy", "round_robin", "--migration-limit", "0", "--max-retries", "2"]
         control = start("router-limit0", control_argv, out, env)
         wait_ready(control_url, 2, control.alive, 60.0)
-        report["flush"]["control"] = flush(ports.prefill, ports.decodes, auth)
-        runs["control"], report["control_kill"] = asyncio.run(
-            run_streams(
-                control_url,
-                streams,
-                max_new,
-                kill=killer(engines, victim_port),
-                decoding=decoding(engines, ports.decodes[0], auth),
-            )
+        _, kill = killer(engines, victim_port)
+        report["control_kill"] = measured(
+            "control", control_url, kill=kill, decoding=decoding(engines, ports.decodes[0], auth)
         )
+        checks["control"] = verdicts.control_verdict(runs["control"], report["control_kill"])
     finally:
         if control is not None:
             stop(control)
         stop(up, signal.SIGINT, grace_s=60.0)
-
-    report["runs"] = {name: [s.as_dict() for s in streams] for name, streams in runs.items()}
-    report["figures"] = verdicts.figures(
-        [s.as_dict() for s in runs["uninterrupted"]],
-        [s.as_dict() for s in runs["again"]],
-        [s.as_dict() for s in runs["kill"]],
-        max_new,
-    )
-    report["verdicts"] = {
-        "migration": verdicts.kill_verdict(report["figures"], report["migrations"]),
-        "leftovers": verdicts.leftover_verdict(idle, report["after_kill"]),
-        "control": verdicts.control_verdict([s.as_dict() for s in runs["control"]], report["control_kill"]),
-    }
     return report

@@ -14,11 +14,16 @@ A verdict is None when the requirement holds, else one sentence that says why no
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
 Stream = dict[str, Any]
 MIGRATIONS = "sglang_pd_router_migrations_total"
+#: The key of a server's reading that lists the gauges it did not export.
+ABSENT = "absent"
+#: The router's log line for a stream that moved (deploy/router/pd/proxy.py).
+MOVED_LINE = "stream moved to another pair"
 
 
 def complete(s: Stream, length: int) -> bool:
@@ -44,10 +49,29 @@ def _pct(values: list[float], q: float) -> float | None:
     return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 4)
 
 
+def moved_ids(log: str) -> set[str]:
+    """The client request ids (`x-request-id`) of the streams the router's log says moved; a line
+    may carry a prefix before its JSON (`up` names the component whose line it relays)."""
+    moved = set()
+    for line in log.splitlines():
+        if MOVED_LINE in line and "{" in line:
+            try:
+                entry = json.loads(line[line.index("{") :])
+            except json.JSONDecodeError:
+                continue
+            moved.add(str(entry.get("client_request_id", "")))
+    return moved
+
+
 def figures(
-    uninterrupted: Sequence[Stream], again: Sequence[Stream], killed: Sequence[Stream], length: int
+    uninterrupted: Sequence[Stream],
+    again: Sequence[Stream],
+    killed: Sequence[Stream],
+    length: int,
+    moved: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """The kill run against the uninterrupted one: completion, identity and added latency."""
+    """The kill run against the uninterrupted one: completion, identity, and the latency added to
+    the streams that moved (`moved`: their request ids, `mig-<index>`)."""
     if not len(uninterrupted) == len(again) == len(killed):
         raise ValueError(
             f"runs of {len(uninterrupted)}, {len(again)} and {len(killed)} streams: they ran different streams"
@@ -63,7 +87,12 @@ def figures(
         for i, (r, k) in enumerate(zip(uninterrupted, killed, strict=True))
         if (d := first_divergence(r["ids"], k["ids"]))
     }
-    added = [k["seconds"] - r["seconds"] for r, k in zip(uninterrupted, killed, strict=True) if complete(k, length)]
+    moved_at = {int(rid.rsplit("-", 1)[1]) for rid in moved if rid.rsplit("-", 1)[-1].isdigit()}
+    added = [
+        k["seconds"] - r["seconds"]
+        for i, (r, k) in enumerate(zip(uninterrupted, killed, strict=True))
+        if i in moved_at and complete(k, length)
+    ]
     return {
         "streams": n,
         "uninterrupted_complete": sum(complete(s, length) for s in uninterrupted),
@@ -74,6 +103,7 @@ def figures(
         "identical_between_uninterrupted_runs": n - len(differ_again),
         "first_divergence": {str(i): d for i, d in sorted(differ_kill.items())},
         "first_divergence_between_uninterrupted_runs": {str(i): d for i, d in sorted(differ_again.items())},
+        "moved": len(moved_at),
         "added_seconds_p50": _pct(added, 0.5),
         "added_seconds_p99": _pct(added, 0.99),
         "added_seconds_max": _pct(added, 1.0),
@@ -106,14 +136,20 @@ def kill_verdict(f: dict[str, Any], moved: dict[str, float]) -> str | None:
 
 
 def left_behind(idle: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
-    """Each gauge of `now` above its idle value (0 where idle has none), by server."""
+    """Each gauge of `now` above its idle value (0 where idle has none), by server. A server that
+    did not answer, or answered with none of the gauges asked for, is listed as such: nothing it
+    holds could be seen."""
     out: dict[str, Any] = {}
     for server, values in now.items():
         if "unreachable" in values:
             out[server] = values
             continue
+        read = {k: v for k, v in values.items() if k != ABSENT}
+        if not read:
+            out[server] = {"no gauge read": values.get(ABSENT, [])}
+            continue
         base = idle.get(server, {})
-        over = {k: v for k, v in values.items() if v is not None and v > (base.get(k) or 0.0)}
+        over = {k: v for k, v in read.items() if v is not None and v > (base.get(k) or 0.0)}
         if over:
             out[server] = over
     return out

@@ -61,9 +61,21 @@ def test_a_delay_must_be_blamed_on_its_own_part() -> None:
     assert stage.blame_verdict("none", [small]) is None
 
 
-def test_the_control_fails_when_the_transfer_is_not_needed_to_add_up() -> None:
-    assert stage.control_verdict([(1.1, parts(prefill=50, transfer=1000, decode=40))]) is None
-    assert "within" in (stage.control_verdict([(0.1, parts(prefill=60, transfer=5, decode=35))]) or "")
+def test_a_negative_router_part_fails_the_sums() -> None:
+    overlapping = (0.100, parts(prefill=70, transfer=20, decode=14, router=-4))
+    assert "negative" in (stage.sums_verdict("none", [overlapping]) or "")
+
+
+def test_the_control_needs_each_blame_to_fail_where_its_delay_was_not() -> None:
+    none = [(0.1, parts(prefill=60, transfer=5, decode=35))]
+    slow_prefill = [(1.1, parts(prefill=1050, transfer=20, decode=30))]
+    slow_transfer = [(1.1, parts(prefill=50, transfer=1000, decode=40))]
+    assert stage.control_verdict({"none": none, "prefill": slow_prefill, "transfer": slow_transfer}) is None
+    # A breakdown that puts the KV-send delay in `prefill` (the transfer unmeasured): the prefill
+    # blame passes on the transfer run, and the control says so.
+    unmeasured = [(1.1, parts(prefill=1050, transfer=0, decode=40))]
+    why = stage.control_verdict({"none": none, "prefill": slow_prefill, "transfer": unmeasured})
+    assert why is not None and "transfer run's timings pass as a slowed prefill" in why
 
 
 def test_the_table_gives_each_case_its_medians_in_ms() -> None:

@@ -45,12 +45,13 @@ def test_first_divergence_names_the_token_and_both_ids() -> None:
 
 
 def test_a_clean_kill_passes_and_quotes_identity_and_latency() -> None:
-    killed = [s([1, 2, 3, 4, 5, 6], seconds=1.5), s([7, 8, 9, 10, 99, 12], seconds=1.0)]
-    f = verdicts.figures(REF, REF, killed, N)
+    killed = [s([1, 2, 3, 4, 5, 6], seconds=1.5), s([7, 8, 9, 10, 99, 12], seconds=3.0)]
+    f = verdicts.figures(REF, REF, killed, N, moved=["mig-0"])
     assert f["complete"] == 2 and f["identical_to_uninterrupted"] == 1
     assert f["first_divergence"] == {"1": {"index": 4, "uninterrupted": 11, "got": 99}}
     assert f["identical_between_uninterrupted_runs"] == 2
-    assert f["added_seconds_max"] == 0.5
+    # Only the moved stream's latency counts: stream 1 stayed on its decode.
+    assert f["moved"] == 1 and f["added_seconds_max"] == 0.5
     assert verdicts.kill_verdict(f, {"migrated": 1.0}) is None
 
 
@@ -75,6 +76,9 @@ def test_each_way_the_kill_fails_is_named(killed: list[dict[str, Any]], moved: d
 def test_leftovers_above_idle_fail_and_idle_levels_pass() -> None:
     idle = {"prefill": {"sglang:num_used_tokens": 0.0}, "router": {"sglang_pd_router_active_requests": 0.0}}
     assert verdicts.leftover_verdict(idle, idle) is None
+    # A server whose /metrics held none of the gauges shows nothing: that is no pass.
+    unread = {"prefill": {verdicts.ABSENT: ["sglang:num_used_tokens"]}}
+    assert "no gauge read" in (verdicts.leftover_verdict(idle, unread) or "")
     left = {"prefill": {"sglang:num_used_tokens": 48.0}, "router": {"sglang_pd_router_active_requests": 0.0}}
     assert "prefill" in (verdicts.leftover_verdict(idle, left) or "")
     assert "unreachable" in (verdicts.leftover_verdict(idle, {"decode-1": {"unreachable": "ConnectError"}}) or "")
@@ -84,6 +88,18 @@ def test_the_control_must_break_a_stream_and_must_have_killed() -> None:
     assert verdicts.control_verdict([s([1]), s([2], error="upstream")], {"at_s": 0.4}) is None
     assert "no stream" in (verdicts.control_verdict([s([1]), s([2])], {"at_s": 0.4}) or "")
     assert "did not happen" in (verdicts.control_verdict([s([1])], {"not_killed": "ended"}) or "")
+
+
+def test_moved_streams_are_read_from_the_routers_log_lines() -> None:
+    log = "\n".join(
+        [
+            'router | {"msg": "stream moved to another pair", "client_request_id": "mig-3", "to": "http://d1"}',
+            '{"msg": "stream moved to another pair", "client_request_id": "mig-11"}',
+            '{"msg": "request finished", "client_request_id": "mig-4"}',
+            "router | stream moved to another pair {not json",
+        ]
+    )
+    assert verdicts.moved_ids(log) == {"mig-3", "mig-11"}
 
 
 def test_migrations_are_read_by_outcome_from_the_router_metrics() -> None:
@@ -157,5 +173,8 @@ def test_the_stage_runs_against_reference_engines(tmp_path: Path) -> None:
     # fp32 reference engines are deterministic: a moved stream is the uninterrupted one, token for token.
     assert f["identical_to_uninterrupted"] == f["streams"] == 8, f
     assert report["migrations"].get("migrated", 0) >= 1
+    # The router's log named the moved streams, and only their latency is quoted.
+    assert len(report["moved_streams"]) == f["moved"] >= 1 and f["added_seconds_p50"] is not None
+    assert report["restart_s"] > 0  # the control waited for a new decode-0, not the router's stale view
     # The gauges were read for real: the idle reading names each engine's gauges.
     assert "sglang_pd_refengine_kv_pages_used" in report["idle"]["prefill"], report["idle"]
