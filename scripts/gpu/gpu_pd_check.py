@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import itertools
 import json
@@ -1225,9 +1226,8 @@ def stage_breakdown(stack: Stack, report: dict[str, Any]) -> None:
     result = breakdown_stage.measure(ROUTER, delays, out)
     section.update(result)
     events = pd_verdicts.read_fault_log(delays / "delays.log")
-    section["delay_events"] = {f"{e['event']} {e.get('part')}": 0 for e in events}
-    for e in events:  # counted: a delay line is written per slowed batch or chunk
-        section["delay_events"][f"{e['event']} {e.get('part')}"] += 1
+    # Counted: a delay line is written per slowed batch or chunk.
+    section["delay_events"] = dict(collections.Counter(f"{e['event']} {e.get('part')}" for e in events))
     section["table"] = breakdown_stage.table(breakdown_stage.by_case(result))
     section["verdicts"] = breakdown_stage.verdicts(result)
     for name, why in section["verdicts"].items():

@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,12 +58,14 @@ ROUTER_ACTIVE = "sglang_pd_router_active_requests"
 
 @dataclass(frozen=True)
 class Engines:
-    """How to find and read one kind of engine: the decode's command line, and the gauges that count
-    what an engine holds for requests (each reading names the gauges a server did not export)."""
+    """How to find and read one kind of engine: the decode's command line, the gauges that count
+    what an engine holds for requests (each reading names the gauges a server did not export), and
+    the one among them that counts the requests in its running batch."""
 
     kind: str
     decode_needles: tuple[str, ...]
     gauges: tuple[str, ...]
+    running: str
 
 
 SGLANG = Engines(
@@ -82,6 +84,7 @@ SGLANG = Engines(
         "sglang:num_decode_prealloc_queue_reqs",
         "sglang:num_decode_transfer_queue_reqs",
     ),
+    running="sglang:num_running_reqs",
 )
 REFERENCE = Engines(
     kind="reference",
@@ -93,6 +96,7 @@ REFERENCE = Engines(
         "sglang_pd_refengine_waiting_requests",
         "sglang_pd_refengine_kv_transfers_in_flight",
     ),
+    running="sglang_pd_refengine_running_requests",
 )
 
 
@@ -150,7 +154,7 @@ class Stream:
     seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        return {"ids": self.ids, "done": self.done, "error": self.error, "hung": self.hung, "seconds": self.seconds}
+        return asdict(self)
 
 
 def body(i: int, max_new: int) -> dict[str, Any]:
@@ -318,7 +322,7 @@ def find_process(*needles: str) -> int | None:
     for proc in sorted(Path("/proc").glob("[0-9]*"), key=lambda p: int(p.name)):
         with contextlib.suppress(FileNotFoundError, ProcessLookupError, PermissionError):
             cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            if all(n in cmd for n in needles) and "migration_stage" not in cmd:
+            if all(n in cmd for n in needles):
                 return int(proc.name)
     return None
 
@@ -363,7 +367,7 @@ def wait_restarted(
 
 def decoding(engines: Engines, base: str, auth: Mapping[str, str]) -> Callable[[], bool]:
     """Whether the server at `base` has a request in its running batch."""
-    name = "sglang:num_running_reqs" if engines.kind == "sglang" else "sglang_pd_refengine_running_requests"
+    name = engines.running
 
     def probe() -> bool:
         with contextlib.suppress(httpx.HTTPError):
