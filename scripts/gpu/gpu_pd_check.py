@@ -54,6 +54,7 @@ import os
 import re
 import secrets
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -902,6 +903,12 @@ def fault_control(env: dict[str, str], ref: list[dict[str, Any]]) -> dict[str, A
     }
 
 
+def up_argv(topology: str | Path, log_dir: Path) -> list[str]:
+    """`sglang-pd up` of `topology` with sglang, its engines logging to `log_dir`."""
+    cli = [sys.executable, "-m", "sglang_pd.deploy.cli"]
+    return [*cli, "up", str(topology), "--engine", "sglang", "--log-dir", str(log_dir), *UP_OPEN_KV]
+
+
 def stage_pd(
     stack: Stack,
     report: dict[str, Any],
@@ -913,18 +920,7 @@ def stage_pd(
     pd: dict[str, Any] = {}
     report["pd"] = pd
     engine_logs = stack.out / "engines"
-    up = [
-        sys.executable,
-        "-m",
-        "sglang_pd.deploy.cli",
-        "up",
-        TOPOLOGY,
-        "--engine",
-        "sglang",
-        "--log-dir",
-        str(engine_logs),
-        *UP_OPEN_KV,
-    ]
+    up = up_argv(TOPOLOGY, engine_logs)
     pd["argv"] = up[1:]
     env = fault_env(stack.out)
     Path(env[FAULT_FLAG_ENV]).unlink(missing_ok=True)
@@ -1146,8 +1142,7 @@ def stage_smollm2(stack: Stack, report: dict[str, Any], gsm8k: Path | None) -> N
         )
     stack.stop("smollm2-single")
 
-    up = [sys.executable, "-m", "sglang_pd.deploy.cli", "up", str(topology), "--engine", "sglang"]
-    up += ["--log-dir", str(stack.out / "smollm2-engines"), *UP_OPEN_KV]
+    up = up_argv(topology, stack.out / "smollm2-engines")
     stage["pd"] = {"argv": up[1:]}
     stack.start("up", up, env={ENV_WORKER_API_KEY: ENGINE_KEY})
     stage["pd"].update(wait_stack(stack, READY_S))
@@ -1229,8 +1224,7 @@ def stage_routers(stack: Stack, report: dict[str, Any]) -> None:
     then, per cell, our router against smg and what each adds over direct."""
     section: dict[str, Any] = {}
     report["routers"] = section  # filled as the stage goes: a stage cut short keeps its cells
-    up = [sys.executable, "-m", "sglang_pd.deploy.cli", "up", TOPOLOGY, "--engine", "sglang"]
-    up += ["--log-dir", str(stack.out / "routers" / "engines"), *UP_OPEN_KV]
+    up = up_argv(TOPOLOGY, stack.out / "routers" / "engines")
     section["argv"] = up[1:]
     stack.start("up-routers", up, env={ENV_WORKER_API_KEY: ENGINE_KEY})
     section.update(wait_stack(stack, READY_S, name="up-routers"))
@@ -1274,8 +1268,7 @@ def router_table(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "tok_per_s": ours["output_tok_per_s"] / theirs["output_tok_per_s"],
             }
         for arm, adds in cell.get("adds_over_direct_ms", {}).items():
-            ordered = sorted(adds)
-            row[f"{arm}_adds_ms"] = {"median": ordered[len(ordered) // 2], "min": ordered[0], "max": ordered[-1]}
+            row[f"{arm}_adds_ms"] = {"median": statistics.median(adds), "min": min(adds), "max": max(adds)}
         rows.append(row)
     return rows
 
@@ -1292,8 +1285,7 @@ def stage_breakdown(stack: Stack, report: dict[str, Any]) -> None:
         "PD_CHECK_DELAY_DIR": str(delays),
         ENV_WORKER_API_KEY: ENGINE_KEY,
     }
-    up = [sys.executable, "-m", "sglang_pd.deploy.cli", "up", TOPOLOGY, "--engine", "sglang"]
-    up += ["--log-dir", str(out / "engines"), *UP_OPEN_KV]
+    up = up_argv(TOPOLOGY, out / "engines")
     section: dict[str, Any] = {"argv": up[1:]}
     report["breakdown"] = section
     stack.start("up-breakdown", up, env=env)
