@@ -106,6 +106,10 @@ class RouterConfig:
     connect_timeout_s: float = 3.0
     request_timeout_s: float = _SPEC.request_timeout_s
     stream_idle_timeout_s: float = 120.0
+    # A streamed answer whose client has taken none of the router's bytes for this long (its socket
+    # and the router's buffer full) is cut, and its engines' work aborted: a slow reader would hold
+    # a decode slot while the decode generates on. 0: off.
+    slow_reader_timeout_s: float = 30.0
     max_retries: int = 2
     # Moves of one stream to another pair when its decode fails mid-stream (pd/migration.py); 0: off.
     migration_limit: int = 1
@@ -184,7 +188,7 @@ class RouterConfig:
             if problem is not None:
                 raise ValueError(f"Config '{role}_policy' has value {name!r}: {problem}")
         for name in ("max_concurrent_requests", "max_queued_requests", "max_retries", "max_connections",
-                     "migration_limit", "body_min_rate"):  # fmt: skip
+                     "migration_limit", "body_min_rate", "slow_reader_timeout_s"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"Config '{name}' has value {getattr(self, name)}. It must be >= 0.")
         for name in ("health_failure_threshold", "health_success_threshold"):

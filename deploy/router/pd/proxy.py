@@ -141,7 +141,14 @@ class PDProxy:
         if migration is not None:
             mover = StreamMover(self, endpoint, ids.router, migration, pair, watch.gone)
         return RelayResponse(
-            reply, first, outcome, headers=headers, watch=watch, openai=endpoint != "/generate", mover=mover
+            reply,
+            first,
+            outcome,
+            headers=headers,
+            watch=watch,
+            openai=endpoint != "/generate",
+            mover=mover,
+            slow_reader_s=self.config.slow_reader_timeout_s,
         )
 
     async def _attempts(
