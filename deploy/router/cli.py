@@ -195,6 +195,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--request-timeout", "--request-timeout-secs", type=float, default=None, metavar="SECONDS")
     limits.add_argument("--connect-timeout", type=float, default=None, metavar="SECONDS")
     limits.add_argument("--stream-idle-timeout", type=float, default=None, metavar="SECONDS")
+    limits.add_argument(
+        "--slow-reader-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="cut a streamed answer whose client has taken none of its bytes this long, and abort its "
+        "engines' work (default 30; 0: off)",
+    )
     limits.add_argument("--max-retries", type=int, default=None)
     limits.add_argument("--disable-retries", action="store_true", help="--max-retries 0 (smg's spelling)")
     limits.add_argument(
@@ -313,6 +321,7 @@ _FLAG_TO_FIELD = {
     "request_timeout": "request_timeout_s",
     "connect_timeout": "connect_timeout_s",
     "stream_idle_timeout": "stream_idle_timeout_s",
+    "slow_reader_timeout": "slow_reader_timeout_s",
     "max_retries": "max_retries",
     "migration_limit": "migration_limit",
     "health_interval": "health_interval_s",
