@@ -15,9 +15,7 @@ sglang loads. Then, in order:
    (`faults/pd_check_kv_fault.py`); the same prompts must give the same token ids in all five forms;
    then the fault is switched on for the control prompts, whose outputs must differ; usage counts;
    client disconnects abort both servers; 200 aborted requests leave KV usage at idle;
-   `sglang-pd eval gsm8k` end to end; our router, smg (where its wheel was carried) and the two
-   servers directly, rotated round by round at concurrency 1, 8, 32 and 64, streamed and unary
-   (what each router adds); the decode server killed mid-stream.
+   `sglang-pd eval gsm8k` end to end; the decode server killed mid-stream.
    `single` keeps its outputs in --reference, so that `pd` may run in a later call on the machine.
 3. `doctor`: `sglang-pd doctor` on this machine.
 4. `smollm2`: SmolLM2-135M-Instruct on a plain server and through `up`: the capital question and
@@ -28,6 +26,9 @@ sglang loads. Then, in order:
 6. `breakdown`: `up` of the preset under 4 streams of load; the router's TTFT breakdown must add up
    to the client's TTFT within 5 %, and blame a 1 s delay injected into the prefill's forward
    pass, then into its KV send, on the right part (`breakdown_stage.py`, `faults/pd_check_delay.py`).
+7. `routers`: `up` of the preset; our router, smg (where its wheel was carried) and the two servers
+   directly, rotated round by round at concurrency 1, 8, 32 and 64, streamed and unary, each arm
+   and round with prompts of its own; per cell our router over smg and what each adds over direct.
 
 What must hold is in `pd_verdicts.py`: identity by token ids in every form, the context control
 (two prompts that end alike answer differently) and the fault control (a corrupted page shows).
@@ -98,9 +99,9 @@ CONTEXT_PAIR = (
 #: 0.5.17, `_generate_stream_content` in srt/entrypoints/openai/serving_chat.py, lines 749-781);
 #: `<s>`, `</s>` and `<unk>` would decode to nothing with skip_special_tokens on.
 CHAT_EXTRA = {"ignore_eos": True, "skip_special_tokens": False}
-#: The router comparison: our router, smg and the two servers directly, rotated over this many
-#: rounds at each concurrency, streamed and unary.
-ROUTER_ROUNDS = 3
+#: The router comparison (stage `routers`): our router, smg and the two servers directly, rotated
+#: over this many rounds at each concurrency, streamed and unary.
+ROUTER_ROUNDS = 5
 ROUTER_CONCURRENCIES = (1, 8, 32, 64)
 SMG_PORT = 8300
 SMG = f"http://127.0.0.1:{SMG_PORT}"
@@ -511,7 +512,7 @@ def routers_compared(
     """Each arm (name: base URL, None for the two PD servers directly) at `concurrency`, interleaved
     round by round, each arm and round with prompts of its own; per arm the whole summary and each
     round's, and what each router adds over direct per round (its spread)."""
-    per_round = max(concurrency, 8)
+    per_round = latency_requests(concurrency)
     mode = "stream" if stream else "unary"
     raw: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
     for r, arm in arm_order(rounds, list(arms)):
@@ -950,14 +951,6 @@ def stage_pd(
     }
     if gsm8k is not None:
         pd["gsm8k"] = run_gsm8k(stack.out, gsm8k)
-    # The routers compared last among the steps that keep the stack up: the longest step, and the
-    # one a run cut by its deadline can best do without (the verdicts and the abort figures come first).
-    arms: dict[str, str | None] = {"router": ROUTER, "direct": None}
-    pd["smg"] = start_smg(stack)
-    if pd["smg"]["started"]:
-        arms = {"router": ROUTER, "smg": SMG, "direct": None}
-    pd["routers"] = [routers_compared(c, arms, stream=stream) for stream in (True, False) for c in ROUTER_CONCURRENCIES]
-    stack.stop("smg")
     pd["router_workers_before_kill"] = httpx.get(f"{ROUTER}/workers", timeout=5).json()
     decode = find_child("sglang.launch_server", "--disaggregation-mode decode")
     if decode is not None:
@@ -1202,7 +1195,64 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
 #: Each server's share of the GPU in the migration stage, where three share it: 0.25 (20 GiB on an
 #: H100) holds the 4-layer model and a KV pool far larger than 16 streams need.
 MIGRATION_MEM_FRACTION = 0.25
-STAGES = ("single", "pd", "doctor", "smollm2", "migration", "breakdown")
+STAGES = ("single", "pd", "doctor", "smollm2", "migration", "breakdown", "routers")
+
+
+def stage_routers(stack: Stack, report: dict[str, Any]) -> None:
+    """Our router, smg and the two servers directly in front of one `up` of the preset (no fault
+    armed), interleaved round by round at each concurrency, streamed and unary (`routers_compared`);
+    then, per cell, our router against smg and what each adds over direct."""
+    section: dict[str, Any] = {}
+    report["routers"] = section  # filled as the stage goes: a stage cut short keeps its cells
+    up = [sys.executable, "-m", "sglang_pd.deploy.cli", "up", TOPOLOGY, "--engine", "sglang"]
+    up += ["--log-dir", str(stack.out / "routers" / "engines"), *UP_OPEN_KV]
+    section["argv"] = up[1:]
+    stack.start("up-routers", up, env={ENV_WORKER_API_KEY: ENGINE_KEY})
+    section.update(wait_stack(stack, READY_S, name="up-routers"))
+    section["smg"] = start_smg(stack)
+    arms: dict[str, str | None] = {"router": ROUTER, "direct": None}
+    if section["smg"]["started"]:
+        arms = {"router": ROUTER, "smg": SMG, "direct": None}
+    section["rounds"] = ROUTER_ROUNDS
+    cells: list[dict[str, Any]] = []
+    section["cells"] = cells
+    for stream in (True, False):
+        for c in ROUTER_CONCURRENCIES:
+            cells.append(routers_compared(c, arms, stream=stream))
+            section["table"] = router_table(cells)
+            (stack.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    stack.stop("smg")
+    stack.stop("up-routers", signal.SIGINT, grace_s=60)
+
+
+def router_table(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per cell: our router's TTFT p50/p99 (streamed) or end-to-end p50/p99 (unary) and output rate
+    over smg's (a ratio below 1 is faster for latency; above 1 for the rate), and what each router
+    adds over direct per round (ms, median and range)."""
+    rows = []
+    for cell in cells:
+        arms = cell["arms"]
+        lat = "ttft" if cell["mode"] == "stream" else "e2e"
+        row: dict[str, Any] = {"concurrency": cell["concurrency"], "mode": cell["mode"], "latency": lat}
+        for arm, got in arms.items():
+            row[arm] = {
+                "p50_ms": got[f"{lat}_p50_ms"],
+                "p99_ms": got[f"{lat}_p99_ms"],
+                "tok_per_s": got["output_tok_per_s"],
+                "statuses": got["statuses"],
+            }
+        if "smg" in arms:
+            ours, theirs = arms["router"], arms["smg"]
+            row["router_over_smg"] = {
+                "p50": ours[f"{lat}_p50_ms"] / theirs[f"{lat}_p50_ms"],
+                "p99": ours[f"{lat}_p99_ms"] / theirs[f"{lat}_p99_ms"],
+                "tok_per_s": ours["output_tok_per_s"] / theirs["output_tok_per_s"],
+            }
+        for arm, adds in cell.get("adds_over_direct_ms", {}).items():
+            ordered = sorted(adds)
+            row[f"{arm}_adds_ms"] = {"median": ordered[len(ordered) // 2], "min": ordered[0], "max": ordered[-1]}
+        rows.append(row)
+    return rows
 
 
 def stage_breakdown(stack: Stack, report: dict[str, Any]) -> None:
@@ -1326,6 +1376,8 @@ def main() -> int:
                     stage_migration(stack, report)
                 elif stage == "breakdown":
                     stage_breakdown(stack, report)
+                elif stage == "routers":
+                    stage_routers(stack, report)
                 elif stage == "doctor":
                     p = subprocess.run(
                         [sys.executable, "-m", "sglang_pd.deploy.cli", "doctor"],

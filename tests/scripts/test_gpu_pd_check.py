@@ -189,12 +189,21 @@ def test_the_router_comparison_rotates_its_arms_with_prompts_of_their_own(
     )
     assert all(f" {mode} " in str(r["prompt"]) for r in sent)
     # No two requests share their first KV page (16 tokens, a character each): no arm reads another's prefix.
-    assert len({str(r["prompt"])[:16] for r in sent}) == len(sent) == 3 * 3 * 8
-    assert all(got["arms"][arm]["requests"] == 3 * 8 for arm in arms)
+    per_round = check.latency_requests(1)
+    assert len({str(r["prompt"])[:16] for r in sent}) == len(sent) == 3 * 3 * per_round
+    assert all(got["arms"][arm]["requests"] == 3 * per_round for arm in arms)
     assert set(got["adds_over_direct_ms"]) == {"router", "smg"} and len(got["adds_over_direct_ms"]["smg"]) == 3
     timed = "ttft_p50_ms" if stream else "e2e_p50_ms"
-    assert got["arms"]["router"][timed] is not None and got["arms"]["router"]["statuses"] == {"200": 24}
+    assert got["arms"]["router"][timed] is not None and got["arms"]["router"]["statuses"] == {"200": 3 * per_round}
     assert (got["arms"]["router"]["ttft_p50_ms"] is None) is not stream  # unary has no first token to time
+    # The table divides ours by smg's, per cell, and keeps the spread of what each adds over direct.
+    (row,) = check.router_table([got])
+    lat = "ttft" if stream else "e2e"
+    ours, theirs = got["arms"]["router"], got["arms"]["smg"]
+    assert row["router_over_smg"]["p99"] == ours[f"{lat}_p99_ms"] / theirs[f"{lat}_p99_ms"]
+    assert row["router_over_smg"]["tok_per_s"] == ours["output_tok_per_s"] / theirs["output_tok_per_s"]
+    adds = sorted(got["adds_over_direct_ms"]["router"])
+    assert row["router_adds_ms"] == {"median": adds[1], "min": adds[0], "max": adds[2]}
 
 
 def test_quantiles_interpolate_and_say_none_without_samples() -> None:
