@@ -22,6 +22,7 @@ from sglang_pd.deploy.spec.revision import revision_problem
 from sglang_pd.deploy.spec.topology import RouterSpec
 
 from .transport.client import Timeouts
+from .workers.hosts import parse_worker_hosts
 
 __all__ = ["KubernetesDiscoveryConfig", "RouterConfig"]
 
@@ -139,6 +140,9 @@ class RouterConfig:
     # Workers on link-local addresses (169.254.0.0/16, fe80::/10) and cloud metadata addresses
     # are refused, from every source, unless this is set (workers.refused_address).
     allow_link_local_workers: bool = False
+    # Host names, IP addresses and CIDR ranges POST /workers may register workers at, besides the
+    # hosts of the workers given at start and of discovered ones (workers/hosts.py).
+    worker_hosts: tuple[str, ...] = ()
     drain_timeout_s: float = 30.0
     log_level: str = "info"
     # A collector's OTLP/HTTP traces URL; empty: no traces (tracing.py).
@@ -198,6 +202,7 @@ class RouterConfig:
         for name in _POSITIVE:
             if getattr(self, name) <= 0:
                 raise ValueError(f"Config '{name}' has value {getattr(self, name)}. It must be > 0.")
+        parse_worker_hosts(self.worker_hosts)  # a bad entry is refused here, with the fix
         if self.approved_revision and (problem := revision_problem(self.approved_revision)) is not None:
             raise ValueError(f"Config 'approved_revision': {problem}")
         if not 0 <= self.canary_share <= 1:

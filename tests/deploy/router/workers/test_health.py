@@ -203,7 +203,9 @@ def test_start_waits_for_the_first_probes_a_bounded_time(monkeypatch: pytest.Mon
 def test_a_worker_added_at_run_time_is_checked_before_the_answer(cluster_factory: Callable[..., Cluster]) -> None:
     cluster = cluster_factory(1, 1, health_tick_s=0.3)
     admin = {"authorization": "Bearer admin-key"}
-    config = RouterConfig(host="127.0.0.1", port=0, log_level="warning", admin_key="admin-key")
+    config = RouterConfig(
+        host="127.0.0.1", port=0, log_level="warning", admin_key="admin-key", worker_hosts=("prefill-0",)
+    )
     with cluster.serve(config, ready=False) as running:
         p = cluster.prefills[0]
         body = {"url": p.url, "role": "prefill", "bootstrap_port": p.bootstrap_port}
