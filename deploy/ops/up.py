@@ -62,7 +62,7 @@ from sglang_pd.deploy.common.contract import (
 from sglang_pd.deploy.common.logs import JsonFormatter
 from sglang_pd.deploy.common.procs import Child, http_ok, mask_secrets, port_in_use, spawn
 from sglang_pd.deploy.kv.firewall import FirewallError, LocalFirewall, remove_stale_local_chains
-from sglang_pd.deploy.kv.listeners import EXPOSURE_MARK, mooncake_port_range
+from sglang_pd.deploy.kv.listeners import EXPOSURE_MARK, mooncake_port_range, range_held_note
 from sglang_pd.deploy.kv.mooncake_logs import LogAnnotator
 from sglang_pd.deploy.ops.keyfile import KeyFile
 from sglang_pd.deploy.ops.launch import API_KEY_SHOWN, LaunchError, checked_worker_key, sglang_worker_key
@@ -362,6 +362,19 @@ def sglang_children(
     return [*engines, dataclasses.replace(_router_child(t, host, port), secrets=secrets)]
 
 
+# What Mooncake logs when it finds no free port in its range (transfer_engine_impl.cpp); sglang's own
+# error after it blames the transfer engine, not the range.
+MOONCAKE_NO_PORT = "No valid port found for local TCP service"
+
+
+def _port_range_note(spec: ChildSpec, log_tail: str) -> str:
+    """For an engine whose transfer engine found no free port: what holds Mooncake's range."""
+    if not spec.kv or MOONCAKE_NO_PORT not in log_tail:
+        return ""
+    note = range_held_note({**os.environ, **spec.env})
+    return f"\n{spec.name}: {note}" if note else ""
+
+
 def check_fits_this_machine(t: Topology) -> None:
     """TopologyError unless every instance of `t` runs on this one node: `up` starts each sglang
     engine on this machine's first GPUs, which is right only where the topology shares them."""
@@ -516,12 +529,12 @@ class Stack:
                 delay = self._backoff.get(spec.name, self.restart_backoff_s)
                 self._backoff[spec.name] = min(delay * 2, MAX_RESTART_BACKOFF_S)
                 self._restart_at[spec.name] = now + delay
-                where = (
-                    f"; the end of {self.logs[spec.name]}:\n{self.log_tail(spec.name)}"
-                    if spec.name in self.logs
-                    else ""
+                tail = self.log_tail(spec.name)
+                where = f"; the end of {self.logs[spec.name]}:\n{tail}" if spec.name in self.logs else ""
+                self.echo(
+                    f"{spec.name}: exited with code {child.proc.returncode}; restarting in {delay:g} s{where}"
+                    + _port_range_note(spec, tail)
                 )
-                self.echo(f"{spec.name}: exited with code {child.proc.returncode}; restarting in {delay:g} s{where}")
             elif now >= due:
                 del self._restart_at[spec.name]
                 child.reap()
@@ -564,7 +577,8 @@ class Stack:
                 name, rc = dead[0]
                 tail = self.log_tail(name)
                 where = f"the end of {self.logs[name]}:\n{tail}" if tail else "its log lines above"
-                raise RuntimeError(f"{name} exited with code {rc} before it was ready; see {where}")
+                held = _port_range_note(by_name[name], tail)
+                raise RuntimeError(f"{name} exited with code {rc} before it was ready; see {where}{held}")
             for name, url in list(pending.items()):
                 if by_name[name].health_probe(url, headers=by_name[name].health_headers):
                     del pending[name]
