@@ -829,6 +829,31 @@ def load_reference(path: Path, report: dict[str, Any]) -> dict[str, Any] | None:
     return ref
 
 
+def reference_from_report(path: Path, report: dict[str, Any]) -> dict[str, Any] | None:
+    """The single server's outputs as an earlier check's committed report keeps them (each form's
+    statuses and ids, the controls' ids), for a `pd` stage in a call too short for `single`. Taken
+    only when that report's weights and GPU are this run's; the report names where its reference
+    came from (`single_from`), and its commit may differ: what the single server runs is sglang
+    alone, from the preset's rendered single-server command. None otherwise, with the reason."""
+    kept = json.loads(path.read_text())
+    ours, theirs = report["model"]["weights_sha256"], kept.get("model", {}).get("weights_sha256")
+    # The GPU's name; its driver and memory figures, also in the description, may differ by machine.
+    if theirs != ours or str(kept.get("gpu")).split(",")[0] != str(report.get("gpu")).split(",")[0]:
+        report["reference_refused"] = (
+            f"{path}: weights {str(theirs)[:12]} on {kept.get('gpu')}; "
+            f"this run: weights {ours[:12]} on {report.get('gpu')}"
+        )
+        return None
+    single = kept["single"]
+    controls = kept["pd"]["fault_control"]["controls"]
+    report["single"] = single
+    report["single_from"] = f"{path} (commit {kept['commit']}, {kept.get('date')}, {kept.get('gpu')})"
+    return {
+        "forms": {form: list(rows) for form, rows in single["forms"].items()},
+        "controls": [{"status": 200, "ids": c["single"]} for c in controls],
+    }
+
+
 def verdict(report: dict[str, Any], name: str, failure: str | None) -> None:
     """Record one requirement's outcome; a failure makes the run exit 1."""
     report.setdefault("verdicts", {})[name] = failure or "passed"
@@ -1324,6 +1349,13 @@ def main() -> int:
         default=REFERENCE,
         help="where `single` keeps its outputs for a `pd` stage run in a later call on the same machine",
     )
+    parser.add_argument(
+        "--reference-report",
+        type=Path,
+        default=None,
+        help="a committed report of an earlier check on the same GPU and weights whose single-server outputs "
+        "`pd` compares with when `single` does not run (a call too short for both); the report says so",
+    )
     args = parser.parse_args()
     stages = args.stages.split(",")
     unknown = [s for s in stages if s not in STAGES]
@@ -1369,6 +1401,8 @@ def main() -> int:
                 elif stage == "pd":
                     if ref is None:
                         ref = load_reference(args.reference, report)
+                    if ref is None and args.reference_report is not None:
+                        ref = reference_from_report(args.reference_report, report)
                     stage_pd(stack, report, ref, args.gsm8k_data, recording, table)
                 elif stage == "smollm2":
                     stage_smollm2(stack, report, args.gsm8k_data)

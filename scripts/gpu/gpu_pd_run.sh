@@ -54,5 +54,9 @@ if [ "${SKIP_PROBE:-0}" != 1 ] && ! python3 -c 'import json, sys; sys.exit(bool(
   echo "error: modules missing on this machine (see import-probe.json); add them to scripts/gpu/gpu_bundle.py" >&2
   exit 1
 fi
+# PD_REFERENCE_REPORT: a committed report whose single-server outputs `pd` compares with when
+# `single` does not run in this call (gpu_pd_check.py --reference-report).
+reference=()
+if [ -n "${PD_REFERENCE_REPORT:-}" ]; then reference=(--reference-report "$PD_REFERENCE_REPORT"); fi
 python3 scripts/gpu/gpu_pd_check.py --out "$out" --stages "$stages" --gsm8k-data "$bundle/gsm8k-test.jsonl" \
-  ${dirty[@]+"${dirty[@]}"} --deadline-s "${PD_DEADLINE_S:-540}"
+  ${dirty[@]+"${dirty[@]}"} ${reference[@]+"${reference[@]}"} --deadline-s "${PD_DEADLINE_S:-540}"

@@ -279,3 +279,23 @@ def test_an_unknown_stage_is_refused_before_anything_runs(tmp_path: Path, monkey
     monkeypatch.setattr(sys, "argv", ["gpu_pd_check.py", "--out", str(out), "--stages", "single,migrate"])
     assert check.main() == 2
     assert not out.exists()  # refused before the tree check, the model or a server
+
+
+def test_a_committed_reports_single_outputs_are_taken_only_for_the_same_weights_and_gpu(tmp_path: Path) -> None:
+    kept = json.loads((check.REPO / "benchmarks/results/gpu_pd_h100_2026-12-06_34facdb.json").read_text())
+    path = tmp_path / "kept.json"
+    path.write_text(json.dumps(kept))
+    same = {"model": {"weights_sha256": kept["model"]["weights_sha256"]}, "gpu": "NVIDIA H100 80GB HBM3, 999.1, 1 MiB"}
+    ref = check.reference_from_report(path, same)
+    assert ref is not None and same["single_from"].startswith(f"{path} (commit 34facdb")
+    assert ref["forms"]["generate"][0]["ids"] == kept["single"]["forms"]["generate"][0]["ids"]
+    assert [c["ids"] for c in ref["controls"]] == [c["single"] for c in kept["pd"]["fault_control"]["controls"]]
+    # The verdicts read these rows as they read a live single server's.
+    assert check.pd_verdicts.compare_form(ref["forms"]["chat"], ref["forms"]["chat"], check.MAX_NEW_TOKENS)[
+        "all_identical"
+    ]
+    for other in (
+        {"model": {"weights_sha256": "0" * 64}, "gpu": same["gpu"]},
+        {"model": same["model"], "gpu": "NVIDIA H200, 580.159.04, 143771 MiB"},
+    ):
+        assert check.reference_from_report(path, other) is None and "reference_refused" in other
