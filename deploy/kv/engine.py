@@ -31,7 +31,7 @@ from .exceptions import (
     error_for_code,
     map_mooncake_exceptions,
 )
-from .listeners import Listener, exposure_warning, listening_sockets
+from .listeners import Listener, exposure_warning, listening_sockets, range_held_note
 from .metrics import TransferMetrics, TransferResult
 from .pages import PagedLayout, TransferItem, plan_page_writes, split_batches
 
@@ -89,10 +89,15 @@ class KVTransferEngine:
         with map_mooncake_exceptions(op="initialize"):
             rc = te.initialize(self.config.hostname, "P2PHANDSHAKE", self.config.protocol, self.config.device)
         if rc != 0:
+            held = range_held_note()
             raise TransportUnavailable(
                 f"Mooncake could not start a {self.config.protocol} engine on {self.config.hostname} (code {rc}); "
-                "check that the host name is this machine's address"
-                + (" and that the RDMA device exists." if self.config.protocol == "rdma" else ".")
+                + (
+                    held
+                    if held
+                    else "check that the host name is this machine's address"
+                    + (" and that the RDMA device exists." if self.config.protocol == "rdma" else ".")
+                )
             )
         self._te = te
         rpc_port = te.get_rpc_port()

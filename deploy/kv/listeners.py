@@ -17,7 +17,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["EXPOSURE_MARK", "Listener", "exposure_warning", "listening_sockets", "mooncake_port_range"]
+__all__ = [
+    "EXPOSURE_MARK",
+    "Listener",
+    "exposure_warning",
+    "listening_sockets",
+    "mooncake_port_range",
+    "range_held_note",
+]
 
 _LISTEN = "0A"  # the TCP state column of /proc/net/tcp for LISTEN
 WILDCARDS = ("0.0.0.0", "::")
@@ -113,4 +120,43 @@ def exposure_warning(listeners: Iterable[Listener], *, hostname: str, handshake_
         f"{EXPOSURE_MARK}: {named}, although its host name is {hostname} (Mooncake has no bind-address option); "
         f"anyone reaching these ports can read and write this engine's registered KV memory, so firewall TCP "
         f"{low}-{high} (MC_MIN_RPC_PORT/MC_MAX_RPC_PORT) to the other PD engines only (docs/ports-and-auth.md)."
+    )
+
+
+def _held_ports(low: int, high: int) -> dict[int, set[int]]:
+    """Ports in low..high that a socket of this network namespace listens on, each with the uids
+    holding it (/proc/net/tcp and tcp6 list every user's sockets)."""
+    held: dict[int, set[int]] = {}
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            port = int(fields[1].rsplit(":", 1)[1], 16)
+            if fields[3] == _LISTEN and low <= port <= high:
+                held.setdefault(port, set()).add(int(fields[7]))
+    return held
+
+
+def range_held_note(environ: dict[str, str] | None = None) -> str | None:
+    """What holds Mooncake's port range, when something does: a transfer engine binds its ports
+    at random in it and fails to start ("No valid port found for local TCP service") once its
+    tries find none free, an error that otherwise reads like a wrong host name. The fence governs
+    connections, not listeners, so any local user can hold the range. None when no port is held."""
+    low, high = mooncake_port_range(environ)
+    held = _held_ports(low, high)
+    if not held:
+        return None
+    by_uid: dict[int, int] = {}
+    for uids in held.values():
+        for uid in uids:
+            by_uid[uid] = by_uid.get(uid, 0) + 1
+    holders = ", ".join(f"uid {uid}: {n}" for uid, n in sorted(by_uid.items()))
+    return (
+        f"{len(held)} of the {high - low + 1} ports of Mooncake's range TCP {low}-{high} are held by listening "
+        f"sockets ({holders}); a transfer engine binds a free port of that range at random and fails to start "
+        f"when its tries find none. Stop what holds them (ss -ltnp 'sport >= :{low} and sport <= :{high}'), or "
+        "move the engines' range with MC_MIN_RPC_PORT and MC_MAX_RPC_PORT."
     )

@@ -6,9 +6,11 @@ against how the chart set the pod up (`PodSettings`, passed as SGLANG_PD_POD_* v
 what the pod needs (GPUs, /dev/shm, locked memory for Mooncake, IB devices it can open) and then
 execs sglang, or the router. With weights on a volume (the chart's model.source pvc or hostPath)
 sglang gets the directory the chart mounted as --model-path, and HF_HUB_OFFLINE=1. The worker key
-(SGLANG_PD_WORKER_API_KEY, from the chart's Secret) reaches sglang as `--api-key=KEY` only here, at
-start; with a key, sglang runs as a supervised child whose output is masked (`supervise`) instead of
-replacing this process. `--dry-run` prints the exact argv (the key masked) and env instead, and exits
+(SGLANG_PD_WORKER_API_KEY, from the chart's Secret) reaches sglang only here, at start, in a config
+file only this user can read (`keyfile.py`; never on the command line); with a key, sglang runs as a
+supervised child whose output is masked (`supervise`) instead of replacing this process, and the file
+is removed when it exits. `--dry-run` prints the exact argv (the key file shown as a placeholder) and
+env instead, and exits
 1 when a required check fails. `--root DIR` reads the pod's files (topology, devices, /sys, the model
 volume) under DIR, to check a pod's filesystem laid out elsewhere.
 
@@ -63,6 +65,7 @@ from sglang_pd.deploy.ops.group import (
     resolve_all,
     wait_for_leader,
 )
+from sglang_pd.deploy.ops.keyfile import CONFIG_FLAG, KEY_FILE_SHOWN, KeyFile
 from sglang_pd.deploy.ops.netif import interface_addresses, interface_of
 from sglang_pd.deploy.sglang.render import NodeCommand, render_node
 from sglang_pd.deploy.spec.topology import (
@@ -88,10 +91,10 @@ __all__ = [
     "pod_settings_from_env",
     "resolve_command",
     "run",
+    "sglang_worker_key",
     "supervise",
     "under_root",
     "visible_gpus",
-    "worker_key_args",
 ]
 
 # LeaderWorkerSet's per-pod environment (https://lws.sigs.k8s.io/docs/reference/labels-annotations-and-environment-variables/).
@@ -127,10 +130,9 @@ NVIDIA_DEVICE_LIST_DIR = "/var/run/nvidia-container-devices"
 DEV = Path("/dev")
 SHM = Path("/dev/shm")
 
-# sglang takes its API key only as a flag (ServerArgs.api_key; no environment variable reads it),
-# so the launcher appends it when it starts sglang: the key stays out of the pod spec and the
-# topology ConfigMap. One argument, `--api-key=KEY`, so that argparse cannot take a key starting with
-# "-" for an option. `--dry-run` and the masked logs show this placeholder in its place.
+# sglang's flag for its API key. The launcher gives the key in a config file instead (keyfile.py), so
+# that it stays out of the pod spec, the topology ConfigMap and the process's command line; a role
+# whose extra_args set the flag as well is refused. The masked logs show this placeholder for the key.
 API_KEY_FLAG = "--api-key"
 API_KEY_SHOWN = "${" + ENV_WORKER_API_KEY + "}"
 # sglang's multi-tokenizer mode (more than one tokenizer worker) asserts that no API key is set,
@@ -301,20 +303,29 @@ def _flag_value(argv: list[str], flag: str) -> str | None:
     return None
 
 
-def worker_key_args(argv: list[str], env: Mapping[str, str], role: str) -> list[str]:
-    """`--api-key=KEY` for sglang from SGLANG_PD_WORKER_API_KEY, or [] when that is unset.
+def sglang_worker_key(argv: list[str], env: Mapping[str, str], role: str) -> str | None:
+    """The worker key sglang is to get, from SGLANG_PD_WORKER_API_KEY (None when unset), for a
+    `KeyFile`.
 
-    Raises LaunchError when the key is malformed, or the role's command already sets it or asks for
-    more than one tokenizer worker (sglang refuses a key then).
+    Raises LaunchError when the key is malformed or starts with "-" (sglang's parser would take it
+    from the config file for an option), or the role's command already sets a key, or asks for more
+    than one tokenizer worker (sglang refuses a key then).
     """
     key = checked_worker_key(env, ENV_WORKER_API_KEY)
     if key is None:
-        return []
+        return None
+    if key.startswith("-"):
+        raise LaunchError(
+            f"{ENV_WORKER_API_KEY} starts with '-': sglang reads the key from its config file as the value "
+            "after --api-key, and its parser takes a value starting with '-' for an option. Use a key that "
+            "does not start with '-' (the chart's generated Secret and `up`'s generated key never do)."
+        )
+    # (`--config`, which the key file takes, is refused in extra_args by the topology's own rules.)
     if _flag_value(argv, API_KEY_FLAG) is not None:
         raise LaunchError(
             f"{role}.extra_args sets {API_KEY_FLAG} and {ENV_WORKER_API_KEY} is set too; keep the key in the "
             f"Secret (the chart's workerKeySecret) and remove {API_KEY_FLAG} from {role}.extra_args, where it "
-            "would be readable in the topology ConfigMap."
+            "would be readable in the topology ConfigMap and on the process's command line."
         )
     workers = _flag_value(argv, TOKENIZER_WORKERS_FLAG)
     if workers is not None and workers.strip() != "1":
@@ -323,7 +334,7 @@ def worker_key_args(argv: list[str], env: Mapping[str, str], role: str) -> list[
             f"than one tokenizer worker, but {ENV_WORKER_API_KEY} is set; remove {TOKENIZER_WORKERS_FLAG} from "
             f"{role}.extra_args, or unset the chart's workerKeySecret.name."
         )
-    return [f"{API_KEY_FLAG}={key}"]
+    return key
 
 
 def _listed(value: str) -> list[str]:
@@ -752,7 +763,7 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
             if pod.model_path:
                 t = _with_model_path(t, pod.model_path)
             role_env[HF_OFFLINE_ENV] = "1"
-    key_args: list[str] = []
+    key: str | None = None
     try:
         if pd_role is None:
             # The router reads its worker key from the environment itself; check it as sglang's is.
@@ -762,7 +773,7 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
         else:
             cmd = resolve_command(t, args.role, os_env)
             node_rank, argv, role_env = cmd.node_rank, cmd.argv, {**cmd.env, **role_env}
-            key_args = worker_key_args(argv, os_env, args.role)
+            key = sglang_worker_key(argv, os_env, args.role)
     except LaunchError as exc:
         return _fail(str(exc))
     checks = pod_checks(t, args.role, {**os_env, **role_env}, root, pod.model_source if pod else None)
@@ -784,7 +795,7 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
             "role": args.role,
             "node_rank": node_rank,
             "python": sys.executable,  # runs argv, which starts with the module
-            "argv": argv + ([f"{API_KEY_FLAG}={API_KEY_SHOWN}"] if key_args else []),
+            "argv": argv + ([CONFIG_FLAG, KEY_FILE_SHOWN] if key else []),
             "env": role_env,
             "checks": [{"name": c.name, "ok": c.ok, "required": c.required, "detail": c.detail} for c in checks],
             "kv_firewall": firewall_doc,
@@ -852,21 +863,25 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
             )
             return 1
     # Commands name a module (`-m ...`); this interpreter, the one the image installed us in, runs it.
-    command = [sys.executable, *argv, *key_args]
-    if not key_args and firewall is None:
-        os.execvpe(sys.executable, command, env)
+    if key is None and firewall is None:
+        os.execvpe(sys.executable, [sys.executable, *argv], env)
         return 0  # unreachable: execvpe replaces this process
-    # This process stays: to mask the key, and to keep the peers' addresses in the rules current.
-    secrets = (os_env[ENV_WORKER_API_KEY],) if key_args else ()
-    if firewall is None:
-        return supervise(command, env, secrets=secrets)
-    firewall.start()
+    # This process stays: to mask the key, to remove its file, and to keep the peers' addresses in the
+    # rules current.
+    key_file = KeyFile(key) if key is not None else None
+    command = [sys.executable, *argv, *(key_file.args() if key_file else [])]
+    secrets = (key,) if key is not None else ()
+    if firewall is not None:
+        firewall.start()
     try:
         return supervise(command, env, secrets=secrets)
     finally:
+        if key_file is not None:
+            key_file.remove()
         # On the host's network (rdma.mode hostNetwork) the rules would outlive the pod.
-        with contextlib.suppress(FirewallError):
-            firewall.remove()
+        if firewall is not None:
+            with contextlib.suppress(FirewallError):
+                firewall.remove()
 
 
 def supervise(argv: Sequence[str], env: Mapping[str, str], secrets: tuple[str, ...]) -> int:

@@ -14,10 +14,10 @@ is restarted with a back-off while the others keep running: it doubles per resta
 again once a child has run for a healthy minute.
 
 The worker key (SGLANG_PD_WORKER_API_KEY) reaches the children as it does in the cluster: sglang
-engines get `--api-key` from `launch.worker_key_args`, the reference engines and the router read it
-from the environment they inherit. Without one `up` generates a random key for its children, so
-that its engines answer only the router and its own probes. What `up` prints or logs from a child
-shows the key masked.
+engines read it from a config file only this user can read (`keyfile.py`, as `launch` gives it in a
+pod; removed when `up` stops), the reference engines and the router from the environment they
+inherit. Without one `up` generates a random key for its children, so that its engines answer only
+the router and its own probes. What `up` prints or logs from a child shows the key masked.
 
 Mooncake's KV ports (TCP MC_MIN_RPC_PORT..MC_MAX_RPC_PORT) authenticate no one, so `up` fences
 them (kv/firewall.py): the engines run with the group KV_ENGINE_GID, and netfilter rules named
@@ -62,9 +62,10 @@ from sglang_pd.deploy.common.contract import (
 from sglang_pd.deploy.common.logs import JsonFormatter
 from sglang_pd.deploy.common.procs import Child, http_ok, mask_secrets, port_in_use, spawn
 from sglang_pd.deploy.kv.firewall import FirewallError, LocalFirewall, remove_stale_local_chains
-from sglang_pd.deploy.kv.listeners import EXPOSURE_MARK, mooncake_port_range
+from sglang_pd.deploy.kv.listeners import EXPOSURE_MARK, mooncake_port_range, range_held_note
 from sglang_pd.deploy.kv.mooncake_logs import LogAnnotator
-from sglang_pd.deploy.ops.launch import API_KEY_SHOWN, LaunchError, checked_worker_key, worker_key_args
+from sglang_pd.deploy.ops.keyfile import KeyFile
+from sglang_pd.deploy.ops.launch import API_KEY_SHOWN, LaunchError, checked_worker_key, sglang_worker_key
 from sglang_pd.deploy.router.cli import router_flags
 from sglang_pd.deploy.sglang.compat import SglangVersionError, adapt_argv, installed_options
 from sglang_pd.deploy.spec.presets import has_random_weights
@@ -312,11 +313,14 @@ def _secrets(key: str | None) -> tuple[str, ...]:
     return (key,) if key else ()
 
 
-def sglang_children(t: Topology, *, host: str, port: int, env: Mapping[str, str] | None = None) -> list[ChildSpec]:
+def sglang_children(
+    t: Topology, *, host: str, port: int, env: Mapping[str, str] | None = None, key_file: KeyFile | None = None
+) -> list[ChildSpec]:
     """sglang itself from the same topology, where every instance fits this one node.
 
     With SGLANG_PD_WORKER_API_KEY set in `env` (default: this process's environment), each engine
-    gets `--api-key` as `sglang-pd launch` gives it in a pod (LaunchError when the key is malformed).
+    reads it from `key_file`, as `sglang-pd launch` gives it in a pod (LaunchError when the key is
+    malformed or no `key_file` holds it).
     """
     from sglang_pd.deploy.sglang.render import render_plan
 
@@ -334,9 +338,12 @@ def sglang_children(t: Topology, *, host: str, port: int, env: Mapping[str, str]
     for role, cmds in render_plan(t, "127.0.0.1").items():
         for c, ep in zip(cmds, t.instance_endpoints(role), strict=True):
             # The renderer names the module and writes the deployed release's flags; this
-            # process's interpreter runs it, with the flags the installed sglang accepts. The key
-            # goes after the adapted flags, so no version message can quote it.
-            key_args = worker_key_args(c.argv, env, role)
+            # process's interpreter runs it, with the flags the installed sglang accepts.
+            key_args: list[str] = []
+            if sglang_worker_key(c.argv, env, role) is not None:
+                if key_file is None:
+                    raise LaunchError(f"{ENV_WORKER_API_KEY} is set: give sglang_children the KeyFile holding it")
+                key_args = key_file.args()
             argv = [sys.executable, *adapt_argv(c.argv, options, version), *key_args]
             bound = (ep.port, ep.bootstrap_port or 0)
             children.append(
@@ -353,6 +360,19 @@ def sglang_children(t: Topology, *, host: str, port: int, env: Mapping[str, str]
             )
     engines = [dataclasses.replace(c, kv=True) for c in children]
     return [*engines, dataclasses.replace(_router_child(t, host, port), secrets=secrets)]
+
+
+# What Mooncake logs when it finds no free port in its range (transfer_engine_impl.cpp); sglang's own
+# error after it blames the transfer engine, not the range.
+MOONCAKE_NO_PORT = "No valid port found for local TCP service"
+
+
+def _port_range_note(spec: ChildSpec, log_tail: str) -> str:
+    """For an engine whose transfer engine found no free port: what holds Mooncake's range."""
+    if not spec.kv or MOONCAKE_NO_PORT not in log_tail:
+        return ""
+    note = range_held_note({**os.environ, **spec.env})
+    return f"\n{spec.name}: {note}" if note else ""
 
 
 def check_fits_this_machine(t: Topology) -> None:
@@ -509,12 +529,12 @@ class Stack:
                 delay = self._backoff.get(spec.name, self.restart_backoff_s)
                 self._backoff[spec.name] = min(delay * 2, MAX_RESTART_BACKOFF_S)
                 self._restart_at[spec.name] = now + delay
-                where = (
-                    f"; the end of {self.logs[spec.name]}:\n{self.log_tail(spec.name)}"
-                    if spec.name in self.logs
-                    else ""
+                tail = self.log_tail(spec.name)
+                where = f"; the end of {self.logs[spec.name]}:\n{tail}" if spec.name in self.logs else ""
+                self.echo(
+                    f"{spec.name}: exited with code {child.proc.returncode}; restarting in {delay:g} s{where}"
+                    + _port_range_note(spec, tail)
                 )
-                self.echo(f"{spec.name}: exited with code {child.proc.returncode}; restarting in {delay:g} s{where}")
             elif now >= due:
                 del self._restart_at[spec.name]
                 child.reap()
@@ -557,7 +577,8 @@ class Stack:
                 name, rc = dead[0]
                 tail = self.log_tail(name)
                 where = f"the end of {self.logs[name]}:\n{tail}" if tail else "its log lines above"
-                raise RuntimeError(f"{name} exited with code {rc} before it was ready; see {where}")
+                held = _port_range_note(by_name[name], tail)
+                raise RuntimeError(f"{name} exited with code {rc} before it was ready; see {where}{held}")
             for name, url in list(pending.items()):
                 if by_name[name].health_probe(url, headers=by_name[name].health_headers):
                     del pending[name]
@@ -793,6 +814,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    with contextlib.ExitStack() as cleanup:  # files this run writes for its children (the key file)
+        return _run(args, cleanup)
+
+
+def _run(args: argparse.Namespace, cleanup: contextlib.ExitStack) -> int:
     t0 = time.monotonic()
     t, _ = load_checked_topology(args.topology)
     host = args.host or t.router.host
@@ -831,8 +857,12 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return EXIT_INVALID
+        key = worker_key(os.environ)
+        key_file = KeyFile(key) if key is not None else None
+        if key_file is not None:
+            cleanup.callback(key_file.remove)
         try:
-            specs = sglang_children(t, host=host, port=port)
+            specs = sglang_children(t, host=host, port=port, key_file=key_file)
         except (TopologyError, LaunchError, SglangVersionError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return EXIT_INVALID

@@ -13,7 +13,8 @@ Prints one JSON log line a request event, in the format of the router's lines (I
 `GET /health` answers once the model is loaded.
 Test hooks (environment, all off by default): SGLANG_PD_REFENGINE_TEST_SLOW_TRANSFER_S spreads the
 prefill's KV writes over that many seconds; SGLANG_PD_REFENGINE_TEST_PREFILL_DELAY_S adds that many
-seconds to each prefill's forward pass; SGLANG_PD_REFENGINE_TEST_CORRUPT_PAGE=1 overwrites one page with noise
+seconds to each prefill's forward pass; SGLANG_PD_REFENGINE_TEST_PREFILL_ANSWER_DELAY_S holds the
+prefill's answer that long after its KV was sent; SGLANG_PD_REFENGINE_TEST_CORRUPT_PAGE=1 overwrites one page with noise
 after its checksum was taken; SGLANG_PD_REFENGINE_VERIFY_KV=0 turns the decode's check off.
 """
 
@@ -125,6 +126,7 @@ async def _serve(args: argparse.Namespace) -> int:
         verify_kv=os.environ.get(ENV_PREFIX + "VERIFY_KV", "1") != "0",
         test_slow_transfer_s=float(os.environ.get(ENV_PREFIX + "TEST_SLOW_TRANSFER_S", "0")),
         test_prefill_delay_s=float(os.environ.get(ENV_PREFIX + "TEST_PREFILL_DELAY_S", "0")),
+        test_prefill_answer_delay_s=float(os.environ.get(ENV_PREFIX + "TEST_PREFILL_ANSWER_DELAY_S", "0")),
         test_corrupt_page=os.environ.get(ENV_PREFIX + "TEST_CORRUPT_PAGE", "0") == "1",
     )
     try:

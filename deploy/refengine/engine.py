@@ -72,10 +72,13 @@ class EngineConfig:
     kv: KVConfig = field(default_factory=KVConfig)
     verify_kv: bool = True  # decode checks the crc32 of the KV it received
     # Test hooks (SGLANG_PD_REFENGINE_TEST_*), all off by default: spread the prefill's writes over
-    # this many seconds, add this many seconds to each prefill's forward pass, and overwrite one page
+    # this many seconds, add this many seconds to each prefill's forward pass, hold the prefill's
+    # answer this many seconds after its KV was sent (in sglang the decode's first token and the
+    # prefill's answer follow the same transfer event, in either order), and overwrite one page
     # with noise after its crc was taken (as if corrupted in transit).
     test_slow_transfer_s: float = 0.0
     test_prefill_delay_s: float = 0.0
+    test_prefill_answer_delay_s: float = 0.0
     test_corrupt_page: bool = False
     # sglang's /health: a one-token generation, checked every tick, given up after the timeout
     # (`health_generate` in sglang's srt/entrypoints/http_server.py: 1 s, SGLANG_HEALTH_CHECK_TIMEOUT).
@@ -448,6 +451,8 @@ class RefEngine:
             seconds = await self._send(ctx, room, claim, pages)
             if not room.result.done():
                 room.result.set_result({"first_token": first, "crc": crc, "seconds": seconds})
+            if self.config.test_prefill_answer_delay_s > 0:
+                await ctx.guard(asyncio.sleep(self.config.test_prefill_answer_delay_s))
             self.counters["tokens"] += 1
             return self._step(first, 1, params, IncrementalDetokenizer(self.tokenizer))
         except BaseException as exc:

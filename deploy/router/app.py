@@ -269,7 +269,8 @@ class RouterApp:
         elif timing.answered:
             parts = timing.parts()
         self._e2e[endpoint, result].observe(elapsed)
-        level = logging.WARNING if status >= 500 or result == "upstream_error" else logging.INFO
+        cut = isinstance(response, RelayResponse) and response.cut
+        level = logging.WARNING if status >= 500 or result == "upstream_error" or cut else logging.INFO
         if logger.isEnabledFor(level):
             extra: dict[str, Any] = {
                 "endpoint": endpoint,
@@ -279,6 +280,9 @@ class RouterApp:
             }
             if parts:  # unary: the parts of the whole answer; streamed: of its first token
                 extra["timing_ms"] = {name: round(seconds * 1000, 3) for name, seconds in parts.items()}
+            if cut:
+                assert isinstance(response, RelayResponse)
+                extra["cut"] = f"slow reader: one chunk waited {response.slow_reader_s:g} s to be taken"
             logger.log(level, "request finished", extra=extra)
 
     def _count(self, endpoint: str, status: int) -> None:

@@ -195,6 +195,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--request-timeout", "--request-timeout-secs", type=float, default=None, metavar="SECONDS")
     limits.add_argument("--connect-timeout", type=float, default=None, metavar="SECONDS")
     limits.add_argument("--stream-idle-timeout", type=float, default=None, metavar="SECONDS")
+    limits.add_argument(
+        "--slow-reader-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="cut a streamed answer whose client has taken none of its bytes this long, and abort its "
+        "engines' work (default 30; 0: off)",
+    )
     limits.add_argument("--max-retries", type=int, default=None)
     limits.add_argument("--disable-retries", action="store_true", help="--max-retries 0 (smg's spelling)")
     limits.add_argument(
@@ -284,6 +292,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "refused by default from every source",
     )
     security.add_argument(
+        "--worker-hosts",
+        nargs="+",
+        action="append",
+        default=None,
+        metavar="HOST",
+        help="host names, IP addresses or CIDR ranges (e.g. 10.0.0.0/16) POST /workers may register workers at; "
+        "repeatable, commas also separate. The router sends the worker key to every worker it probes, so by "
+        "default the admin API may only name the hosts of the workers given at start (--prefill, --decode, "
+        "--topology) and of discovered ones; with none of those, nothing until this names where workers run. "
+        "Names match as written (no DNS lookup)",
+    )
+    security.add_argument(
         "--worker-api-key",
         default=None,
         help=f"key sent to workers (or {contract.ENV_ROUTER_WORKER_API_KEY}, else {contract.ENV_WORKER_API_KEY})",
@@ -313,6 +333,7 @@ _FLAG_TO_FIELD = {
     "request_timeout": "request_timeout_s",
     "connect_timeout": "connect_timeout_s",
     "stream_idle_timeout": "stream_idle_timeout_s",
+    "slow_reader_timeout": "slow_reader_timeout_s",
     "max_retries": "max_retries",
     "migration_limit": "migration_limit",
     "health_interval": "health_interval_s",
@@ -395,6 +416,9 @@ def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None
     api_keys += [k for k in env.get(contract.ENV_ROUTER_API_KEYS, "").split(",") if k.strip()]
     fields["api_keys"] = tuple(k.strip() for k in api_keys)
     fields["admin_key"] = args.admin_key or env.get(contract.ENV_ROUTER_ADMIN_KEY, "")
+    if args.worker_hosts is not None:
+        entries = [entry for values in args.worker_hosts for value in values for entry in value.split(",")]
+        fields["worker_hosts"] = tuple(entry.strip() for entry in entries if entry.strip())
     if args.canary_share is not None:
         fields["canary_share"] = args.canary_share
     if args.approved_revision is not None:
@@ -446,7 +470,8 @@ def run(args: argparse.Namespace) -> int:
     if not config.prefill_workers and not config.decode_workers and config.kubernetes is None:
         print(
             "sglang-pd router: starting with no workers; add them with POST /workers "
-            "(needs --admin-key), or pass --prefill/--decode, --topology or --kubernetes.",
+            "(needs --admin-key, and --worker-hosts naming where they run), or pass --prefill/--decode, "
+            "--topology or --kubernetes.",
             file=sys.stderr,
         )
     if args.processes > 1:

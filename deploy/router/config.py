@@ -22,6 +22,7 @@ from sglang_pd.deploy.spec.revision import revision_problem
 from sglang_pd.deploy.spec.topology import RouterSpec
 
 from .transport.client import Timeouts
+from .workers.hosts import parse_worker_hosts
 
 __all__ = ["KubernetesDiscoveryConfig", "RouterConfig"]
 
@@ -106,6 +107,10 @@ class RouterConfig:
     connect_timeout_s: float = 3.0
     request_timeout_s: float = _SPEC.request_timeout_s
     stream_idle_timeout_s: float = 120.0
+    # A streamed answer whose client has taken none of the router's bytes for this long (its socket
+    # and the router's buffer full) is cut, and its engines' work aborted: a slow reader would hold
+    # a decode slot while the decode generates on. 0: off.
+    slow_reader_timeout_s: float = 30.0
     max_retries: int = 2
     # Moves of one stream to another pair when its decode fails mid-stream (pd/migration.py); 0: off.
     migration_limit: int = 1
@@ -113,14 +118,15 @@ class RouterConfig:
     retry_max_backoff_s: float = 1.0
     # Health checks (health.py says how they fit sglang's /health, a one-token generation that
     # answers after 1 s at best and 20 s at worst), the stall watchdog and the circuit breaker.
-    # Liveness (GET /v1/models, instant) every health_interval_s with health_timeout_s, and
-    # health_failure_threshold failures in a row eject: a frozen worker is out within
-    # 3 x 2 + 5 = 11 s. The generation probe (GET /health) admits a worker (every
-    # health_interval_s until it passes) and checks an admitted one every
-    # health_generate_interval_s; health_generate_timeout_s is sglang's own 20 s limit plus margin.
-    health_interval_s: float = 2.0
-    health_timeout_s: float = 5.0
-    health_failure_threshold: int = 3
+    # Liveness (GET /v1/models, answered by sglang's HTTP process in milliseconds however busy its
+    # scheduler) every health_interval_s with health_timeout_s, and health_failure_threshold
+    # failures in a row eject: a frozen worker is out within 2 x 0.5 + 1 = 2 s. The generation
+    # probe (GET /health) admits a worker (every health_interval_s until it passes) and checks an
+    # admitted one every health_generate_interval_s; health_generate_timeout_s is sglang's own 20 s
+    # limit plus margin.
+    health_interval_s: float = 0.5
+    health_timeout_s: float = 1.0
+    health_failure_threshold: int = 2
     health_success_threshold: int = 1
     health_generate_interval_s: float = 30.0
     health_generate_timeout_s: float = 25.0
@@ -134,6 +140,9 @@ class RouterConfig:
     # Workers on link-local addresses (169.254.0.0/16, fe80::/10) and cloud metadata addresses
     # are refused, from every source, unless this is set (workers.refused_address).
     allow_link_local_workers: bool = False
+    # Host names, IP addresses and CIDR ranges POST /workers may register workers at, besides the
+    # hosts of the workers given at start and of discovered ones (workers/hosts.py).
+    worker_hosts: tuple[str, ...] = ()
     drain_timeout_s: float = 30.0
     log_level: str = "info"
     # A collector's OTLP/HTTP traces URL; empty: no traces (tracing.py).
@@ -184,7 +193,7 @@ class RouterConfig:
             if problem is not None:
                 raise ValueError(f"Config '{role}_policy' has value {name!r}: {problem}")
         for name in ("max_concurrent_requests", "max_queued_requests", "max_retries", "max_connections",
-                     "migration_limit", "body_min_rate"):  # fmt: skip
+                     "migration_limit", "body_min_rate", "slow_reader_timeout_s"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"Config '{name}' has value {getattr(self, name)}. It must be >= 0.")
         for name in ("health_failure_threshold", "health_success_threshold"):
@@ -193,6 +202,7 @@ class RouterConfig:
         for name in _POSITIVE:
             if getattr(self, name) <= 0:
                 raise ValueError(f"Config '{name}' has value {getattr(self, name)}. It must be > 0.")
+        parse_worker_hosts(self.worker_hosts)  # a bad entry is refused here, with the fix
         if self.approved_revision and (problem := revision_problem(self.approved_revision)) is not None:
             raise ValueError(f"Config 'approved_revision': {problem}")
         if not 0 <= self.canary_share <= 1:

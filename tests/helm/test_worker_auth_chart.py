@@ -14,7 +14,8 @@ import yaml
 
 from sglang_pd.deploy.cli import main as cli_main
 from sglang_pd.deploy.common.contract import ENV_ROUTER_WORKER_API_KEY, ENV_WORKER_API_KEY
-from sglang_pd.deploy.ops.launch import API_KEY_FLAG, API_KEY_SHOWN
+from sglang_pd.deploy.ops.keyfile import CONFIG_FLAG, KEY_FILE_SHOWN
+from sglang_pd.deploy.ops.launch import API_KEY_FLAG
 
 from .conftest import helm_python, one, parse_manifests
 
@@ -137,8 +138,9 @@ def test_the_key_reaches_sglang_only_through_launch(chart, render, tmp_path, mon
     assert cli_main(argv) == 0
     out = capsys.readouterr().out
     argv = json.loads(out)["argv"]
-    assert argv[-1] == f"{API_KEY_FLAG}={API_KEY_SHOWN}"
-    assert [a for a in argv if a.startswith(API_KEY_FLAG)] == [argv[-1]]
+    # In a 0600 config file written at start, never on sglang's command line (deploy/ops/keyfile.py).
+    assert argv[-2:] == [CONFIG_FLAG, KEY_FILE_SHOWN]
+    assert not [a for a in argv if a.startswith(API_KEY_FLAG)]
     assert KEY_VALUE not in out
 
 

@@ -76,7 +76,14 @@ class RouterProtocol(LimitedProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self.scope["extensions"] = {CLIENT_GONE: {"future": self._gone}}  # ASGI: extensions are dicts
+        # ASGI: extensions are dicts. `abort` drops the connection at once, its unsent bytes with it
+        # (a close would wait for a reader that takes nothing: relay.py's slow-reader cut).
+        self.scope["extensions"] = {CLIENT_GONE: {"future": self._gone, "abort": self._abort}}
+
+    def _abort(self) -> None:
+        transport = getattr(self, "transport", None)
+        if transport is not None and not transport.is_closing():
+            transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self._gone.done():

@@ -68,6 +68,7 @@ from ..metrics import RouterMetrics
 from ..transport.client import HttpWorkerClient
 from ..workers.discovery import KubernetesDiscovery
 from ..workers.health import HealthChecker
+from ..workers.hosts import WorkerHosts
 from ..workers.registry import WorkerRegistry, add_configured
 from ..workers.rollout import Rollout
 from .control import HEARTBEAT_S, ControlServer
@@ -120,6 +121,7 @@ class ProcessGroup:
             allow_link_local=config.allow_link_local_workers,
         )
         add_configured(self.registry, config)
+        self.worker_hosts = WorkerHosts.of(config)  # where POST /workers may register workers
         self.client = HttpWorkerClient(timeouts=config.timeouts, api_key=worker_api_key)
         self.health = HealthChecker(
             self.registry,
@@ -356,7 +358,7 @@ class ProcessGroup:
             if op == "add":
                 worker = self.registry.add(
                     args["url"], args["role"], bootstrap_port=args.get("bootstrap_port"), source="api",
-                    revision=args.get("revision"),
+                    revision=args.get("revision"), hosts=self.worker_hosts,
                 )  # fmt: skip
                 await self.health.check(worker, wait_s=self.config.health_timeout_s)
                 return 201, worker.state()
@@ -419,6 +421,7 @@ def _config_from_json(data: dict[str, Any]) -> RouterConfig:
             "api_keys": tuple(data["api_keys"]),
             "prefill_workers": tuple((url, port) for url, port in data["prefill_workers"]),
             "decode_workers": tuple(data["decode_workers"]),
+            "worker_hosts": tuple(data["worker_hosts"]),
         }
     )
 

@@ -62,6 +62,10 @@ __all__ = ["PDProxy"]
 # Decode answered with an error: a dying prefill (failed KV transfer) is the usual cause, and its
 # connection error is due within moments; wait that long before blaming the decode.
 _BLAME_GRACE_S = 0.1
+# How long a request that asked for the TTFT breakdown waits for the prefill's answer before its
+# first bytes leave (`_prefill_answer_for`): sglang's prefill answers within moments of the decode's
+# first token, both following the same transfer event.
+PREFILL_ANSWER_WAIT_S = 2.0
 
 OpenLeg = Callable[[Worker, str, bytes, str], Awaitable[Reply]]
 
@@ -100,6 +104,7 @@ class PDProxy:
             return _refused(reply, ids)
         if endpoint != "/generate":
             body = openai_finish_reasons(body)
+        await _prefill_answer_for(timing, prefill_t)
         headers = _headers(ids, timing, body)
         return Response(body, status_code=reply.status, media_type=reply.content_type, headers=headers)
 
@@ -130,12 +135,20 @@ class PDProxy:
             raise
         self._watch_prefill(prefill_t)
         outcome = PairStreamOutcome(self.legs, pair)
+        await _prefill_answer_for(timing, prefill_t)
         headers = _headers(ids, timing, first)
         mover = None
         if migration is not None:
             mover = StreamMover(self, endpoint, ids.router, migration, pair, watch.gone)
         return RelayResponse(
-            reply, first, outcome, headers=headers, watch=watch, openai=endpoint != "/generate", mover=mover
+            reply,
+            first,
+            outcome,
+            headers=headers,
+            watch=watch,
+            openai=endpoint != "/generate",
+            mover=mover,
+            slow_reader_s=self.config.slow_reader_timeout_s,
         )
 
     async def _attempts(
@@ -420,6 +433,16 @@ def _release_unless_streaming(reservation: Reservation, task: asyncio.Task[Reply
     owner releases it when the stream closes)."""
     if not finished_ok(task) or task.result().stream is None:
         reservation.release_decode()
+
+
+async def _prefill_answer_for(timing: Timing, prefill_t: asyncio.Task[Reply]) -> None:
+    """Where the client asked for the breakdown, wait (at most PREFILL_ANSWER_WAIT_S) for the
+    prefill's answer, which says where its forward pass ended: in sglang the decode's first token and
+    the prefill's answer follow the same KV-transfer event, in either order
+    (srt/disaggregation/prefill.py, decode.py), and without the answer the transfer would count in
+    `prefill`. Requests that did not ask are not held."""
+    if timing.wanted and not prefill_t.done():
+        await asyncio.wait({prefill_t}, timeout=PREFILL_ANSWER_WAIT_S)
 
 
 def _headers(ids: RequestIds, timing: Timing, body: bytes) -> dict[str, str]:

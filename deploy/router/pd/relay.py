@@ -15,12 +15,18 @@ decode's end of body follows before the client hangs up: OpenAI's clients stop r
 `[DONE]` and may close at once, and sglang sends `[DONE]` only after every choice finished
 (`srt/entrypoints/openai/serving_chat.py`, `http_server.py`'s generate stream). Such a client is
 no 499, and its finished request gets no `/abort_request`.
+
+A client too slow for its stream is cut: when one chunk has waited `slow_reader_s` to be taken
+(the client's socket and the router's buffer full), the relay stops, the connection is dropped
+with its unsent bytes, and the stream ends as `abandoned`, which aborts its engines' work. Without
+the cut, a reader that takes nothing would hold a decode slot while the decode generates on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -107,10 +113,12 @@ class RelayResponse(Response):
         watch: ClientWatch | None = None,
         openai: bool = True,
         mover: Mover | None = None,
+        slow_reader_s: float = 0.0,
     ) -> None:
         """`headers`: the answer's own (its request ids). `watch`: the request's watch on the
         client, which the relay takes over (and stops); without one the relay starts its own.
-        `mover`: continues the stream on another pair when its decode fails (migration.py)."""
+        `mover`: continues the stream on another pair when its decode fails (migration.py).
+        `slow_reader_s`: cut a client that has not taken a chunk for this long (0: never)."""
         assert reply.stream is not None, "RelayResponse needs an open stream (WorkerClient.open_stream)"
         # Like StreamingResponse: no body attribute, so no Content-Length header.
         self.status_code = reply.status
@@ -126,12 +134,15 @@ class RelayResponse(Response):
         self.finished = False
         self.delivered = False  # the client got `data: [DONE]`: the answer is whole
         self.abandoned = False  # the client left mid-stream: logged and counted as 499
+        self.slow_reader_s = slow_reader_s
+        self.sending_since = 0.0  # when the chunk being sent was handed over (0: none waits)
+        self.cut = False  # the client was too slow and was cut
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         relay = asyncio.ensure_future(self._relay(send))
         watch = self.watch if self.watch is not None else ClientWatch(scope, receive)
         try:
-            await asyncio.wait({relay, watch.gone}, return_when=asyncio.FIRST_COMPLETED)
+            await self._until_done_or_cut(relay, watch, scope)
         finally:
             if not relay.done():
                 relay.cancel()
@@ -140,6 +151,19 @@ class RelayResponse(Response):
             self._close()
         if relay.done() and not relay.cancelled() and relay.exception() is not None:
             raise relay.exception()  # type: ignore[misc]
+
+    async def _until_done_or_cut(self, relay: asyncio.Future[None], watch: ClientWatch, scope: Scope) -> None:
+        """Wait for the relay's end or the client's; with `slow_reader_s`, also watch the chunk in
+        hand and cut the client once it has waited that long to be taken."""
+        limit = self.slow_reader_s
+        poll = min(max(limit / 4, 0.05), 1.0) if limit > 0 else None
+        while not (await asyncio.wait({relay, watch.gone}, timeout=poll, return_when=asyncio.FIRST_COMPLETED))[0]:
+            if self.sending_since and time.monotonic() - self.sending_since > limit:
+                self.cut = True
+                abort = ((scope.get("extensions") or {}).get(CLIENT_GONE) or {}).get("abort")
+                if abort is not None:
+                    abort()
+                return
 
     async def _relay(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
@@ -192,7 +216,9 @@ class RelayResponse(Response):
             if self.openai:
                 chunk = openai_finish_reasons(chunk)
             if chunk:
+                self.sending_since = time.monotonic()
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                self.sending_since = 0.0
                 if not self.delivered:
                     self.delivered = ends_with_done(tail, chunk)
                     tail = chunk[-len(_DONE) :]

@@ -25,9 +25,10 @@ Each such probe is a generation that takes 1 to 20 s, so the router runs two pro
 A passing generation probe that admits a worker also refreshes what it reports about itself
 (`/server_info`: its DP ranks; `/v1/models`), and closes its circuit breaker: the probe has just
 shown it answers, and keeping it out for the rest of a breaker cooldown would turn away traffic it
-can take. `start()` runs the first generation probes and waits for them at most the liveness
-timeout: an idle sglang passes in about a second, and a router that served before then would
-answer its first requests 503; a probe still running then goes on in the background.
+can take. `start()` runs the first generation probes and waits for them at most START_WAIT_S (or
+the liveness timeout, if longer): an idle sglang passes in about a second, and a router that served
+before then would answer its first requests 503; a probe still running then goes on in the
+background.
 
 `confirm(worker)` is the check `legs.Legs` asks for when a worker answers a request with a 5xx:
 one liveness probe right away, in the background, at most one in flight per worker (a 5xx that
@@ -101,6 +102,10 @@ def dp_ranks(server_info: dict[str, Any]) -> int:
     return size("dp_size") * size("attn_dp_size")
 
 
+# How long `start()` waits for the first generation probes: an idle sglang passes in about a second.
+START_WAIT_S = 5.0
+
+
 class HealthChecker:
     def __init__(
         self,
@@ -140,7 +145,7 @@ class HealthChecker:
         if self.report is None:
             first = [self.generation_probe(w) for w in self.registry.all()]
             if first:
-                await asyncio.wait(first, timeout=self.client.timeouts.health)
+                await asyncio.wait(first, timeout=max(self.client.timeouts.health, START_WAIT_S))
             self._task = asyncio.create_task(self._loop())
         if self.stall_s > 0:
             self._watchdog = asyncio.create_task(self._watch_streams())

@@ -18,6 +18,7 @@ from ..exceptions import WorkerRegistrationError
 from ..types import Role
 from .discovery import KubernetesDiscovery, ListFunc
 from .health import HealthChecker, HealthReport
+from .hosts import WorkerHosts
 from .registry import WorkerRegistry, add_configured
 from .rollout import Rollout
 
@@ -72,10 +73,12 @@ class LocalWorkers:
         self._health: HealthChecker | None = None
         self.discovery: KubernetesDiscovery | None = None
         self._rollout: Rollout | None = None
+        self._hosts: WorkerHosts | None = None
 
     def attach(self, registry: WorkerRegistry, health: HealthChecker, refresh_gauges: Callable[[], None]) -> None:
         self._registry, self._health = registry, health
         add_configured(registry, self._config)
+        self._hosts = WorkerHosts.of(self._config)
         if self._config.kubernetes is not None:
             self.discovery = KubernetesDiscovery(registry, self._config.kubernetes, list_pods=self._list_pods)
 
@@ -90,9 +93,11 @@ class LocalWorkers:
     async def add(
         self, url: str, role: Role, bootstrap_port: int | None, revision: str | None = None
     ) -> tuple[int, dict[str, Any]]:
-        assert self._registry is not None and self._health is not None, "attach() first"
+        assert self._registry is not None and self._health is not None and self._hosts is not None, "attach() first"
         try:
-            worker = self._registry.add(url, role, bootstrap_port=bootstrap_port, source="api", revision=revision)
+            worker = self._registry.add(
+                url, role, bootstrap_port=bootstrap_port, source="api", revision=revision, hosts=self._hosts
+            )
         except WorkerRegistrationError as exc:
             raise ApiError(400, str(exc), param="url", code="invalid_value") from exc
         # Answered once its first probe ended, or after the liveness timeout with the probe going on

@@ -3,7 +3,8 @@
 Every way in (flags, the topology, `POST /workers`, Kubernetes discovery, a process group's
 control process) registers through `WorkerRegistry.add`, which refuses a worker on a link-local
 or cloud metadata address unless the router allows them (`refused_address`): a worker URL makes
-the router send requests there, the worker API key included.
+the router send requests there, the worker API key included. The admin API's registrations must
+also point at an allowed host (`hosts.WorkerHosts`, `--worker-hosts`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .breaker import CircuitBreaker
 if TYPE_CHECKING:
     from ..config import RouterConfig
     from ..pd.legs import PairStreamOutcome
+    from .hosts import WorkerHosts
 
 __all__ = ["Worker", "WorkerRegistry", "add_configured", "normalize_url", "refused_address"]
 
@@ -322,18 +324,22 @@ class WorkerRegistry:
         healthy: bool = False,
         revision: str | None = None,
         default_bootstrap: bool = True,
+        hosts: WorkerHosts | None = None,
     ) -> Worker:
         """Register a worker, or update the bootstrap port and revision of one registered (None: kept).
         A new prefill worker without a bootstrap port gets sglang's default (8998), unless not
         `default_bootstrap`: then it has none, and its requests carry `bootstrap_port: null`, which
         each engine replaces with its own `--disaggregation-bootstrap-port` (sglang's scheduler,
-        `handle_generate_request`), as smg does for `--prefill URL` without a port."""
+        `handle_generate_request`), as smg does for `--prefill URL` without a port. `hosts`: the
+        hosts the admin API may register at (`--worker-hosts`), for its registrations."""
         if role not in ("prefill", "decode"):
             raise WorkerRegistrationError(f"Worker role {role!r} is not valid. Use 'prefill' or 'decode'.")
         if revision and (problem := revision_problem(revision)) is not None:
             raise WorkerRegistrationError(f"Worker {url}: {problem}")
         norm = normalize_url(url)
         if not self._allow_link_local and (refusal := refused_address(norm)) is not None:
+            raise WorkerRegistrationError(refusal)
+        if hosts is not None and (refusal := hosts.refusal(norm, self.all())) is not None:
             raise WorkerRegistrationError(refusal)
         existing = self._workers.get((role, norm))
         if existing is not None:

@@ -17,6 +17,7 @@ from sglang_pd.deploy.common.contract import ENV_ROUTER_WORKER_API_KEY, ENV_WORK
 from sglang_pd.deploy.common.node import CAP_IPC_LOCK, has_capability
 from sglang_pd.deploy.ops import launch
 from sglang_pd.deploy.ops.group import LeaderPort
+from sglang_pd.deploy.ops.keyfile import CONFIG_FLAG, KEY_FILE_SHOWN
 from sglang_pd.deploy.ops.launch import (
     API_KEY_FLAG,
     BOOTSTRAP_IFNAME_ENVS,
@@ -351,10 +352,34 @@ def test_the_worker_key_is_added_from_the_env_and_sglang_then_runs_supervised(mo
     assert rc == 0 and how == [("exec",)]  # no key, nothing to mask: sglang replaces the launcher
     assert not any(a.startswith(API_KEY_FLAG) for a in started[0])
     monkeypatch.setenv(ENV_WORKER_API_KEY, WORKER_KEY)
-    rc, started, how = _start_prefill(monkeypatch)
+    rc, started, how, files = _start_prefill_reading_the_key_file(monkeypatch)
     assert rc == 0 and how == [("supervise", WORKER_KEY)]  # its output masked, the key as the secret
     argv = render_node(load_topology(R1), "prefill").argv
-    assert started[0] == [sys.executable, *argv, f"{API_KEY_FLAG}={WORKER_KEY}"]
+    # Not on the command line, which every local user reads: in a config file sglang reads.
+    assert started[0][:-2] == [sys.executable, *argv] and started[0][-2] == CONFIG_FLAG
+    assert not any(WORKER_KEY in a for a in started[0])
+    path, mode, dir_mode, text = files[0]
+    assert mode == 0o600 and dir_mode == 0o700 and yaml.safe_load(text) == {"api-key": WORKER_KEY}
+    assert not path.exists() and not path.parent.exists()  # removed once sglang has exited
+
+
+def _start_prefill_reading_the_key_file(monkeypatch):
+    """As `_start_prefill`, also reading the key file while the stand-in for sglang runs."""
+    files: list[tuple[Path, int, int, str]] = []
+
+    def supervise(argv, env, secrets) -> int:
+        path = Path(argv[argv.index(CONFIG_FLAG) + 1])
+        files.append((path, path.stat().st_mode & 0o777, path.parent.stat().st_mode & 0o777, path.read_text()))
+        started.append(list(argv))
+        how.append(("supervise", *secrets))
+        return 0
+
+    started: list[list[str]] = []
+    how: list[tuple[str, ...]] = []
+    monkeypatch.setattr(launch, "pod_checks", lambda *a, **k: [])
+    monkeypatch.setattr(launch, "supervise", supervise)
+    rc = main(["launch", "--role", "prefill", "--topology", str(R1), NO_FIREWALL])
+    return rc, started, how, files
 
 
 def test_dry_run_masks_the_worker_key(monkeypatch, capsys) -> None:
@@ -362,20 +387,52 @@ def test_dry_run_masks_the_worker_key(monkeypatch, capsys) -> None:
     argv = ["launch", "--role", "prefill", "--topology", str(R1), "--dry-run", "--skip-checks", NO_FIREWALL]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert json.loads(out)["argv"][-1] == "--api-key=${SGLANG_PD_WORKER_API_KEY}"
+    assert json.loads(out)["argv"][-2:] == [CONFIG_FLAG, KEY_FILE_SHOWN]
     assert WORKER_KEY not in out
 
 
 @pytest.mark.sglang
-@pytest.mark.parametrize("key", [WORKER_KEY, "-" + WORKER_KEY], ids=["key", "key-starting-with-dash"])
-def test_sglangs_parser_takes_the_key(monkeypatch, key) -> None:
+@pytest.mark.parametrize("key", [WORKER_KEY, 'wk-"quoted":#x\\'], ids=["key", "key-with-yaml-characters"])
+def test_sglangs_own_config_reader_takes_the_key_from_the_file(monkeypatch, key) -> None:
+    """sglang's own `prepare_server_args` (its --config merge, then its parser) reads the key."""
     server_args = pytest.importorskip("sglang.srt.server_args", reason="sglang is not installed (the `validate` extra)")
     monkeypatch.setenv(ENV_WORKER_API_KEY, key)
-    _, started = _exec_prefill(monkeypatch)
+    parsed: list[str | None] = []
+
+    def supervise(argv, env, secrets) -> int:
+        assert argv[1:3] == ["-m", "sglang.launch_server"]
+        # Parsed with sglang's argument code only (no start-up checks of the model, GPUs or ports).
+        merger = _config_merger()(_sglang_parser(server_args))
+        merged = merger.merge_config_with_args(argv[3:])
+        parsed.append(_sglang_parser(server_args).parse_args(merged).api_key)
+        return 0
+
+    monkeypatch.setattr(launch, "pod_checks", lambda *a, **k: [])
+    monkeypatch.setattr(launch, "supervise", supervise)
+    assert main(["launch", "--role", "prefill", "--topology", str(R1), NO_FIREWALL]) == 0
+    assert parsed == [key]
+
+
+def _config_merger():
+    """sglang's --config reader: srt/utils/ since 0.5.23, srt/ before."""
+    try:
+        from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+    except ImportError:
+        from sglang.srt.server_args_config_parser import ConfigArgumentMerger
+    return ConfigArgumentMerger
+
+
+def _sglang_parser(server_args) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     server_args.ServerArgs.add_cli_args(parser)
-    assert started[0][1:3] == ["-m", "sglang.launch_server"]
-    assert parser.parse_args(started[0][3:]).api_key == key
+    return parser
+
+
+def test_a_key_starting_with_a_dash_is_refused_before_sglang_starts(monkeypatch, capsys) -> None:
+    monkeypatch.setenv(ENV_WORKER_API_KEY, "-" + WORKER_KEY)
+    rc, started = _exec_prefill(monkeypatch)
+    assert rc == 1 and started == []
+    assert "SGLANG_PD_WORKER_API_KEY starts with '-'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ import yaml
 from sglang_pd.deploy.common.contract import ENV_WORKER_API_KEY
 from sglang_pd.deploy.common.procs import spawn
 from sglang_pd.deploy.ops import up as local
+from sglang_pd.deploy.ops.keyfile import CONFIG_FLAG, KeyFile
 from sglang_pd.deploy.ops.launch import API_KEY_FLAG, API_KEY_SHOWN
 from sglang_pd.deploy.spec.topology import PRESETS_DIR, load_checked_topology
 from tests.support.polling import free_ports
@@ -42,9 +43,10 @@ def _engines(specs: list[local.ChildSpec]) -> list[local.ChildSpec]:
     return [s for s in specs if s.name != "router"]
 
 
-def test_sglang_engines_get_the_key_only_when_it_is_set() -> None:
+def test_sglang_engines_get_the_key_only_when_it_is_set(tmp_path: Path) -> None:
     _installed_sglang()
     from sglang.srt.server_args import ServerArgs
+    from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
 
     t, _ = load_checked_topology("single-h200")
     parser = argparse.ArgumentParser()
@@ -56,13 +58,18 @@ def test_sglang_engines_get_the_key_only_when_it_is_set() -> None:
         assert not any(a.startswith(API_KEY_FLAG) for a in spec.argv)
         assert not spec.health_headers and not spec.secrets
 
-    with_key = local.sglang_children(t, host="127.0.0.1", port=24500, env={ENV_WORKER_API_KEY: KEY})
+    key_file = KeyFile(KEY, parent=tmp_path)
+    with_key = local.sglang_children(t, host="127.0.0.1", port=24500, env={ENV_WORKER_API_KEY: KEY}, key_file=key_file)
     for plain, keyed in zip(_engines(without), _engines(with_key), strict=True):
-        assert keyed.argv == [*plain.argv, f"{API_KEY_FLAG}={KEY}"]
-        # sglang's own parser reads it as its API key (argv: python -m sglang.launch_server ...).
+        # Not on the command line, which every local user can read: in the key file.
+        assert keyed.argv == [*plain.argv, CONFIG_FLAG, str(key_file.path)] and KEY not in " ".join(keyed.argv)
+        # sglang's own reader takes it as its API key (argv: python -m sglang.launch_server ...).
         assert keyed.argv[1:3] == ["-m", "sglang.launch_server"]
-        assert parser.parse_args(keyed.argv[3:]).api_key == KEY
+        merged = ConfigArgumentMerger(parser).merge_config_with_args(keyed.argv[3:])
+        assert parser.parse_args(merged).api_key == KEY
         assert keyed.health_headers == {"authorization": f"Bearer {KEY}"} and keyed.secrets == (KEY,)
+    with pytest.raises(local.LaunchError, match="KeyFile"):
+        local.sglang_children(t, host="127.0.0.1", port=24500, env={ENV_WORKER_API_KEY: KEY})
     router = with_key[-1]
     assert router.name == "router" and API_KEY_FLAG not in router.argv and KEY not in " ".join(router.argv)
 
@@ -73,6 +80,8 @@ def test_a_key_in_extra_args_or_a_malformed_key_is_refused_as_in_a_pod() -> None
     doubled = t.model_copy(update={"prefill": t.prefill.model_copy(update={"extra_args": ["--api-key", "x"]})})
     with pytest.raises(local.LaunchError, match=r"prefill\.extra_args sets --api-key"):
         local.sglang_children(doubled, host="127.0.0.1", port=24500, env={ENV_WORKER_API_KEY: KEY})
+    with pytest.raises(local.LaunchError, match="starts with '-'"):
+        local.sglang_children(t, host="127.0.0.1", port=24500, env={ENV_WORKER_API_KEY: "-" + KEY})
     with pytest.raises(local.LaunchError, match="whitespace or control characters"):
         local.sglang_children(t, host="127.0.0.1", port=24500, env={ENV_WORKER_API_KEY: KEY + "\n"})
     with pytest.raises(local.LaunchError, match="set but empty"):

@@ -64,7 +64,9 @@ def test_queued_request_is_served_when_a_slot_frees(cluster_factory: Callable[..
 def test_workers_added_and_removed_at_run_time(cluster_factory: Callable[..., Cluster]) -> None:
     cluster = cluster_factory(1, 1)
     admin = {"Authorization": "Bearer admin-secret"}
-    with cluster.serve(replace(FAST, admin_key="admin-secret"), ready=False) as running:
+    # Started with no workers: POST /workers may register only where --worker-hosts allows.
+    config = replace(FAST, admin_key="admin-secret", worker_hosts=("prefill-0", "decode-0", "decode-9"))
+    with cluster.serve(config, ready=False) as running:
         url = running.url
         assert httpx.get(url + "/readiness").json() == {"status": "ready", "prefill": 0, "decode": 0}
         p, d = cluster.prefills[0], cluster.decodes[0]

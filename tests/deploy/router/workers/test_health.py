@@ -21,6 +21,7 @@ import pytest
 from sglang_pd.deploy.router.config import RouterConfig
 from sglang_pd.deploy.router.metrics import RouterMetrics
 from sglang_pd.deploy.router.transport.client import Timeouts
+from sglang_pd.deploy.router.workers import health
 from sglang_pd.deploy.router.workers.health import HealthChecker
 from sglang_pd.deploy.router.workers.registry import Worker, WorkerRegistry
 from tests.support.polling import wait_until
@@ -183,14 +184,16 @@ def test_one_generation_probe_in_flight_per_worker() -> None:
     assert fake.health_in_flight_max == 1 and 2 <= fake.health_checks <= 4, fake.health_checks
 
 
-def test_start_waits_for_the_first_probes_at_most_the_liveness_timeout() -> None:
+def test_start_waits_for_the_first_probes_a_bounded_time(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = _decode(frozen=True)  # /health would answer 503 after 20 s
+    monkeypatch.setattr(health, "START_WAIT_S", 0.8)  # 5 s by default
 
     async def scenario() -> None:
         checker, worker = _checker(fake, interval_s=60)
         started = time.monotonic()
         await checker.start()
-        assert 0.45 <= time.monotonic() - started < 1.5  # the liveness timeout is 0.5 s here
+        # START_WAIT_S, or the liveness timeout (0.5 s here) where it is longer.
+        assert 0.75 <= time.monotonic() - started < 1.8
         assert not worker.healthy and fake.health_checks == 1, "the probe goes on"
         await checker.aclose()
 
@@ -200,7 +203,9 @@ def test_start_waits_for_the_first_probes_at_most_the_liveness_timeout() -> None
 def test_a_worker_added_at_run_time_is_checked_before_the_answer(cluster_factory: Callable[..., Cluster]) -> None:
     cluster = cluster_factory(1, 1, health_tick_s=0.3)
     admin = {"authorization": "Bearer admin-key"}
-    config = RouterConfig(host="127.0.0.1", port=0, log_level="warning", admin_key="admin-key")
+    config = RouterConfig(
+        host="127.0.0.1", port=0, log_level="warning", admin_key="admin-key", worker_hosts=("prefill-0",)
+    )
     with cluster.serve(config, ready=False) as running:
         p = cluster.prefills[0]
         body = {"url": p.url, "role": "prefill", "bootstrap_port": p.bootstrap_port}

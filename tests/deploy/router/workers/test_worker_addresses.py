@@ -55,7 +55,9 @@ def test_post_workers_accepts_them_with_the_flag(cluster_factory: Callable[..., 
     # The in-process transport reaches only the test's own workers: the probe of the new worker
     # fails as unreachable and sends nothing to this machine's metadata service.
     cluster = cluster_factory(1, 1)
-    with cluster.serve(cluster.config(admin_key=ADMIN_KEY, allow_link_local_workers=True)) as running:
+    hosts = ("169.254.0.0/16", "fd00:ec2::254", "metadata.google.internal", "fe80::/10")
+    config = cluster.config(admin_key=ADMIN_KEY, allow_link_local_workers=True, worker_hosts=hosts)
+    with cluster.serve(config) as running:
         for url, _ in REFUSED[:5]:
             resp = httpx.post(running.url + "/workers", json={"url": url, "role": "decode"}, headers=ADMIN)
             assert resp.status_code == 201, resp.text
