@@ -29,6 +29,9 @@ sglang loads. Then, in order:
 7. `routers`: `up` of the preset; our router, smg (where its wheel was carried) and the two servers
    directly, rotated round by round at concurrency 1, 8, 32 and 64, streamed and unary, each arm
    and round with prompts of its own; per cell our router over smg and what each adds over direct.
+8. `admission`: `up` of the preset; one client attacks the router's admission (`bench_overload.py`:
+   none, starvation, head-of-line) while 8 others send short chats, whose end-to-end p99 must stay
+   under 1 s with no failure; then an attacker holding every decode slot, reported.
 
 What must hold is in `pd_verdicts.py`: identity by token ids in every form, the context control
 (two prompts that end alike answer differently) and the fault control (a corrupted page shows).
@@ -1215,7 +1218,7 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
 #: Each server's share of the GPU in the migration stage, where three share it: 0.25 (20 GiB on an
 #: H100) holds the 4-layer model and a KV pool far larger than 16 streams need.
 MIGRATION_MEM_FRACTION = 0.25
-STAGES = ("single", "pd", "doctor", "smollm2", "migration", "breakdown", "routers")
+STAGES = ("single", "pd", "doctor", "smollm2", "migration", "breakdown", "routers", "admission")
 
 
 def stage_routers(stack: Stack, report: dict[str, Any]) -> None:
@@ -1300,6 +1303,63 @@ def stage_breakdown(stack: Stack, report: dict[str, Any]) -> None:
     for name, why in section["verdicts"].items():
         verdict(report, f"breakdown_{name}", why)
     stack.stop("up-breakdown", signal.SIGINT, grace_s=60)
+
+
+#: The admission stage: seconds of each attack, and the slot attack's length per stream (long
+#: enough that its streams outlast the attack; short enough to leave the decode in seconds after).
+ADMISSION_SECONDS = 20
+ADMISSION_SLOT_ATTACK_TOKENS = 2048
+
+
+def overload_argv(out: Path, *args: str) -> list[str]:
+    """`benchmarks/bench_overload.py` against the stack's router, writing `out`: one client attacks
+    from 127.0.0.1 while 8 victims from 127.0.0.2 send 4-token streamed chats."""
+    bench = [sys.executable, "-m", "benchmarks.bench_overload", "--router", ROUTER, "--out", str(out)]
+    return [*bench, "--seconds", str(ADMISSION_SECONDS), *args]
+
+
+def stage_admission(stack: Stack, report: dict[str, Any]) -> None:
+    """One client attacking the router's admission while others are served, on real sglang: the
+    attacks of the CPU measurement (docs/admission.md), with the victims' end-to-end p99 held to
+    1 s; then, reported without a verdict, an attacker holding every decode slot the preset has."""
+    out = stack.out / "admission"
+    out.mkdir(parents=True, exist_ok=True)
+    up = up_argv(TOPOLOGY, out / "engines")
+    section: dict[str, Any] = {"argv": up[1:]}
+    report["admission"] = section
+    stack.start("up-admission", up, env={ENV_WORKER_API_KEY: ENGINE_KEY})
+    section.update(wait_stack(stack, READY_S, name="up-admission"))
+    import yaml
+
+    preset = yaml.safe_load((REPO / "deploy/spec/presets" / f"{TOPOLOGY}.yaml").read_text())
+    slots = int(preset["decode"]["max_running_requests"])
+    runs = {
+        "attacks": overload_argv(
+            out / "attacks.json",
+            *("--attack", "none", "--attack", "starvation", "--attack", "head-of-line", "--end-to-end"),
+        ),
+        "all_slots": overload_argv(
+            out / "all_slots.json",
+            *("--attack", "starvation", "--starvation-streams", str(slots)),
+            *("--starvation-max-tokens", str(ADMISSION_SLOT_ATTACK_TOKENS), "--end-to-end"),
+        ),
+    }
+    for name, argv in runs.items():
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=ADMISSION_SECONDS * 4 + 120, cwd=REPO)
+        kept = json.loads((out / f"{name}.json").read_text()) if (out / f"{name}.json").exists() else {}
+        section[name] = {"argv": argv[1:], "exit_code": p.returncode, "output": p.stdout[-4000:] + p.stderr[-4000:]}
+        section[name]["results"] = kept.get("results", [])
+    for row in section["attacks"]["results"]:
+        failure = None
+        if not (row["victims_ok"] and row["victims_end_to_end_ok"]):
+            failure = (
+                f"victims {row['victims']['outcomes']}, end-to-end p99 {row['victim_p99_s']} s, "
+                f"admission wait p99 {row['victim_admission_wait_p99_s']} s (bound 1 s)"
+            )
+        verdict(report, f"admission_{row['attack']}", failure)
+    if not section["attacks"]["results"]:
+        verdict(report, "admission", f"no result: {section['attacks']['output'][-500:]}")
+    stack.stop("up-admission", signal.SIGINT, grace_s=60)
 
 
 def stage_migration(stack: Stack, report: dict[str, Any]) -> None:
@@ -1404,6 +1464,8 @@ def main() -> int:
                     stage_breakdown(stack, report)
                 elif stage == "routers":
                     stage_routers(stack, report)
+                elif stage == "admission":
+                    stage_admission(stack, report)
                 elif stage == "doctor":
                     p = subprocess.run(
                         [sys.executable, "-m", "sglang_pd.deploy.cli", "doctor"],
