@@ -1366,7 +1366,9 @@ def stage_migration(stack: Stack, report: dict[str, Any]) -> None:
     """A decode killed mid-stream on a one-GPU 1P2D stack (`migration_stage.py`)."""
     out = stack.out / "migration"
     out.mkdir(parents=True, exist_ok=True)
-    preset = REPO / "deploy/spec/presets" / f"{TOPOLOGY}.yaml"
+    # The preset as installed, whose model folder holds the weights `prepare_model` seeded (the
+    # checkout's copy of the folder has none).
+    preset = Path(report["model"]["model_dir"]).parents[1] / f"{TOPOLOGY}.yaml"
     topology = migration_stage.one_prefill_two_decodes(preset, out, mem_fraction=MIGRATION_MEM_FRACTION)
     section: dict[str, Any] = {}
     report["migration"] = section  # filled as the stage goes: a stage cut short keeps what it measured
