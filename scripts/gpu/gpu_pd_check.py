@@ -1318,6 +1318,17 @@ def overload_argv(out: Path, *args: str) -> list[str]:
     return [*bench, "--seconds", str(ADMISSION_SECONDS), *args]
 
 
+def admission_failure(row: dict[str, Any]) -> str | None:
+    """Why one attack's victims fared worse than the bound (`bench_overload.run_attack`'s row:
+    every victim request 200, p99 admission wait and end-to-end p99 under 1 s), or None."""
+    if row["victims_ok"] and row["victims_end_to_end_ok"]:
+        return None
+    return (
+        f"{row['attack']}: victims {row['victims']['outcomes']}, end-to-end p99 {row['victim_p99_s']} s, "
+        f"admission wait p99 {row['victim_admission_wait_p99_s']} s (bound 1 s)"
+    )
+
+
 def stage_admission(stack: Stack, report: dict[str, Any]) -> None:
     """One client attacking the router's admission while others are served, on real sglang: the
     attacks of the CPU measurement (docs/admission.md), with the victims' end-to-end p99 held to
@@ -1350,13 +1361,7 @@ def stage_admission(stack: Stack, report: dict[str, Any]) -> None:
         section[name] = {"argv": argv[1:], "exit_code": p.returncode, "output": p.stdout[-4000:] + p.stderr[-4000:]}
         section[name]["results"] = kept.get("results", [])
     for row in section["attacks"]["results"]:
-        failure = None
-        if not (row["victims_ok"] and row["victims_end_to_end_ok"]):
-            failure = (
-                f"victims {row['victims']['outcomes']}, end-to-end p99 {row['victim_p99_s']} s, "
-                f"admission wait p99 {row['victim_admission_wait_p99_s']} s (bound 1 s)"
-            )
-        verdict(report, f"admission_{row['attack']}", failure)
+        verdict(report, f"admission_{row['attack']}", admission_failure(row))
     if not section["attacks"]["results"]:
         verdict(report, "admission", f"no result: {section['attacks']['output'][-500:]}")
     stack.stop("up-admission", signal.SIGINT, grace_s=60)

@@ -299,3 +299,22 @@ def test_a_committed_reports_single_outputs_are_taken_only_for_the_same_weights_
         {"model": same["model"], "gpu": "NVIDIA H200, 580.159.04, 143771 MiB"},
     ):
         assert check.reference_from_report(path, other) is None and "reference_refused" in other
+
+
+def test_an_attack_fails_the_admission_verdict_when_victims_fail_or_wait_or_take_over_a_second() -> None:
+    bench = importlib.import_module("benchmarks.bench_overload")
+    ok = {
+        "attack": "starvation",
+        "victims": {"outcomes": {"200": 1726}},
+        "victim_p99_s": 0.449,
+        "victim_admission_wait_p99_s": 0.0,
+        "victims_ok": True,
+        "victims_end_to_end_ok": True,
+    }
+    assert check.admission_failure(ok) is None
+    slow = {**ok, "victim_p99_s": 5.911, "victims_end_to_end_ok": False}
+    assert "end-to-end p99 5.911 s" in str(check.admission_failure(slow))
+    refused = {**ok, "victims": {"outcomes": {"200": 40, "429": 2}}, "victims_ok": False}
+    assert "'429': 2" in str(check.admission_failure(refused))
+    # The bound the row's flags come from is the benchmark's own.
+    assert bench.VICTIM_P99_BOUND_S == 1.0
