@@ -89,16 +89,10 @@ class KVTransferEngine:
         with map_mooncake_exceptions(op="initialize"):
             rc = te.initialize(self.config.hostname, "P2PHANDSHAKE", self.config.protocol, self.config.device)
         if rc != 0:
-            held = range_held_note()
-            raise TransportUnavailable(
-                f"Mooncake could not start a {self.config.protocol} engine on {self.config.hostname} (code {rc}); "
-                + (
-                    held
-                    if held
-                    else "check that the host name is this machine's address"
-                    + (" and that the RDMA device exists." if self.config.protocol == "rdma" else ".")
-                )
-            )
+            rdma = " and that the RDMA device exists" if self.config.protocol == "rdma" else ""
+            hint = range_held_note() or f"check that the host name is this machine's address{rdma}."
+            where = f"a {self.config.protocol} engine on {self.config.hostname}"
+            raise TransportUnavailable(f"Mooncake could not start {where} (code {rc}); {hint}")
         self._te = te
         rpc_port = te.get_rpc_port()
         self.session_id = f"{self.config.hostname}:{rpc_port}"

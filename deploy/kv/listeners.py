@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +73,20 @@ def _socket_inodes(pid: int | str) -> set[str]:
     return inodes
 
 
+def _listen_rows(net: str) -> Iterator[list[str]]:
+    """The LISTEN rows of `net`/tcp and `net`/tcp6 (/proc/net, or one process's /proc/PID/net),
+    split into their columns: 1 local address:port (hex), 7 uid, 9 socket inode."""
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"{net}/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue  # no IPv6 in this kernel
+        for line in lines:
+            fields = line.split()
+            if fields[3] == _LISTEN:
+                yield fields
+
+
 def listening_sockets(pid: int | str = "self") -> set[Listener] | None:
     """The TCP sockets process `pid` listens on; None where /proc cannot say (not Linux, or
     another user's process)."""
@@ -81,16 +95,10 @@ def listening_sockets(pid: int | str = "self") -> set[Listener] | None:
     except OSError:
         return None
     found = set()
-    for table in ("tcp", "tcp6"):
-        try:
-            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
-        except OSError:
-            continue  # no IPv6 in this kernel
-        for line in lines:
-            fields = line.split()
-            if fields[3] == _LISTEN and fields[9] in inodes:
-                hex_addr, hex_port = fields[1].rsplit(":", 1)
-                found.add(Listener(_address(hex_addr), int(hex_port, 16)))
+    for fields in _listen_rows(f"/proc/{pid}/net"):
+        if fields[9] in inodes:
+            hex_addr, hex_port = fields[1].rsplit(":", 1)
+            found.add(Listener(_address(hex_addr), int(hex_port, 16)))
     return found
 
 
@@ -127,16 +135,10 @@ def _held_ports(low: int, high: int) -> dict[int, set[int]]:
     """Ports in low..high that a socket of this network namespace listens on, each with the uids
     holding it (/proc/net/tcp and tcp6 list every user's sockets)."""
     held: dict[int, set[int]] = {}
-    for table in ("tcp", "tcp6"):
-        try:
-            lines = Path(f"/proc/net/{table}").read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            port = int(fields[1].rsplit(":", 1)[1], 16)
-            if fields[3] == _LISTEN and low <= port <= high:
-                held.setdefault(port, set()).add(int(fields[7]))
+    for fields in _listen_rows("/proc/net"):
+        port = int(fields[1].rsplit(":", 1)[1], 16)
+        if low <= port <= high:
+            held.setdefault(port, set()).add(int(fields[7]))
     return held
 
 

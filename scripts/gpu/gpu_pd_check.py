@@ -1340,10 +1340,9 @@ def stage_admission(stack: Stack, report: dict[str, Any]) -> None:
     report["admission"] = section
     stack.start("up-admission", up, env={ENV_WORKER_API_KEY: ENGINE_KEY})
     section.update(wait_stack(stack, READY_S, name="up-admission"))
-    import yaml
+    from sglang_pd.deploy.spec.topology import load_topology
 
-    preset = yaml.safe_load((REPO / "deploy/spec/presets" / f"{TOPOLOGY}.yaml").read_text())
-    slots = int(preset["decode"]["max_running_requests"])
+    slots = load_topology(TOPOLOGY).decode.max_running_requests
     runs = {
         "attacks": overload_argv(
             out / "attacks.json",
