@@ -4,6 +4,12 @@ A raw socket with a small receive buffer asks for a long stream and reads nothin
 waited `--slow-reader-timeout` to be taken, the router drops the connection and aborts the
 request on both engines: the decode stops generating long before the answer's end. The control:
 with the cut off (0), the same reader holds the decode's slot while it generates on.
+
+The cut comes once the bytes nobody takes have filled the client's socket, the router's kernel
+buffer and its transport buffer: about 1,300 tokens of this stream, some 5 s on a quiet 2-core
+machine and several times that under a parallel test run. So the cut case waits on those bytes
+(up to `CUT_WINDOW_S`), and checks that the decode stopped because its request was aborted, not
+because the answer ended.
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ from .conftest import Proc, launcher
 pytestmark = pytest.mark.slow
 
 CUT_S = 1.0
-MAX_NEW = 4000  # far more tokens than the decode makes in the observed window
-WINDOW_S = 15.0  # how long the reader is watched
+MAX_NEW = 4000  # near the engines' 4,096-token context: the answer ends long after the cut would come
+CUT_WINDOW_S = 120.0  # the longest wait for the cut: the buffers fill at the decode's token rate
+WINDOW_S = 15.0  # how long the control's reader is watched
 
 
 def _silent_reader(url: str) -> socket.socket:
@@ -46,11 +53,11 @@ def _running(decode: Proc) -> float:
     return decode.metric("sglang_pd_refengine_running_requests")
 
 
-def _watch(decode: Proc) -> tuple[float | None, float | None]:
-    """Seconds until the decode runs the request, and until it stops running it (None: not within WINDOW_S)."""
+def _watch(decode: Proc, window_s: float) -> tuple[float | None, float | None]:
+    """Seconds until the decode runs the request, and until it stops running it (None: not within `window_s`)."""
     t0 = time.monotonic()
     started = stopped = None
-    while time.monotonic() - t0 < WINDOW_S:
+    while time.monotonic() - t0 < window_s:
         running = _running(decode)
         if started is None and running > 0:
             started = time.monotonic() - t0
@@ -82,10 +89,15 @@ def test_a_reader_that_takes_nothing_is_cut_and_its_decode_work_aborted(tmp_path
         lx.wait()
         sock = _silent_reader(router.url)
         try:
-            started, stopped = _watch(decode)
+            started, stopped = _watch(decode, CUT_WINDOW_S if cut else WINDOW_S)
             assert started is not None, "the decode never ran the request"
             if cut:
-                assert stopped is not None, f"the decode still generates after {WINDOW_S} s: the reader was not cut"
+                assert stopped is not None, f"the decode still generates after {CUT_WINDOW_S} s: the reader was not cut"
+                made = decode.metric("sglang_pd_refengine_generation_tokens_total")
+                assert decode.metric("sglang_pd_refengine_aborted_requests_total") == 1, (
+                    f"the decode stopped after {made:g} of {MAX_NEW} tokens without an abort"
+                )
+                assert made < MAX_NEW
                 assert _dropped(sock), "the router kept the slow reader's connection open"
                 # The router says why (a warning: the router runs at --log-level warning here).
                 assert "slow reader: one chunk waited 1 s to be taken" in router.log.read_text()
@@ -93,5 +105,6 @@ def test_a_reader_that_takes_nothing_is_cut_and_its_decode_work_aborted(tmp_path
                 # The control: nothing cuts the reader, and the decode generates on for it.
                 assert stopped is None, f"the decode stopped after {stopped} s with the cut off"
                 assert _running(decode) == 1
+                assert decode.metric("sglang_pd_refengine_aborted_requests_total") == 0
         finally:
             sock.close()
