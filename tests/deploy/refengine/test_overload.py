@@ -81,7 +81,9 @@ def test_a_full_router_queue_answers_429_with_retry_after(tmp_path: Path) -> Non
         router = lx.router(prefill, decode, args=["--max-queued-requests", "1", "--queue-timeout", "2"])
         lx.wait()
         long: list[Outcome] = []
-        holders = [threading.Thread(target=_stream, args=(router, 400, long)) for _ in range(2)]
+        # The holders must outlast the waiter's 0.5 s + 2 s: at the tiny model's ~270 tokens/s on a quiet
+        # 2-core machine, 400 tokens lasted about 1.5 s and the waiter was admitted. The abort below ends them.
+        holders = [threading.Thread(target=_stream, args=(router, 3000, long)) for _ in range(2)]
         for t in holders:
             t.start()
         deadline = time.monotonic() + 30
