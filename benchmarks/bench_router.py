@@ -72,6 +72,9 @@ class Cell:
     p99_ms: float = 0.0
     ttfb_p50_ms: float = 0.0
     cpu_ms_per_req: float = 0.0  # the router process's CPU (user + system, all threads) per request
+    # The test workers' CPU per request (all prefills and decodes): a target that makes the workers
+    # work harder (more reads per request, new connections) slows every target on a shared machine.
+    worker_cpu_ms_per_req: float = 0.0
     error_samples: list[str] = field(default_factory=list)
 
 
@@ -239,7 +242,13 @@ def _drive_in_child(
 
 
 def measure_cell(
-    send: Sender, cell: Cell, duration: float, warmup: float, pids: list[int], loadgen_processes: int = 1
+    send: Sender,
+    cell: Cell,
+    duration: float,
+    warmup: float,
+    pids: list[int],
+    loadgen_processes: int = 1,
+    worker_pids: list[int] | None = None,
 ) -> None:
     """Fill `cell` with one closed-loop measurement. With `loadgen_processes` > 1 the cell's
     concurrency is split over that many forked load generator processes (one Python process
@@ -249,12 +258,13 @@ def measure_cell(
     shares = max(1, min(loadgen_processes, cell.concurrency))
     if shares == 1:
 
-        async def alone() -> tuple[_Drive, float]:
+        async def alone() -> tuple[_Drive, float, float]:
             cpu = asyncio.ensure_future(_cpu_during(pids, measure_from, stop_at))
+            workers_cpu = asyncio.ensure_future(_cpu_during(worker_pids or [], measure_from, stop_at))
             drive = await _drive(send, cell.stream, cell.concurrency, measure_from, stop_at)
-            return drive, await cpu
+            return drive, await cpu, await workers_cpu
 
-        drive, cpu = asyncio.run(alone())
+        drive, cpu, workers_cpu = asyncio.run(alone())
         parts = [drive]
     else:
         ctx = multiprocessing.get_context("fork")
@@ -267,7 +277,13 @@ def measure_cell(
             writer.close()
             pipes.append(reader)
             procs.append(proc)
-        cpu = asyncio.run(_cpu_during(pids, measure_from, stop_at))
+
+        async def watch() -> tuple[float, float]:
+            both = _cpu_during(pids, measure_from, stop_at), _cpu_during(worker_pids or [], measure_from, stop_at)
+            cpu, workers_cpu = await asyncio.gather(*both)
+            return cpu, workers_cpu
+
+        cpu, workers_cpu = asyncio.run(watch())
         parts = [reader.recv() for reader in pipes]
         for proc in procs:
             proc.join()
@@ -283,6 +299,7 @@ def measure_cell(
     cell.p99_ms = _pct(latencies, 0.99)
     cell.ttfb_p50_ms = _pct(ttfbs, 0.50)
     cell.cpu_ms_per_req = cpu * 1000 / cell.requests if cell.requests and pids else 0.0
+    cell.worker_cpu_ms_per_req = workers_cpu * 1000 / cell.requests if cell.requests and worker_pids else 0.0
 
 
 @contextlib.contextmanager
@@ -330,7 +347,7 @@ def _find_smg() -> str | None:
 def _table(cells: list[Cell], direct_p50: dict[tuple[bool, int], float]) -> str:
     head = (
         f"{'target':<9} {'stream':<6} {'conc':>4} {'req/s':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} "
-        f"{'ttfb p50':>9} {'+p50 vs direct':>15} {'cpu ms/req':>10} {'errors':>6}"
+        f"{'ttfb p50':>9} {'+p50 vs direct':>15} {'cpu ms/req':>10} {'workers ms/req':>14} {'errors':>6}"
     )
     lines = [head, "-" * len(head)]
     for c in cells:
@@ -338,7 +355,8 @@ def _table(cells: list[Cell], direct_p50: dict[tuple[bool, int], float]) -> str:
         lines.append(
             f"{c.target:<9} {('yes' if c.stream else 'no'):<6} {c.concurrency:>4} {c.rps:>9.0f} {c.p50_ms:>8.2f} "
             f"{c.p90_ms:>8.2f} {c.p99_ms:>8.2f} {c.ttfb_p50_ms:>9.2f} {added:>+15.2f} "
-            f"{(f'{c.cpu_ms_per_req:.3f}' if c.cpu_ms_per_req else '-'):>10} {c.errors:>6}"
+            f"{(f'{c.cpu_ms_per_req:.3f}' if c.cpu_ms_per_req else '-'):>10} "
+            f"{(f'{c.worker_cpu_ms_per_req:.3f}' if c.worker_cpu_ms_per_req else '-'):>14} {c.errors:>6}"
         )
     return "\n".join(lines)
 
@@ -434,12 +452,19 @@ def main(argv: list[str] | None = None) -> int:
                         for target in order:
                             cell = Cell(target, stream, conc)
                             measure_cell(
-                                senders[target], cell, args.duration, args.warmup, pids[target], args.loadgen_processes
+                                senders[target],
+                                cell,
+                                args.duration,
+                                args.warmup,
+                                pids[target],
+                                args.loadgen_processes,
+                                worker_pids=[w.child.pid for w in prefills + decodes],
                             )
                             rounds.setdefault((target, stream, conc), []).append(cell)
                             print(
                                 f"  round {r} {target:<9} stream={stream!s:<5} c={conc:<3} {cell.rps:8.0f} req/s  "
-                                f"p50 {cell.p50_ms:7.2f} ms  errors {cell.errors}",
+                                f"p50 {cell.p50_ms:7.2f} ms  router {cell.cpu_ms_per_req:.3f} workers "
+                                f"{cell.worker_cpu_ms_per_req:.3f} ms/req  errors {cell.errors}",
                                 file=sys.stderr,
                                 flush=True,
                             )
@@ -464,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
                     p99_ms=statistics.median(c.p99_ms for c in runs),
                     ttfb_p50_ms=statistics.median(c.ttfb_p50_ms for c in runs),
                     cpu_ms_per_req=statistics.median(c.cpu_ms_per_req for c in runs),
+                    worker_cpu_ms_per_req=statistics.median(c.worker_cpu_ms_per_req for c in runs),
                     error_samples=[e for c in runs for e in c.error_samples][:3],
                 )
                 cells.append(merged)
