@@ -29,6 +29,12 @@ slots or tokens, k the clients holding or waiting, is passed over while another 
 waits. Reservations are made when a pair is picked (`Reservation`), so that two requests picked in
 the same tick cannot both take a worker's last slot, and released when each leg ends.
 
+With a client reserve (`--client-reserve R`), no client holds more than 1 - R of those slots or
+tokens even while it is alone: the rest waits for the next client to arrive, which a client holding
+every slot would otherwise keep waiting until one of its requests ends. Off by default: behind a
+proxy that hides client addresses, without client keys, every request is one client, and a reserve
+would only idle capacity.
+
 In a router process group (`group.py`) each serving process counts its own reservations against a
 worker's whole capacity, and its own clients' shares.
 """
@@ -93,6 +99,11 @@ _FULL = (
 _TIMEOUT = (
     "Every worker pair stayed at its capacity for the queue timeout of {timeout:g} s. Retry after the "
     "Retry-After delay, add workers, or raise --queue-timeout."
+)
+_RESERVED = (
+    "This client held {held} of the decodes' {total} request slots for the queue timeout of {timeout:g} s: "
+    "--client-reserve {reserve:g} keeps the rest for other clients. Retry once some of this client's "
+    "requests have ended, or lower --client-reserve."
 )
 
 
@@ -282,8 +293,11 @@ class CapacityGate:
         timeout_s: float,
         on_depth: Callable[[int], None] | None = None,
         registry: WorkerRegistry | None = None,
+        reserve: float = 0.0,
     ) -> None:
+        """`reserve`: the share of the decodes' slots and tokens no one client may hold (0: none)."""
         self.max_waiting = max_waiting
+        self.reserve = reserve
         self.timeout_s = timeout_s
         self.ledger = ClientLedger()
         self._on_depth = on_depth
@@ -296,6 +310,11 @@ class CapacityGate:
     @property
     def waiting(self) -> int:
         return len(self._queue)
+
+    def must_wait(self, client: str) -> bool:
+        """Whether a request of `client` goes through the queue rather than straight to a pick:
+        others wait already, or the client holds all but the reserve."""
+        return bool(self._queue) or (self.reserve > 0 and self._over_share(client))
 
     def notify(self) -> None:
         """Capacity was released: the waiting requests that fit now get it (`_dispatch`)."""
@@ -312,7 +331,7 @@ class CapacityGate:
         waiter = _Waiter(attempt, demand, loop.create_future())
         # A newcomer tries at once unless the queue's head is past passing or its client holds
         # its share while others wait: every earlier waiter was tried at the last release.
-        if not (self._queue and self._head_is_old()) and not self._over_share(demand.client):
+        if not self._head_is_old() and not self._over_share(demand.client):
             try:
                 return attempt()
             except WorkerAtCapacity:
@@ -325,7 +344,7 @@ class CapacityGate:
             while not waiter.result.done():
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise self._refusal(_TIMEOUT.format(timeout=self.timeout_s), "capacity_queue_timeout")
+                    raise self._timed_out(demand.client)
                 await asyncio.wait({waiter.result, disconnect}, timeout=min(left, _RECHECK_S))
                 if waiter.result.done():
                     break
@@ -371,7 +390,13 @@ class CapacityGate:
                 return  # the requests behind it wait until it fits
 
     def _head_is_old(self) -> bool:
-        return time.monotonic() - self._queue[0].since >= self._pass_limit_s
+        """Whether the first waiter that `_dispatch` would try has waited past the passing limit
+        (a waiter passed over for its client's share holds no one back)."""
+        share = self._share() if self._queue else None
+        for waiter in self._queue:
+            if not self._over_share(waiter.demand.client, share):
+                return time.monotonic() - waiter.since >= self._pass_limit_s
+        return False
 
     def _share(self) -> tuple[int, int, int]:
         """The healthy decodes' slots and tokens, and the number of clients holding or waiting."""
@@ -382,15 +407,36 @@ class CapacityGate:
         return sum(w.max_running or 0 for w in decodes), sum(w.max_total_tokens or 0 for w in decodes), active
 
     def _over_share(self, client: str, share: tuple[int, int, int] | None = None) -> bool:
-        """Whether `client` holds its share of the decodes (1/k of their slots or tokens, k the
-        clients holding or waiting) while another client's request waits."""
-        if len(self._queue) - self._clients.get(client, 0) <= 0:
-            return False
+        """Whether `client` holds its share of the decodes: 1/k of their slots or tokens, k the
+        clients holding or waiting, while another client's request waits; or, with a reserve,
+        1 - reserve of them at any time."""
         slots, tokens = self.ledger.held(client)
         if not slots:
             return False
+        others_wait = len(self._queue) - self._clients.get(client, 0) > 0
+        if not (others_wait or self.reserve):
+            return False
         total_slots, total_tokens, active = share or self._share()
-        return (0 < total_slots <= slots * active) or (0 < total_tokens <= tokens * active)
+        if self.reserve and self._over_reserve(slots, tokens, total_slots, total_tokens):
+            return True
+        return others_wait and ((0 < total_slots <= slots * active) or (0 < total_tokens <= tokens * active))
+
+    def _over_reserve(self, slots: int, tokens: int, total_slots: int, total_tokens: int) -> bool:
+        """Whether a client holding `slots` and `tokens` may take no more: it holds all but the
+        reserve (at least one slot stays its own, so a client alone is never refused outright)."""
+        keep = 1 - self.reserve
+        return (total_slots > 0 and slots >= max(1, math.floor(total_slots * keep))) or (
+            total_tokens > 0 and tokens >= total_tokens * keep
+        )
+
+    def _timed_out(self, client: str) -> ApiError:
+        """The 429 for a request whose queue timeout passed: its client's reserve, or no room."""
+        slots, tokens = self.ledger.held(client)
+        total_slots, total_tokens, _ = self._share()
+        if self.reserve and slots and self._over_reserve(slots, tokens, total_slots, total_tokens):
+            message = _RESERVED.format(held=slots, total=total_slots, timeout=self.timeout_s, reserve=self.reserve)
+            return self._refusal(message, "capacity_client_reserve")
+        return self._refusal(_TIMEOUT.format(timeout=self.timeout_s), "capacity_queue_timeout")
 
     def _forget(self, waiter: _Waiter) -> None:
         try:

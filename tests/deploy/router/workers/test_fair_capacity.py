@@ -156,3 +156,64 @@ def test_a_client_holding_its_share_waits_behind_another_client(
         assert b_status == 200 and b_waited < 1.5, (b_status, b_waited)
         assert a_still_waits, "A's queued request took the freed slot ahead of B"
         assert a_status == 200, "A is served once its streams end"
+
+
+async def _until_admitted(client: httpx.AsyncClient, url: str, n: int, timeout_s: float = 20) -> None:
+    """Until the router's decode has `n` requests admitted."""
+    deadline = time.monotonic() + timeout_s
+    while (admitted := (await client.get(url + "/workers")).json()["decode"][0]["capacity"]["admitted"]) < n:
+        assert time.monotonic() < deadline, f"{admitted} admitted after {timeout_s} s, expected {n}"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("reserve", [0.25, 0.0], ids=["reserve", "control-no-reserve"])
+def test_a_client_alone_leaves_the_reserve_to_the_next_client(
+    cluster_factory: Callable[..., Cluster], reserve: float
+) -> None:
+    # A decode that runs 4 requests; client A, alone, opens 3 long streams and asks for a fourth
+    # slot, then B arrives. With a quarter in reserve, A may hold 3: its fourth waits and B is
+    # served at once, and A's fourth is refused when the queue timeout passes, naming the reserve.
+    # The control, no reserve: A takes the fourth slot and B waits out the queue timeout (429).
+    cluster = cluster_factory(1, 1, token_delay=0.05, max_running_requests=4)
+    config = cluster.config(queue_timeout_s=3.0, client_reserve=reserve)
+    with cluster.serve(config) as running:
+
+        def client(address: str) -> httpx.AsyncClient:
+            # Loopback answers on all of 127.0.0.0/8: B connects from another address.
+            return httpx.AsyncClient(timeout=30, transport=httpx.AsyncHTTPTransport(local_address=address))
+
+        async def scenario() -> tuple[httpx.Response, float, httpx.Response]:
+            async with client("127.0.0.1") as a, client("127.0.0.2") as b, contextlib.AsyncExitStack() as streams:
+                for _ in range(3):
+                    await _hold(streams, a, running.url, _chat("tell me a story", 400))  # 20 s each
+                # 5 s once admitted: longer than B's queue timeout.
+                a_fourth = asyncio.ensure_future(a.post(running.url + CHAT, json=_chat("hi", 100)))
+                if reserve:
+                    await _until_waiting(running.app.proxy.gate, 1)  # held back, though alone
+                else:
+                    await _until_admitted(b, running.url, 4)
+                tic = time.monotonic()
+                b_first = await b.post(running.url + CHAT, json=_chat("hi", 8))
+                return b_first, time.monotonic() - tic, await a_fourth
+
+        b_first, b_waited, a_fourth = asyncio.run(scenario())
+        if reserve:
+            assert b_first.status_code == 200 and b_waited < 1.5, (b_first.status_code, b_waited)
+            assert a_fourth.status_code == 429, a_fourth.text
+            error = a_fourth.json()["error"]
+            assert error["code"] == "capacity_client_reserve", error
+            assert "held 3 of the decodes' 4 request slots" in error["message"], error
+            assert "--client-reserve 0.25" in error["message"], error
+        else:
+            assert a_fourth.status_code == 200, a_fourth.text
+            assert b_first.status_code == 429 and b_waited >= 2.5, (b_first.status_code, b_waited)
+            assert b_first.json()["error"]["code"] == "capacity_queue_timeout", b_first.text
+
+
+def test_the_reserve_bounds_slots_and_tokens_and_leaves_a_client_one_slot() -> None:
+    gate = CapacityGate(max_waiting=8, timeout_s=3.0, reserve=0.25)
+    over = gate._over_reserve
+    assert not over(2, 100, 4, 4096) and over(3, 100, 4, 4096)  # 3 of 4 slots: all but the reserve
+    assert not over(1, 3071, 64, 4096) and over(1, 3072, 64, 4096)  # 3/4 of the pool's tokens
+    assert over(1, 0, 1, 0) and not over(0, 0, 1, 0)  # one slot in all: a client alone keeps it
+    assert not over(63, 4000, 0, 0)  # capacity not yet reported: nothing to reserve from
