@@ -190,6 +190,10 @@ def test_a_client_alone_leaves_the_reserve_to_the_next_client(
                 a_fourth = asyncio.ensure_future(a.post(running.url + CHAT, json=_chat("hi", 100)))
                 if reserve:
                     await _until_waiting(running.app.proxy.gate, 1)  # held back, though alone
+                    # Past the passing limit (a quarter of the queue timeout), a head waiter held
+                    # back for its share still lets a newcomer try at once.
+                    await asyncio.sleep(1.0)
+                    assert not running.app.proxy.gate._head_is_old(), "A's held-back fourth holds B back"
                 else:
                     await _until_admitted(b, running.url, 4)
                 tic = time.monotonic()
