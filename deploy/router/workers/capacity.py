@@ -330,7 +330,8 @@ class CapacityGate:
         loop = asyncio.get_running_loop()
         waiter = _Waiter(attempt, demand, loop.create_future())
         # A newcomer tries at once unless the queue's head is past passing or its client holds
-        # its share while others wait: every earlier waiter was tried at the last release.
+        # its share (while others wait, or all but the reserve): every earlier waiter was tried
+        # at the last release.
         if not self._head_is_old() and not self._over_share(demand.client):
             try:
                 return attempt()
