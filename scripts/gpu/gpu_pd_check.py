@@ -1335,23 +1335,30 @@ def reserve_router_argv(router_argv: list[str], port: int, reserve: float) -> li
 
 
 def start_reserve_router(stack: Stack, timeout_s: float = 60.0) -> dict[str, Any]:
-    """Start `reserve_router_argv` of the stack's router and wait for its /readiness."""
-    pid = migration_stage.find_process("deploy.cli router", f"--port {ROUTER.rsplit(':', 1)[1]}")
-    if pid is None:
-        return {"started": False, "why": "no router process of up found in /proc"}
-    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-    argv = reserve_router_argv([a for a in cmdline if a], RESERVE_ROUTER_PORT, ADMISSION_RESERVE)
-    stack.start("router-reserve", argv, env={ENV_WORKER_API_KEY: ENGINE_KEY})
+    """Start `reserve_router_argv` of the stack's router; ready once its decode's slots are known
+    (before that the reserve has nothing to keep). Whatever goes wrong is returned, not raised:
+    the runs before it keep their verdicts."""
+    try:
+        pid = migration_stage.find_process("deploy.cli router", f"--port {ROUTER.rsplit(':', 1)[1]}")
+        if pid is None:
+            return {"started": False, "why": "no router process of up found in /proc"}
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        argv = reserve_router_argv([a for a in cmdline if a], RESERVE_ROUTER_PORT, ADMISSION_RESERVE)
+        stack.start("router-reserve", argv, env={ENV_WORKER_API_KEY: ENGINE_KEY})
+    except (OSError, RuntimeError) as exc:
+        return {"started": False, "why": f"{type(exc).__name__}: {exc}"}
     url = f"http://127.0.0.1:{RESERVE_ROUTER_PORT}"
-    t0 = time.monotonic()
+    t0, last = time.monotonic(), "no answer"
     while time.monotonic() - t0 < timeout_s:
         if not stack.children["router-reserve"].alive():
             return {"started": False, "why": f"it exited: {_log_tail(stack.out / 'router-reserve.log')}"}
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/readiness", timeout=5).status_code == 200:
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError):
+            decode = httpx.get(f"{url}/workers", timeout=5).json()["decode"][0]
+            last = json.dumps(decode)[:300]
+            if decode["healthy"] and decode["capacity"]["max_running_requests"]:
                 return {"started": True, "url": url, "argv": argv[1:], "ready_s": round(time.monotonic() - t0, 1)}
         time.sleep(0.5)
-    return {"started": False, "why": f"not ready within {timeout_s:g} s"}
+    return {"started": False, "why": f"its decode's slots were not known within {timeout_s:g} s: {last}"}
 
 
 def admission_failure(row: dict[str, Any]) -> str | None:
@@ -1389,21 +1396,28 @@ def stage_admission(stack: Stack, report: dict[str, Any]) -> None:
         ),
         "all_slots": overload_argv(out / "all_slots.json", *every_slot),
     }
-    section["reserve_router"] = start_reserve_router(stack)
-    if section["reserve_router"]["started"]:
-        reserved_at = section["reserve_router"]["url"]
-        runs["all_slots_reserved"] = overload_argv(out / "all_slots_reserved.json", *every_slot, router=reserved_at)
-    for name, argv in runs.items():
+
+    def bench(name: str, argv: list[str]) -> None:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=ADMISSION_SECONDS * 4 + 120, cwd=REPO)
         kept = json.loads((out / f"{name}.json").read_text()) if (out / f"{name}.json").exists() else {}
         section[name] = {"argv": argv[1:], "exit_code": p.returncode, "output": p.stdout[-4000:] + p.stderr[-4000:]}
         section[name]["results"] = kept.get("results", [])
+
+    for name, argv in runs.items():
+        bench(name, argv)
+    # Started once the runs above are done: a router that cannot start costs them nothing.
+    section["reserve_router"] = start_reserve_router(stack)
+    if section["reserve_router"]["started"]:
+        reserved_at = section["reserve_router"]["url"]
+        bench("all_slots_reserved", overload_argv(out / "all_slots_reserved.json", *every_slot, router=reserved_at))
     for row in section["attacks"]["results"]:
         verdict(report, f"admission_{row['attack']}", admission_failure(row))
     if not section["attacks"]["results"]:
         verdict(report, "admission", f"no result: {section['attacks']['output'][-500:]}")
-    reserved = section.get("all_slots_reserved", {}).get("results", [])
-    why = admission_failure(reserved[0]) if reserved else f"no result: {section['reserve_router']}"
+    reserved = section.get("all_slots_reserved", {"results": [], "output": "not run"})
+    why = admission_failure(reserved["results"][0]) if reserved["results"] else None
+    if not reserved["results"]:
+        why = f"no result: {section['reserve_router']}; {reserved['output'][-500:]}"
     verdict(report, "admission_all_slots_reserved", why)
     stack.stop("router-reserve")
     stack.stop("up-admission", signal.SIGINT, grace_s=60)

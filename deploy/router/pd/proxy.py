@@ -245,7 +245,7 @@ class PDProxy:
 
         if timing is None:
             return pick()
-        if not self.gate.must_wait(demand.client):
+        if not self.gate.must_wait(demand):
             try:
                 return pick()
             except WorkerAtCapacity:

@@ -101,9 +101,9 @@ _TIMEOUT = (
     "Retry-After delay, add workers, or raise --queue-timeout."
 )
 _RESERVED = (
-    "This client held {held} of the decodes' {total} request slots for the queue timeout of {timeout:g} s: "
-    "--client-reserve {reserve:g} keeps the rest for other clients. Retry once some of this client's "
-    "requests have ended, or lower --client-reserve."
+    "This client held {held} of the decodes' {total} {what} for the queue timeout of {timeout:g} s, and this "
+    "request would take it past --client-reserve {reserve:g}, which keeps the rest for other clients. Retry "
+    "once some of this client's requests have ended, or lower --client-reserve."
 )
 
 
@@ -157,11 +157,15 @@ class Demand:
         return self.prompt_tokens
 
     def decode_tokens(self, worker: Worker) -> int:
-        """The prompts plus what the completions likely use on `worker`: per sequence its
-        `new_tokens`, at most 1/RESERVE_SHARE of the worker's pool (module docstring)."""
+        """The prompts plus what the completions likely use on `worker` (`likely_tokens`)."""
+        return self.likely_tokens(worker.max_total_tokens)
+
+    def likely_tokens(self, pool: int | None) -> int:
+        """The prompts plus what the completions likely use on a KV pool of `pool` tokens: per
+        sequence its `new_tokens`, at most 1/RESERVE_SHARE of the pool (module docstring)."""
         new = self.new_tokens
-        if worker.max_total_tokens is not None:
-            new = min(new, max(DEFAULT_NEW_TOKENS, worker.max_total_tokens // RESERVE_SHARE))
+        if pool is not None:
+            new = min(new, max(DEFAULT_NEW_TOKENS, pool // RESERVE_SHARE))
         return self.prompt_tokens + new * self.sequences
 
     def tokens_on(self, worker: Worker) -> int:
@@ -311,10 +315,10 @@ class CapacityGate:
     def waiting(self) -> int:
         return len(self._queue)
 
-    def must_wait(self, client: str) -> bool:
-        """Whether a request of `client` goes through the queue rather than straight to a pick:
-        others wait already, or the client holds all but the reserve."""
-        return bool(self._queue) or (self.reserve > 0 and self._over_share(client))
+    def must_wait(self, demand: Demand) -> bool:
+        """Whether `demand` goes through the queue rather than straight to a pick: others wait
+        already, or it would take its client into the reserve."""
+        return bool(self._queue) or (self.reserve > 0 and self._over_share(demand))
 
     def notify(self) -> None:
         """Capacity was released: the waiting requests that fit now get it (`_dispatch`)."""
@@ -325,18 +329,19 @@ class CapacityGate:
         """Call `attempt` (a pick that reserves, or raises WorkerAtCapacity while no pair has room
         for `demand`) when its turn comes, until it returns; raises a 429 ApiError after the queue
         timeout or when the queue is full, ClientGone when the client leaves."""
-        if len(self._queue) >= self.max_waiting:
-            raise self._refusal(_FULL.format(queued=len(self._queue)), "capacity_queue_full")
-        loop = asyncio.get_running_loop()
-        waiter = _Waiter(attempt, demand, loop.create_future())
         # A newcomer tries at once unless the queue's head is past passing or its client holds
         # its share (while others wait, or all but the reserve): every earlier waiter was tried
-        # at the last release.
-        if not self._head_is_old() and not self._over_share(demand.client):
+        # at the last release. Only one that must wait can find the queue full: requests held back
+        # for their client's share must not shut others out of the room they leave.
+        if not self._head_is_old() and not self._over_share(demand):
             try:
                 return attempt()
             except WorkerAtCapacity:
                 pass
+        if len(self._queue) >= self.max_waiting:
+            raise self._refusal(_FULL.format(queued=len(self._queue)), "capacity_queue_full")
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(attempt, demand, loop.create_future())
         self._queue.append(waiter)
         self._clients[demand.client] += 1
         self._depth()
@@ -345,7 +350,7 @@ class CapacityGate:
             while not waiter.result.done():
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise self._timed_out(demand.client)
+                    raise self._timed_out(demand)
                 await asyncio.wait({waiter.result, disconnect}, timeout=min(left, _RECHECK_S))
                 if waiter.result.done():
                     break
@@ -374,7 +379,7 @@ class CapacityGate:
             if waiter.result.done():
                 continue
             demand = waiter.demand
-            if self._over_share(demand.client, share):
+            if self._over_share(demand, share):
                 continue
             if not any(demand.covers(f) for f in failed):
                 try:
@@ -392,52 +397,75 @@ class CapacityGate:
 
     def _head_is_old(self) -> bool:
         """Whether the first waiter that `_dispatch` would try has waited past the passing limit
-        (a waiter passed over for its client's share holds no one back)."""
-        share = self._share() if self._queue else None
+        (a waiter passed over for its client's share holds no one back). The queue is in arrival
+        order, so the search ends at the first waiter that is not yet old."""
+        now, share = time.monotonic(), None
         for waiter in self._queue:
-            if not self._over_share(waiter.demand.client, share):
-                return time.monotonic() - waiter.since >= self._pass_limit_s
+            if now - waiter.since < self._pass_limit_s:
+                return False
+            share = share or self._share()
+            if not self._over_share(waiter.demand, share):
+                return True
         return False
 
-    def _share(self) -> tuple[int, int, int]:
-        """The healthy decodes' slots and tokens, and the number of clients holding or waiting."""
+    def _totals(self) -> tuple[int, int]:
+        """The healthy decodes' request slots and KV tokens (0 where none reported them yet)."""
         if self._registry is None:
-            return 0, 0, 1
+            return 0, 0
         decodes = self._registry.available("decode")
-        active = len(self.ledger.clients() | set(self._clients))
-        return sum(w.max_running or 0 for w in decodes), sum(w.max_total_tokens or 0 for w in decodes), active
+        return sum(w.max_running or 0 for w in decodes), sum(w.max_total_tokens or 0 for w in decodes)
 
-    def _over_share(self, client: str, share: tuple[int, int, int] | None = None) -> bool:
-        """Whether `client` holds its share of the decodes: 1/k of their slots or tokens, k the
-        clients holding or waiting, while another client's request waits; or, with a reserve,
-        1 - reserve of them at any time."""
-        slots, tokens = self.ledger.held(client)
+    def _share(self) -> tuple[int, int, int]:
+        """`_totals`, and the number of clients holding or waiting."""
+        return *self._totals(), max(1, len(self.ledger.clients() | set(self._clients)))
+
+    def _over_share(self, demand: Demand, share: tuple[int, int, int] | None = None) -> bool:
+        """Whether `demand`'s client holds its share of the decodes: 1/k of their slots or tokens,
+        k the clients holding or waiting, while another client's request waits; or, with a
+        reserve, whether `demand` would take it into the reserve."""
+        slots, tokens = self.ledger.held(demand.client)
         if not slots:
             return False
-        others_wait = len(self._queue) - self._clients.get(client, 0) > 0
+        others_wait = len(self._queue) - self._clients.get(demand.client, 0) > 0
         if not (others_wait or self.reserve):
             return False
-        total_slots, total_tokens, active = share or self._share()
-        if self.reserve and self._over_reserve(slots, tokens, total_slots, total_tokens):
+        total_slots, total_tokens = share[:2] if share else self._totals()
+        if self.reserve and self._into_reserve(demand, total_slots, total_tokens) is not None:
             return True
-        return others_wait and ((0 < total_slots <= slots * active) or (0 < total_tokens <= tokens * active))
+        if not others_wait:
+            return False
+        active = share[2] if share else self._share()[2]
+        return (0 < total_slots <= slots * active) or (0 < total_tokens <= tokens * active)
 
-    def _over_reserve(self, slots: int, tokens: int, total_slots: int, total_tokens: int) -> bool:
-        """Whether a client holding `slots` and `tokens` may take no more: it holds all but the
-        reserve (at least one slot stays its own, so a client alone is never refused outright)."""
-        keep = 1 - self.reserve
-        return (total_slots > 0 and slots >= max(1, math.floor(total_slots * keep))) or (
-            total_tokens > 0 and tokens >= total_tokens * keep
-        )
+    def _into_reserve(self, demand: Demand, total_slots: int, total_tokens: int) -> str | None:
+        """Which of the decodes' totals `demand` would take its client into the reserve of:
+        "request slots", "KV tokens", or None. The reserve is rounded up to whole slots and
+        tokens (any reserve keeps at least one slot), and a client holding nothing may always
+        run one request, however large."""
+        slots, tokens = self.ledger.held(demand.client)
+        if not slots:
+            return None
+        if total_slots > 0 and slots + demand.slots > max(1, total_slots - self._kept(total_slots)):
+            return "request slots"
+        likely = demand.likely_tokens(total_tokens or None)
+        if total_tokens > 0 and tokens + likely > total_tokens - self._kept(total_tokens):
+            return "KV tokens"
+        return None
 
-    def _timed_out(self, client: str) -> ApiError:
+    def _kept(self, total: int) -> int:
+        """How much of `total` the reserve keeps (the epsilon: 0.3 of 90 is 27, not 27.000000000000004)."""
+        return math.ceil(total * self.reserve - 1e-9)
+
+    def _timed_out(self, demand: Demand) -> ApiError:
         """The 429 for a request whose queue timeout passed: its client's reserve, or no room."""
-        slots, tokens = self.ledger.held(client)
-        total_slots, total_tokens, _ = self._share()
-        if self.reserve and slots and self._over_reserve(slots, tokens, total_slots, total_tokens):
-            message = _RESERVED.format(held=slots, total=total_slots, timeout=self.timeout_s, reserve=self.reserve)
-            return self._refusal(message, "capacity_client_reserve")
-        return self._refusal(_TIMEOUT.format(timeout=self.timeout_s), "capacity_queue_timeout")
+        total_slots, total_tokens = self._totals()
+        what = self._into_reserve(demand, total_slots, total_tokens) if self.reserve else None
+        if what is None:
+            return self._refusal(_TIMEOUT.format(timeout=self.timeout_s), "capacity_queue_timeout")
+        slots, tokens = self.ledger.held(demand.client)
+        held, total = (slots, total_slots) if what == "request slots" else (tokens, total_tokens)
+        message = _RESERVED.format(held=held, total=total, what=what, timeout=self.timeout_s, reserve=self.reserve)
+        return self._refusal(message, "capacity_client_reserve")
 
     def _forget(self, waiter: _Waiter) -> None:
         try:
