@@ -148,6 +148,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-queued-requests", "--queue-size", type=int, default=None)
     limits.add_argument("--queue-timeout", "--queue-timeout-secs", type=float, default=None, metavar="SECONDS")
     limits.add_argument(
+        "--client-reserve",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="share of the decodes' slots and tokens no one client may hold, kept for the next client to arrive "
+        "(default 0: a client alone may take them all; clients are API keys, else addresses)",
+    )
+    limits.add_argument(
         "--max-body-bytes", "--max-payload-size", type=int, default=None, help="one request body; beyond: 413"
     )
     limits.add_argument(
@@ -326,6 +334,7 @@ _FLAG_TO_FIELD = {
     "body_min_rate": "body_min_rate",
     "max_connections": "max_connections",
     "source_share": "source_share",
+    "client_reserve": "client_reserve",
     "keep_alive_timeout": "keep_alive_timeout_s",
     "max_header_bytes": "max_header_bytes",
     "max_header_count": "max_header_count",

@@ -82,6 +82,9 @@ class RouterConfig:
     max_concurrent_requests: int = _SPEC.max_concurrent_requests
     max_queued_requests: int = _SPEC.max_queued_requests
     queue_timeout_s: float = _SPEC.queue_timeout_s
+    # The share of the decodes' request slots and KV tokens no one client may hold, even alone: kept
+    # for the next client to arrive (workers/capacity.py). 0: a client alone may take them all.
+    client_reserve: float = 0.0
     # A request body's bytes (413 beyond), and the bytes of all bodies the router holds at once
     # (503 + Retry-After beyond): 8 MiB holds a 160k-token prompt even JSON-escaped, and the
     # whole-router bound keeps many large bodies from taking the router's memory.
@@ -208,6 +211,11 @@ class RouterConfig:
         if not 0 <= self.canary_share <= 1:
             raise ValueError(
                 f"Config 'canary_share' has value {self.canary_share}. It must be between 0 and 1 (0: no canary)."
+            )
+        if not 0 <= self.client_reserve < 1:
+            raise ValueError(
+                f"Config 'client_reserve' has value {self.client_reserve}. It must be >= 0 and < 1: the share of "
+                "the decodes' slots and tokens kept from any one client (0: no reserve)."
             )
         if not 0 < self.source_share <= 1:
             raise ValueError(

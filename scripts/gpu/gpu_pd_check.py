@@ -1309,13 +1309,56 @@ def stage_breakdown(stack: Stack, report: dict[str, Any]) -> None:
 #: enough that its streams outlast the attack; short enough to leave the decode in seconds after).
 ADMISSION_SECONDS = 20
 ADMISSION_SLOT_ATTACK_TOKENS = 2048
+#: The second router's client reserve in the slot attack: of the preset's 64 decode slots, 8 are kept
+#: from the attacker, one for each victim client.
+ADMISSION_RESERVE = 0.125
+RESERVE_ROUTER_PORT = 8301
 
 
-def overload_argv(out: Path, *args: str) -> list[str]:
-    """`benchmarks/bench_overload.py` against the stack's router, writing `out`: one client attacks
-    from 127.0.0.1 while 8 victims from 127.0.0.2 send 4-token streamed chats."""
-    bench = [sys.executable, "-m", "benchmarks.bench_overload", "--router", ROUTER, "--out", str(out)]
+def overload_argv(out: Path, *args: str, router: str = ROUTER) -> list[str]:
+    """`benchmarks/bench_overload.py` against `router`, writing `out`: one client attacks from
+    127.0.0.1 while 8 victims from 127.0.0.2 send 4-token streamed chats."""
+    bench = [sys.executable, "-m", "benchmarks.bench_overload", "--router", router, "--out", str(out)]
     return [*bench, "--seconds", str(ADMISSION_SECONDS), *args]
+
+
+def reserve_router_argv(router_argv: list[str], port: int, reserve: float) -> list[str]:
+    """`up`'s router command line (from /proc) on another port with a client reserve: a second
+    router, alike but for the reserve, in front of the same engines."""
+    argv = list(router_argv)
+    try:
+        at = argv.index("--port")
+    except ValueError:
+        raise RuntimeError(f"the router's command line has no --port: {' '.join(argv)}") from None
+    argv[at + 1] = str(port)
+    return [*argv, "--client-reserve", f"{reserve:g}"]
+
+
+def start_reserve_router(stack: Stack, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Start `reserve_router_argv` of the stack's router; ready once its decode's slots are known
+    (before that the reserve has nothing to keep). Whatever goes wrong is returned, not raised:
+    the runs before it keep their verdicts."""
+    try:
+        pid = migration_stage.find_process("deploy.cli router", f"--port {ROUTER.rsplit(':', 1)[1]}")
+        if pid is None:
+            return {"started": False, "why": "no router process of up found in /proc"}
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        argv = reserve_router_argv([a for a in cmdline if a], RESERVE_ROUTER_PORT, ADMISSION_RESERVE)
+        stack.start("router-reserve", argv, env={ENV_WORKER_API_KEY: ENGINE_KEY})
+    except (OSError, RuntimeError) as exc:
+        return {"started": False, "why": f"{type(exc).__name__}: {exc}"}
+    url = f"http://127.0.0.1:{RESERVE_ROUTER_PORT}"
+    t0, last = time.monotonic(), "no answer"
+    while time.monotonic() - t0 < timeout_s:
+        if not stack.children["router-reserve"].alive():
+            return {"started": False, "why": f"it exited: {_log_tail(stack.out / 'router-reserve.log')}"}
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError):
+            decode = httpx.get(f"{url}/workers", timeout=5).json()["decode"][0]
+            last = json.dumps(decode)[:300]
+            if decode["healthy"] and decode["capacity"]["max_running_requests"]:
+                return {"started": True, "url": url, "argv": argv[1:], "ready_s": round(time.monotonic() - t0, 1)}
+        time.sleep(0.5)
+    return {"started": False, "why": f"its decode's slots were not known within {timeout_s:g} s: {last}"}
 
 
 def admission_failure(row: dict[str, Any]) -> str | None:
@@ -1332,7 +1375,8 @@ def admission_failure(row: dict[str, Any]) -> str | None:
 def stage_admission(stack: Stack, report: dict[str, Any]) -> None:
     """One client attacking the router's admission while others are served, on real sglang: the
     attacks of the CPU measurement (docs/admission.md), with the victims' end-to-end p99 held to
-    1 s; then, reported without a verdict, an attacker holding every decode slot the preset has."""
+    1 s; then an attacker holding every decode slot the preset has, reported without a verdict, and
+    the same attack against a second router alike but for `--client-reserve`, held to the bound."""
     out = stack.out / "admission"
     out.mkdir(parents=True, exist_ok=True)
     up = up_argv(TOPOLOGY, out / "engines")
@@ -1343,26 +1387,39 @@ def stage_admission(stack: Stack, report: dict[str, Any]) -> None:
     from sglang_pd.deploy.spec.topology import load_topology
 
     slots = load_topology(TOPOLOGY).decode.max_running_requests
+    every_slot = ("--attack", "starvation", "--starvation-streams", str(slots))
+    every_slot += ("--starvation-max-tokens", str(ADMISSION_SLOT_ATTACK_TOKENS), "--end-to-end")
     runs = {
         "attacks": overload_argv(
             out / "attacks.json",
             *("--attack", "none", "--attack", "starvation", "--attack", "head-of-line", "--end-to-end"),
         ),
-        "all_slots": overload_argv(
-            out / "all_slots.json",
-            *("--attack", "starvation", "--starvation-streams", str(slots)),
-            *("--starvation-max-tokens", str(ADMISSION_SLOT_ATTACK_TOKENS), "--end-to-end"),
-        ),
+        "all_slots": overload_argv(out / "all_slots.json", *every_slot),
     }
-    for name, argv in runs.items():
+
+    def bench(name: str, argv: list[str]) -> None:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=ADMISSION_SECONDS * 4 + 120, cwd=REPO)
         kept = json.loads((out / f"{name}.json").read_text()) if (out / f"{name}.json").exists() else {}
         section[name] = {"argv": argv[1:], "exit_code": p.returncode, "output": p.stdout[-4000:] + p.stderr[-4000:]}
         section[name]["results"] = kept.get("results", [])
+
+    for name, argv in runs.items():
+        bench(name, argv)
+    # Started once the runs above are done: a router that cannot start costs them nothing.
+    section["reserve_router"] = start_reserve_router(stack)
+    if section["reserve_router"]["started"]:
+        reserved_at = section["reserve_router"]["url"]
+        bench("all_slots_reserved", overload_argv(out / "all_slots_reserved.json", *every_slot, router=reserved_at))
     for row in section["attacks"]["results"]:
         verdict(report, f"admission_{row['attack']}", admission_failure(row))
     if not section["attacks"]["results"]:
         verdict(report, "admission", f"no result: {section['attacks']['output'][-500:]}")
+    reserved = section.get("all_slots_reserved", {"results": [], "output": "not run"})
+    why = admission_failure(reserved["results"][0]) if reserved["results"] else None
+    if not reserved["results"]:
+        why = f"no result: {section['reserve_router']}; {reserved['output'][-500:]}"
+    verdict(report, "admission_all_slots_reserved", why)
+    stack.stop("router-reserve")
     stack.stop("up-admission", signal.SIGINT, grace_s=60)
 
 

@@ -318,3 +318,26 @@ def test_an_attack_fails_the_admission_verdict_when_victims_fail_or_wait_or_take
     assert "'429': 2" in str(check.admission_failure(refused))
     # The bound the row's flags come from is the benchmark's own.
     assert bench.VICTIM_P99_BOUND_S == 1.0
+
+
+def test_the_reserve_router_is_the_stacks_router_on_another_port_with_the_reserve() -> None:
+    import argparse
+    import dataclasses
+
+    from sglang_pd.deploy.ops.up import _router_child
+    from sglang_pd.deploy.router.cli import add_arguments, build_config
+    from sglang_pd.deploy.spec.topology import load_topology
+
+    topology = load_topology(check.TOPOLOGY)
+    ups = _router_child(topology, "127.0.0.1", 8000).argv  # what `up` starts, as /proc shows it
+    argv = check.reserve_router_argv(ups, check.RESERVE_ROUTER_PORT, check.ADMISSION_RESERVE)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config, _ = build_config(parser.parse_args(argv[4:]), environ={})
+    ours, _ = build_config(parser.parse_args(ups[4:]), environ={})
+    assert argv[:4] == ups[:4] == [sys.executable, "-m", "sglang_pd.deploy.cli", "router"]
+    assert (config.port, config.client_reserve, ours.port, ours.client_reserve) == (8301, 0.125, 8000, 0.0)
+    assert dataclasses.replace(config, port=8000, client_reserve=0.0) == ours  # alike but for port and reserve
+    assert topology.decode.max_running_requests * check.ADMISSION_RESERVE >= 1  # at least one slot is kept
+    with pytest.raises(RuntimeError, match="no --port"):
+        check.reserve_router_argv(ups[:6], 8301, 0.125)

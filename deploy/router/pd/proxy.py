@@ -85,6 +85,7 @@ class PDProxy:
             timeout_s=config.queue_timeout_s,
             on_depth=depth.set,
             registry=pairs.registry,
+            reserve=config.client_reserve,
         )
 
     async def unary(
@@ -244,7 +245,7 @@ class PDProxy:
 
         if timing is None:
             return pick()
-        if not self.gate.waiting:
+        if not self.gate.must_wait(demand):
             try:
                 return pick()
             except WorkerAtCapacity:

@@ -29,6 +29,12 @@ slots or tokens, k the clients holding or waiting, is passed over while another 
 waits. Reservations are made when a pair is picked (`Reservation`), so that two requests picked in
 the same tick cannot both take a worker's last slot, and released when each leg ends.
 
+With a client reserve (`--client-reserve R`), no client holds more than 1 - R of those slots or
+tokens even while it is alone: the rest waits for the next client to arrive, which a client holding
+every slot would otherwise keep waiting until one of its requests ends. Off by default: behind a
+proxy that hides client addresses, without client keys, every request is one client, and a reserve
+would only idle capacity.
+
 In a router process group (`group.py`) each serving process counts its own reservations against a
 worker's whole capacity, and its own clients' shares.
 """
@@ -94,6 +100,11 @@ _TIMEOUT = (
     "Every worker pair stayed at its capacity for the queue timeout of {timeout:g} s. Retry after the "
     "Retry-After delay, add workers, or raise --queue-timeout."
 )
+_RESERVED = (
+    "This client held {held} of the decodes' {total} {what} for the queue timeout of {timeout:g} s, and this "
+    "request would take it past --client-reserve {reserve:g}, which keeps the rest for other clients. Retry "
+    "once some of this client's requests have ended, or lower --client-reserve."
+)
 
 
 def _positive_int(value: Any) -> int | None:
@@ -146,11 +157,15 @@ class Demand:
         return self.prompt_tokens
 
     def decode_tokens(self, worker: Worker) -> int:
-        """The prompts plus what the completions likely use on `worker`: per sequence its
-        `new_tokens`, at most 1/RESERVE_SHARE of the worker's pool (module docstring)."""
+        """The prompts plus what the completions likely use on `worker` (`likely_tokens`)."""
+        return self.likely_tokens(worker.max_total_tokens)
+
+    def likely_tokens(self, pool: int | None) -> int:
+        """The prompts plus what the completions likely use on a KV pool of `pool` tokens: per
+        sequence its `new_tokens`, at most 1/RESERVE_SHARE of the pool (module docstring)."""
         new = self.new_tokens
-        if worker.max_total_tokens is not None:
-            new = min(new, max(DEFAULT_NEW_TOKENS, worker.max_total_tokens // RESERVE_SHARE))
+        if pool is not None:
+            new = min(new, max(DEFAULT_NEW_TOKENS, pool // RESERVE_SHARE))
         return self.prompt_tokens + new * self.sequences
 
     def tokens_on(self, worker: Worker) -> int:
@@ -282,8 +297,11 @@ class CapacityGate:
         timeout_s: float,
         on_depth: Callable[[int], None] | None = None,
         registry: WorkerRegistry | None = None,
+        reserve: float = 0.0,
     ) -> None:
+        """`reserve`: the share of the decodes' slots and tokens no one client may hold (0: none)."""
         self.max_waiting = max_waiting
+        self.reserve = reserve
         self.timeout_s = timeout_s
         self.ledger = ClientLedger()
         self._on_depth = on_depth
@@ -297,6 +315,11 @@ class CapacityGate:
     def waiting(self) -> int:
         return len(self._queue)
 
+    def must_wait(self, demand: Demand) -> bool:
+        """Whether `demand` goes through the queue rather than straight to a pick: others wait
+        already, or it would take its client into the reserve."""
+        return bool(self._queue) or (self.reserve > 0 and self._over_share(demand))
+
     def notify(self) -> None:
         """Capacity was released: the waiting requests that fit now get it (`_dispatch`)."""
         if self._queue:
@@ -306,17 +329,19 @@ class CapacityGate:
         """Call `attempt` (a pick that reserves, or raises WorkerAtCapacity while no pair has room
         for `demand`) when its turn comes, until it returns; raises a 429 ApiError after the queue
         timeout or when the queue is full, ClientGone when the client leaves."""
-        if len(self._queue) >= self.max_waiting:
-            raise self._refusal(_FULL.format(queued=len(self._queue)), "capacity_queue_full")
-        loop = asyncio.get_running_loop()
-        waiter = _Waiter(attempt, demand, loop.create_future())
         # A newcomer tries at once unless the queue's head is past passing or its client holds
-        # its share while others wait: every earlier waiter was tried at the last release.
-        if not (self._queue and self._head_is_old()) and not self._over_share(demand.client):
+        # its share (while others wait, or all but the reserve): every earlier waiter was tried
+        # at the last release. Only one that must wait can find the queue full: requests held back
+        # for their client's share must not shut others out of the room they leave.
+        if not self._head_is_old() and not self._over_share(demand):
             try:
                 return attempt()
             except WorkerAtCapacity:
                 pass
+        if len(self._queue) >= self.max_waiting:
+            raise self._refusal(_FULL.format(queued=len(self._queue)), "capacity_queue_full")
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(attempt, demand, loop.create_future())
         self._queue.append(waiter)
         self._clients[demand.client] += 1
         self._depth()
@@ -325,7 +350,7 @@ class CapacityGate:
             while not waiter.result.done():
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise self._refusal(_TIMEOUT.format(timeout=self.timeout_s), "capacity_queue_timeout")
+                    raise self._timed_out(demand)
                 await asyncio.wait({waiter.result, disconnect}, timeout=min(left, _RECHECK_S))
                 if waiter.result.done():
                     break
@@ -354,7 +379,7 @@ class CapacityGate:
             if waiter.result.done():
                 continue
             demand = waiter.demand
-            if self._over_share(demand.client, share):
+            if self._over_share(demand, share):
                 continue
             if not any(demand.covers(f) for f in failed):
                 try:
@@ -371,26 +396,76 @@ class CapacityGate:
                 return  # the requests behind it wait until it fits
 
     def _head_is_old(self) -> bool:
-        return time.monotonic() - self._queue[0].since >= self._pass_limit_s
+        """Whether the first waiter that `_dispatch` would try has waited past the passing limit
+        (a waiter passed over for its client's share holds no one back). The queue is in arrival
+        order, so the search ends at the first waiter that is not yet old."""
+        now, share = time.monotonic(), None
+        for waiter in self._queue:
+            if now - waiter.since < self._pass_limit_s:
+                return False
+            share = share or self._share()
+            if not self._over_share(waiter.demand, share):
+                return True
+        return False
+
+    def _totals(self) -> tuple[int, int]:
+        """The healthy decodes' request slots and KV tokens (0 where none reported them yet)."""
+        if self._registry is None:
+            return 0, 0
+        decodes = self._registry.available("decode")
+        return sum(w.max_running or 0 for w in decodes), sum(w.max_total_tokens or 0 for w in decodes)
 
     def _share(self) -> tuple[int, int, int]:
-        """The healthy decodes' slots and tokens, and the number of clients holding or waiting."""
-        if self._registry is None:
-            return 0, 0, 1
-        decodes = self._registry.available("decode")
-        active = len(self.ledger.clients() | set(self._clients))
-        return sum(w.max_running or 0 for w in decodes), sum(w.max_total_tokens or 0 for w in decodes), active
+        """`_totals`, and the number of clients holding or waiting."""
+        return *self._totals(), max(1, len(self.ledger.clients() | set(self._clients)))
 
-    def _over_share(self, client: str, share: tuple[int, int, int] | None = None) -> bool:
-        """Whether `client` holds its share of the decodes (1/k of their slots or tokens, k the
-        clients holding or waiting) while another client's request waits."""
-        if len(self._queue) - self._clients.get(client, 0) <= 0:
-            return False
-        slots, tokens = self.ledger.held(client)
+    def _over_share(self, demand: Demand, share: tuple[int, int, int] | None = None) -> bool:
+        """Whether `demand`'s client holds its share of the decodes: 1/k of their slots or tokens,
+        k the clients holding or waiting, while another client's request waits; or, with a
+        reserve, whether `demand` would take it into the reserve."""
+        slots, tokens = self.ledger.held(demand.client)
         if not slots:
             return False
-        total_slots, total_tokens, active = share or self._share()
+        others_wait = len(self._queue) - self._clients.get(demand.client, 0) > 0
+        if not (others_wait or self.reserve):
+            return False
+        total_slots, total_tokens = share[:2] if share else self._totals()
+        if self.reserve and self._into_reserve(demand, total_slots, total_tokens) is not None:
+            return True
+        if not others_wait:
+            return False
+        active = share[2] if share else self._share()[2]
         return (0 < total_slots <= slots * active) or (0 < total_tokens <= tokens * active)
+
+    def _into_reserve(self, demand: Demand, total_slots: int, total_tokens: int) -> str | None:
+        """Which of the decodes' totals `demand` would take its client into the reserve of:
+        "request slots", "KV tokens", or None. The reserve is rounded up to whole slots and
+        tokens (any reserve keeps at least one slot), and a client holding nothing may always
+        run one request, however large."""
+        slots, tokens = self.ledger.held(demand.client)
+        if not slots:
+            return None
+        if total_slots > 0 and slots + demand.slots > max(1, total_slots - self._kept(total_slots)):
+            return "request slots"
+        likely = demand.likely_tokens(total_tokens or None)
+        if total_tokens > 0 and tokens + likely > total_tokens - self._kept(total_tokens):
+            return "KV tokens"
+        return None
+
+    def _kept(self, total: int) -> int:
+        """How much of `total` the reserve keeps (the epsilon: 0.3 of 90 is 27, not 27.000000000000004)."""
+        return math.ceil(total * self.reserve - 1e-9)
+
+    def _timed_out(self, demand: Demand) -> ApiError:
+        """The 429 for a request whose queue timeout passed: its client's reserve, or no room."""
+        total_slots, total_tokens = self._totals()
+        what = self._into_reserve(demand, total_slots, total_tokens) if self.reserve else None
+        if what is None:
+            return self._refusal(_TIMEOUT.format(timeout=self.timeout_s), "capacity_queue_timeout")
+        slots, tokens = self.ledger.held(demand.client)
+        held, total = (slots, total_slots) if what == "request slots" else (tokens, total_tokens)
+        message = _RESERVED.format(held=held, total=total, what=what, timeout=self.timeout_s, reserve=self.reserve)
+        return self._refusal(message, "capacity_client_reserve")
 
     def _forget(self, waiter: _Waiter) -> None:
         try:

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from sglang_pd.deploy.router.workers.capacity import CapacityGate
+from sglang_pd.deploy.router.workers.capacity import CapacityGate, Demand
 from tests.support.polling import wait_until
 
 from ..conftest import Cluster
@@ -156,3 +156,121 @@ def test_a_client_holding_its_share_waits_behind_another_client(
         assert b_status == 200 and b_waited < 1.5, (b_status, b_waited)
         assert a_still_waits, "A's queued request took the freed slot ahead of B"
         assert a_status == 200, "A is served once its streams end"
+
+
+async def _until_admitted(client: httpx.AsyncClient, url: str, n: int, timeout_s: float = 20) -> None:
+    """Until the router's decode has `n` requests admitted."""
+    deadline = time.monotonic() + timeout_s
+    while (admitted := (await client.get(url + "/workers")).json()["decode"][0]["capacity"]["admitted"]) < n:
+        assert time.monotonic() < deadline, f"{admitted} admitted after {timeout_s} s, expected {n}"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("reserve", [0.25, 0.0], ids=["reserve", "control-no-reserve"])
+def test_a_client_alone_leaves_the_reserve_to_the_next_client(
+    cluster_factory: Callable[..., Cluster], reserve: float
+) -> None:
+    # A decode that runs 4 requests; client A, alone, opens 3 long streams and asks for a fourth
+    # slot, then B arrives. With a quarter in reserve, A may hold 3: its fourth waits and B is
+    # served at once, and A's fourth is refused when the queue timeout passes, naming the reserve.
+    # The control, no reserve: A takes the fourth slot and B waits out the queue timeout (429).
+    cluster = cluster_factory(1, 1, token_delay=0.05, max_running_requests=4)
+    config = cluster.config(queue_timeout_s=3.0, client_reserve=reserve)
+    with cluster.serve(config) as running:
+
+        def client(address: str) -> httpx.AsyncClient:
+            # Loopback answers on all of 127.0.0.0/8: B connects from another address.
+            return httpx.AsyncClient(timeout=30, transport=httpx.AsyncHTTPTransport(local_address=address))
+
+        async def scenario() -> tuple[httpx.Response, float, httpx.Response]:
+            async with client("127.0.0.1") as a, client("127.0.0.2") as b, contextlib.AsyncExitStack() as streams:
+                for _ in range(3):
+                    await _hold(streams, a, running.url, _chat("tell me a story", 400))  # 20 s each
+                # 5 s once admitted: longer than B's queue timeout.
+                a_fourth = asyncio.ensure_future(a.post(running.url + CHAT, json=_chat("hi", 100)))
+                if reserve:
+                    await _until_waiting(running.app.proxy.gate, 1)  # held back, though alone
+                    # Past the passing limit (a quarter of the queue timeout), a head waiter held
+                    # back for its share still lets a newcomer try at once.
+                    await asyncio.sleep(1.0)
+                    assert not running.app.proxy.gate._head_is_old(), "A's held-back fourth holds B back"
+                else:
+                    await _until_admitted(b, running.url, 4)
+                tic = time.monotonic()
+                b_first = await b.post(running.url + CHAT, json=_chat("hi", 8))
+                return b_first, time.monotonic() - tic, await a_fourth
+
+        b_first, b_waited, a_fourth = asyncio.run(scenario())
+        if reserve:
+            assert b_first.status_code == 200 and b_waited < 1.5, (b_first.status_code, b_waited)
+            assert a_fourth.status_code == 429, a_fourth.text
+            error = a_fourth.json()["error"]
+            assert error["code"] == "capacity_client_reserve", error
+            assert "held 3 of the decodes' 4 request slots" in error["message"], error
+            assert "--client-reserve 0.25" in error["message"], error
+        else:
+            assert a_fourth.status_code == 200, a_fourth.text
+            assert b_first.status_code == 429 and b_waited >= 2.5, (b_first.status_code, b_waited)
+            assert b_first.json()["error"]["code"] == "capacity_queue_timeout", b_first.text
+
+
+@pytest.mark.parametrize("reserve", [0.25, 0.0], ids=["reserve", "control-no-reserve"])
+def test_a_batch_cannot_take_the_reserve_and_held_back_requests_do_not_fill_the_queue_for_others(
+    cluster_factory: Callable[..., Cluster], reserve: float
+) -> None:
+    # A decode that runs 4 requests and a router queue of one. A holds 2 streams and sends a
+    # batch of 2 prompts: with a quarter in reserve that would make 4 of 4, so the batch waits,
+    # and fills the queue; B, arriving next, still gets the slot the reserve kept. The control, no
+    # reserve: A's batch takes the last two slots and B waits out the queue timeout.
+    cluster = cluster_factory(1, 1, token_delay=0.05, max_running_requests=4)
+    config = cluster.config(queue_timeout_s=3.0, max_queued_requests=1, client_reserve=reserve)
+    with cluster.serve(config) as running:
+
+        def client(address: str) -> httpx.AsyncClient:
+            return httpx.AsyncClient(timeout=30, transport=httpx.AsyncHTTPTransport(local_address=address))
+
+        async def scenario() -> tuple[httpx.Response, float, httpx.Response]:
+            async with client("127.0.0.1") as a, client("127.0.0.2") as b, contextlib.AsyncExitStack() as streams:
+                for _ in range(2):
+                    await _hold(streams, a, running.url, _chat("tell me a story", 400))
+                batch = {"text": ["one", "two"], "sampling_params": {"max_new_tokens": 100}}  # 5 s each
+                a_batch = asyncio.ensure_future(a.post(running.url + "/generate", json=batch))
+                if reserve:
+                    await _until_waiting(running.app.proxy.gate, 1)  # held back: the queue is full
+                else:
+                    await _until_admitted(b, running.url, 4)
+                tic = time.monotonic()
+                b_first = await b.post(running.url + CHAT, json=_chat("hi", 8))
+                return b_first, time.monotonic() - tic, await a_batch
+
+        b_first, b_waited, a_batch = asyncio.run(scenario())
+        if reserve:
+            assert b_first.status_code == 200 and b_waited < 1.5, (b_first.status_code, b_waited, b_first.text)
+            assert a_batch.status_code == 429, a_batch.text
+            error = a_batch.json()["error"]
+            assert error["code"] == "capacity_client_reserve", error
+            assert "held 2 of the decodes' 4 request slots" in error["message"], error
+        else:
+            assert a_batch.status_code == 200, a_batch.text
+            assert b_first.status_code == 429 and b_waited >= 2.5, (b_first.status_code, b_waited)
+
+
+def test_the_reserve_bounds_slots_and_tokens_rounds_up_and_lets_a_client_holding_nothing_run() -> None:
+    def demand(slots: int = 1, prompt: int = 10) -> Demand:
+        return Demand(slots, prompt, 10, slots, client="a")
+
+    gate = CapacityGate(max_waiting=8, timeout_s=3.0, reserve=0.25)
+    into = gate._into_reserve
+    assert into(demand(slots=8), 4, 4096) is None  # holding nothing: one request runs, however large
+    gate.ledger.add("a", 2, 100)
+    assert into(demand(), 4, 4096) is None  # 3 of 4 slots: all but the reserve
+    assert into(demand(slots=2), 4, 4096) == "request slots"  # a batch counts each of its prompts
+    assert into(demand(prompt=3000), 64, 4096) == "KV tokens"  # 100 + 3,010 of 4,096, 1,024 kept
+    assert into(demand(), 0, 0) is None  # no capacity reported yet: nothing to keep
+    thirty = CapacityGate(max_waiting=8, timeout_s=3.0, reserve=0.3)
+    thirty.ledger.add("a", 62, 0)
+    assert thirty._into_reserve(demand(), 90, 0) is None  # 0.3 of 90 keeps 27, not 28
+    assert thirty._into_reserve(demand(slots=2), 90, 0) == "request slots"
+    small = CapacityGate(max_waiting=8, timeout_s=3.0, reserve=0.125)
+    small.ledger.add("a", 1, 0)
+    assert small._into_reserve(demand(), 2, 0) == "request slots"  # any reserve keeps a whole slot
