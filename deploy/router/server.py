@@ -4,6 +4,7 @@ drain deadline, then close."""
 
 from __future__ import annotations
 
+import gc
 import signal
 import socket
 from typing import Any
@@ -16,6 +17,11 @@ from .app import RouterApp
 from .log import configure_logging, logger
 
 __all__ = ["RouterServer", "serve"]
+
+# Container allocations between two young-generation collections (CPython's default is 700). A
+# request allocates hundreds of short-lived objects, so at the default a collection ran about
+# once a request.
+_GC_YOUNG_THRESHOLD = 20_000
 
 
 class RouterServer(uvicorn.Server):
@@ -96,5 +102,18 @@ def serve(app: RouterApp, *, sockets: list[socket.socket] | None = None) -> int:
         },
     )
     server = RouterServer(app, uvicorn_config(app))
+    _settle_garbage_collector()
     server.run(sockets=sockets)
     return 0 if server.started else 1
+
+
+def _settle_garbage_collector() -> None:
+    """Keep the cyclic garbage collector off the request path: what start-up built (FastAPI's
+    routes, pydantic's schemas, the metrics) lives as long as the process, so `gc.freeze()` takes
+    it out of every later collection, and young collections run less often. Collections were 4 %
+    of the router's CPU in a native py-spy profile of benchmarks/bench_router.py (unary,
+    concurrency 16); with both, under 0.3 %. Cycles are still collected, a little later."""
+    gc.collect()
+    gc.freeze()
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(_GC_YOUNG_THRESHOLD, middle, old)

@@ -24,7 +24,7 @@ import functools
 import math
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import orjson
@@ -55,7 +55,7 @@ from .logprobs import merge_first_event, merge_logprobs, wants_input_logprobs
 from .migration import Migration
 from .migration_openai import migration_for
 from .relay import ClientWatch, RelayResponse, openai_finish_reasons
-from .tasks import cancel_legs, finished_ok
+from .tasks import cancel_legs, finished_ok, first_done
 
 __all__ = ["PDProxy"]
 
@@ -67,7 +67,7 @@ _BLAME_GRACE_S = 0.1
 # first token, both following the same transfer event.
 PREFILL_ANSWER_WAIT_S = 2.0
 
-OpenLeg = Callable[[Worker, str, bytes, str], Awaitable[Reply]]
+OpenLeg = Callable[[Worker, str, bytes, str], Coroutine[Any, Any, Reply]]
 
 
 class PDProxy:
@@ -173,6 +173,7 @@ class PDProxy:
         demand = estimate(endpoint, payload, batch_size(endpoint, payload))
         check_prompt(endpoint, payload, demand, self.pairs.registry)  # one that can never run: refused now
         exclude = list(exclude or ())
+        loop = disconnect.get_loop()  # not asyncio.get_running_loop(): see tasks.first_done
         last_error: UpstreamError | None = None
         deadline: float | None = None
         for attempt in range(self.config.max_retries + 1):
@@ -196,15 +197,15 @@ class PDProxy:
             if decode_extra:
                 pair.bodies = _with_fields(pair.bodies, decode_extra)
             if deadline is None:  # the time waited for room does not count against the request
-                deadline = asyncio.get_running_loop().time() + self.config.request_timeout_s
+                deadline = loop.time() + self.config.request_timeout_s
             reservation = pair.reservation
             assert reservation is not None
-            prefill_t = asyncio.ensure_future(self.legs.post(pair.prefill, endpoint, pair.bodies.prefill, attempt_rid))
+            prefill_t = loop.create_task(self.legs.post(pair.prefill, endpoint, pair.bodies.prefill, attempt_rid))
             prefill_t.add_done_callback(reservation.release_prefill)
             timing.legs_sent(prefill_t)
             if pair.dp_ranks:
                 prefill_t.add_done_callback(pair.release_ranks)
-            decode_t = asyncio.ensure_future(open_decode(pair.decode, endpoint, pair.bodies.decode, attempt_rid))
+            decode_t = loop.create_task(open_decode(pair.decode, endpoint, pair.bodies.decode, attempt_rid))
             decode_t.add_done_callback(functools.partial(_release_unless_streaming, reservation))
             try:
                 outcome = await self._race(pair, prefill_t, decode_t, disconnect, deadline)
@@ -267,7 +268,7 @@ class PDProxy:
         """Wait for decode's answer while watching prefill and the client. Returns the answer
         (decode's, or prefill's own 4xx refusal), or the leg error that makes this attempt worth
         retrying on another pair."""
-        loop = asyncio.get_running_loop()
+        loop = disconnect.get_loop()
         # The prefill leg matters here only when it fails: a prefill that succeeds (the usual
         # case, before decode answers) does not wake this task.
         prefill_failed: asyncio.Future[None] = loop.create_future()
@@ -283,11 +284,7 @@ class PDProxy:
         rids = pair.bodies.rids
         try:
             timeout = deadline - loop.time()
-            done = (
-                set()
-                if timeout <= 0
-                else (await asyncio.wait(watched, timeout=timeout, return_when="FIRST_COMPLETED"))[0]
-            )
+            done = await first_done(loop, watched, timeout)
             if not done:
                 raise _timeout_error(self.config.request_timeout_s)
             if disconnect in done:

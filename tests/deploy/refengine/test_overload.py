@@ -47,6 +47,11 @@ def _capacity(router: Proc, role: str) -> dict[str, Any]:
     return dict(worker["capacity"])
 
 
+def _all_healthy(router: Proc) -> bool:
+    workers = httpx.get(f"{router.url}/workers", timeout=5).json()
+    return all(w["healthy"] for w in workers["prefill"] + workers["decode"])
+
+
 def test_requests_beyond_the_engines_capacity_wait_in_the_router_and_all_succeed(tmp_path: Path) -> None:
     with launcher(tmp_path) as lx:
         prefill = lx.engine("prefill", args=["--max-running-requests", "2"])
@@ -123,6 +128,10 @@ def test_an_engine_that_answers_queue_full_is_a_503_with_retry_after_not_a_worke
         routers = [lx.router(one, two), lx.router(one, two)]
         lx.wait(one, two)
         lx.wait(*routers)
+        # A router is ready with one healthy pair; this case needs each to see both engines, or both
+        # requests go to the one it sees (an engine that started late on a loaded machine).
+        for router in routers:
+            wait_until(lambda router=router: _all_healthy(router), timeout=60)
         results: list[Outcome] = []
         threads = [threading.Thread(target=_stream, args=(router, 60, results)) for router in routers]
         for t in threads:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 from collections.abc import Callable
 from typing import Any
@@ -128,3 +129,36 @@ def test_the_legs_bodies_carry_the_routers_rid_over_the_clients() -> None:
     bodies = pd_bodies({"rid": "theirs", "text": "x"}, host="h", port=1, rooms=[5], ranks=[], rid="ours", batch=None)
     assert json.loads(bodies.prefill)["rid"] == json.loads(bodies.decode)["rid"] == "ours"
     assert bodies.rids == ["ours"]
+
+
+def test_router_ids_are_new_in_a_forked_process() -> None:
+    # Ids come from a batch of os.urandom; a child of a fork (a router process group's serving
+    # process) must not hand out the ids its parent will.
+    from sglang_pd.deploy.router.api.request_ids import _RandomIds, request_ids
+
+    ids = {request_ids({"headers": []}).router for _ in range(1000)}
+    assert len(ids) == 1000 and all(ROUTER_ID.match(i) for i in ids)
+
+    def child_and_parent(source: _RandomIds) -> tuple[str, str]:
+        source.next()  # a batch drawn before the fork
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.write(write, source.next().encode())
+            os._exit(0)
+        os.waitpid(pid, 0)
+        child = os.read(read, 64).decode()
+        os.close(read)
+        os.close(write)
+        return child, source.next()
+
+    child, parent = child_and_parent(_RandomIds())
+    assert child != parent
+
+    # The control: without the reset at fork, the child repeats its parent's next id.
+    class Unreset(_RandomIds):
+        def __init__(self) -> None:  # no at-fork hook
+            self._pool, self._at = b"", 0
+
+    child, parent = child_and_parent(Unreset())
+    assert child == parent
