@@ -38,6 +38,12 @@ async def _hold(stack: contextlib.AsyncExitStack, client: httpx.AsyncClient, url
     _open.append(chunks)  # a reader dropped unfinished closes its stream when collected
 
 
+def _client_from(address: str) -> httpx.AsyncClient:
+    """A client connecting from `address`: loopback answers on all of 127.0.0.0/8, so two clients
+    on one machine are two addresses to the router."""
+    return httpx.AsyncClient(timeout=30, transport=httpx.AsyncHTTPTransport(local_address=address))
+
+
 def _capacity(url: str) -> dict[str, Any]:
     (decode,) = httpx.get(url + "/workers").json()["decode"]
     return dict(decode["capacity"])
@@ -128,8 +134,7 @@ def test_a_client_holding_its_share_waits_behind_another_client(
         def client(key: str, address: str) -> httpx.AsyncClient:
             if identity == "api key":
                 return httpx.AsyncClient(timeout=30, headers={"authorization": f"Bearer {key}"})
-            # Loopback answers on all of 127.0.0.0/8: B connects from another address.
-            return httpx.AsyncClient(timeout=30, transport=httpx.AsyncHTTPTransport(local_address=address))
+            return _client_from(address)
 
         async def scenario() -> tuple[int, float, bool, int]:
             async with client(KEY_A, "127.0.0.1") as a, client(KEY_B, "127.0.0.2") as b:
@@ -178,12 +183,12 @@ def test_a_client_alone_leaves_the_reserve_to_the_next_client(
     config = cluster.config(queue_timeout_s=3.0, client_reserve=reserve)
     with cluster.serve(config) as running:
 
-        def client(address: str) -> httpx.AsyncClient:
-            # Loopback answers on all of 127.0.0.0/8: B connects from another address.
-            return httpx.AsyncClient(timeout=30, transport=httpx.AsyncHTTPTransport(local_address=address))
-
         async def scenario() -> tuple[httpx.Response, float, httpx.Response]:
-            async with client("127.0.0.1") as a, client("127.0.0.2") as b, contextlib.AsyncExitStack() as streams:
+            async with (
+                _client_from("127.0.0.1") as a,
+                _client_from("127.0.0.2") as b,
+                contextlib.AsyncExitStack() as streams,
+            ):
                 for _ in range(3):
                     await _hold(streams, a, running.url, _chat("tell me a story", 400))  # 20 s each
                 # 5 s once admitted: longer than B's queue timeout.
@@ -226,11 +231,12 @@ def test_a_batch_cannot_take_the_reserve_and_held_back_requests_do_not_fill_the_
     config = cluster.config(queue_timeout_s=3.0, max_queued_requests=1, client_reserve=reserve)
     with cluster.serve(config) as running:
 
-        def client(address: str) -> httpx.AsyncClient:
-            return httpx.AsyncClient(timeout=30, transport=httpx.AsyncHTTPTransport(local_address=address))
-
         async def scenario() -> tuple[httpx.Response, float, httpx.Response]:
-            async with client("127.0.0.1") as a, client("127.0.0.2") as b, contextlib.AsyncExitStack() as streams:
+            async with (
+                _client_from("127.0.0.1") as a,
+                _client_from("127.0.0.2") as b,
+                contextlib.AsyncExitStack() as streams,
+            ):
                 for _ in range(2):
                     await _hold(streams, a, running.url, _chat("tell me a story", 400))
                 batch = {"text": ["one", "two"], "sampling_params": {"max_new_tokens": 100}}  # 5 s each
