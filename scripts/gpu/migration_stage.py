@@ -8,11 +8,14 @@ a stream whose decode fails (`--migration-limit` 1, its default; docs/migration.
    distinct, the radix caches flushed first;
 2. `again`: the same run once more. Batch composition changes logits on GPU kernels, so how many
    streams two uninterrupted runs share token for token is the floor the kill is measured against;
-3. `kill`: the same streams, with decode-0's process group SIGKILLed once a quarter of them are in
-   mid-answer and decode-0 itself is decoding. Every stream must end with all its tokens, without
-   an error event and within HANG_S; each is compared with run 1 (the share identical, and the
-   first divergence of each that is not); the moved streams' added latency; and what the live
-   engines and the router still hold once the streams are over (must be what they held idle);
+3. `kill`: the same streams, with decode-0's process group SIGKILLed once every stream has had its
+   first token, a quarter of them are still in the first half of their answer, and decode-0 itself
+   is decoding. Until its first token a stream's decode leg is one attempt the router may retry on
+   the other decode (proxy.py): a kill then moves nothing and breaks nothing. Every stream must
+   end with all its tokens, without an error event and within HANG_S; each is compared with run 1
+   (the share identical, and the first divergence of each that is not); the moved streams' added
+   latency; and what the live engines and the router still hold once the streams are over (must
+   be what they held idle);
 4. `control`: once `up` has restarted decode-0, a second router over the same engines with
    `--migration-limit 0`, and the same kill: streams must end with the error event. Without that
    the kill touched no stream in flight, and step 3 could not have failed.
@@ -207,6 +210,14 @@ async def one_stream(client: httpx.AsyncClient, base: str, i: int, max_new: int,
     return out
 
 
+def kill_moment(progress: list[int], max_new: int) -> bool:
+    """Whether streams with these token counts are ready for the kill: every one has a token (so
+    each is past the attempt the router may still retry elsewhere, and bound to its decode), and a
+    quarter of them are under half their tokens (so the kill lands in mid-answer)."""
+    early = sum(p < max_new // 2 for p in progress)
+    return all(p > 0 for p in progress) and early >= max(1, len(progress) // 4)
+
+
 async def run_streams(
     base: str,
     streams: int,
@@ -215,8 +226,8 @@ async def run_streams(
     kill: Callable[[], None] | None = None,
     decoding: Callable[[], bool] | None = None,
 ) -> tuple[list[Stream], dict[str, Any]]:
-    """`streams` concurrent streams through `base`. With `kill`: called once a quarter of them are
-    in mid-answer (a token, and under half of them) and `decoding()` says the victim decodes."""
+    """`streams` concurrent streams through `base`. With `kill`: called at the `kill_moment` once
+    `decoding()` says the victim decodes."""
     progress = [0] * streams
     about: dict[str, Any] = {}
     limits = httpx.Limits(max_connections=streams + 4)
@@ -225,8 +236,7 @@ async def run_streams(
         tasks = [asyncio.ensure_future(one_stream(client, base, i, max_new, progress)) for i in range(streams)]
         if kill is not None:
             while not all(t.done() for t in tasks):
-                mid = sum(0 < p < max_new // 2 for p in progress)
-                if mid >= max(1, streams // 4) and (decoding is None or await asyncio.to_thread(decoding)):
+                if kill_moment(progress, max_new) and (decoding is None or await asyncio.to_thread(decoding)):
                     about = {"at_s": round(time.perf_counter() - t0, 3), "progress": list(progress)}
                     kill()
                     break

@@ -90,6 +90,16 @@ def test_the_control_must_break_a_stream_and_must_have_killed() -> None:
     assert "did not happen" in (verdicts.control_verdict([s([1])], {"not_killed": "ended"}) or "")
 
 
+def test_the_kill_waits_for_every_stream_to_be_bound_to_its_decode() -> None:
+    # Until its first token a stream may still be retried on the other decode: a kill then breaks
+    # nothing even with migration off, and the control could not fail.
+    assert not stage.kill_moment([5, 9, 0, 3, 7, 2, 4, 6], 48)
+    assert stage.kill_moment([5, 9, 1, 3, 7, 2, 4, 6], 48)
+    # A quarter must still be in the first half of their answer, so the kill lands mid-answer.
+    assert not stage.kill_moment([30, 40, 48, 25, 26, 27, 23, 24], 48)
+    assert stage.kill_moment([30, 40, 48, 25, 26, 27, 23, 22], 48)
+
+
 def test_moved_streams_are_read_from_the_routers_log_lines() -> None:
     log = "\n".join(
         [
