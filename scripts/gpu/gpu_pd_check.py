@@ -416,12 +416,17 @@ async def latency_samples(
     """Completions in a closed loop, in ms: each request's end-to-end time, and when streamed its
     TTFT (the KV hand-off included in PD) and ITL. Every prompt starts with its number and `tag`,
     so that its first KV page is its own and no request reads another's prefix from the radix cache.
-    `direct_pd`: to the two PD servers without a router (`base` unused)."""
+    `direct_pd`: to the two PD servers without a router (`base` unused).
+
+    The output tokens are the ones each answer reports (`usage.completion_tokens`; streamed, in
+    the usage chunk `stream_options.include_usage` asks for), not `max_tokens` assumed: a path
+    that cut answers short would otherwise look faster. `short`: the answers with fewer."""
     prompt = ("benchmark text " * 200)[:prompt_len]
     ttft: list[float] = []
     itl: list[float] = []
     e2e: list[float] = []
     statuses: dict[str, int] = {}
+    counted = {"tokens": 0, "short": 0}
     queue = list(range(n_requests))
 
     async def worker(s: aiohttp.ClientSession) -> None:
@@ -434,17 +439,24 @@ async def latency_samples(
                 "temperature": 0,
                 "ignore_eos": True,
                 "stream": stream,
+                **({"stream_options": {"include_usage": True}} if stream else {}),
             }
             t0 = time.perf_counter()
             last = None
+            usage: dict[str, Any] | None = None
             opened = _direct_pd_stream(s, body) if direct_pd else s.post(f"{base}/v1/completions", json=body)
             async with await opened as r:
                 statuses[str(r.status)] = statuses.get(str(r.status), 0) + 1
                 if not stream:
-                    await r.read()
+                    with contextlib.suppress(ValueError, aiohttp.ContentTypeError):
+                        usage = (await r.json(content_type=None)).get("usage")
                 else:
                     async for raw in r.content:
-                        if _sse(raw) is None:
+                        event = _sse(raw)
+                        if event is None:
+                            continue
+                        usage = event.get("usage") or usage
+                        if not event.get("choices"):  # the usage chunk is no token
                             continue
                         now = time.perf_counter()
                         if last is None:
@@ -453,6 +465,9 @@ async def latency_samples(
                             itl.append((now - last) * 1e3)
                         last = now
             e2e.append((time.perf_counter() - t0) * 1e3)
+            tokens = int((usage or {}).get("completion_tokens") or 0)
+            counted["tokens"] += tokens
+            counted["short"] += tokens < max_tokens
 
     t0 = time.perf_counter()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120), headers=ENGINE_AUTH) as s:
@@ -466,7 +481,8 @@ async def latency_samples(
         "e2e": e2e,
         "statuses": statuses,
         "wall_s": wall,
-        "tokens": n_requests * max_tokens,
+        "tokens": counted["tokens"],
+        "short": counted["short"],
     }
 
 
@@ -493,6 +509,7 @@ def summarize(concurrency: int, samples: list[dict[str, Any]]) -> dict[str, Any]
         for code, n in one.get("statuses", {}).items():
             statuses[code] = statuses.get(code, 0) + n
     out["statuses"] = statuses
+    out["short_answers"] = sum(one["short"] for one in samples)
     out["output_tok_per_s"] = sum(one["tokens"] for one in samples) / sum(one["wall_s"] for one in samples)
     return out
 
@@ -1243,8 +1260,21 @@ def stage_routers(stack: Stack, report: dict[str, Any]) -> None:
             cells.append(routers_compared(c, arms, stream=stream))
             section["table"] = router_table(cells)
             (stack.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    verdict(report, "routers_whole_answers", whole_answers(cells))
     stack.stop("smg")
     stack.stop("up-routers", signal.SIGINT, grace_s=60)
+
+
+def whole_answers(cells: list[dict[str, Any]]) -> str | None:
+    """None when every arm answered every request of every cell with a 200 and all its tokens:
+    a router compared on answers it failed or cut short would look faster than it is."""
+    wrong = [
+        f"{cell['mode']} c={cell['concurrency']} {arm}: statuses {got['statuses']}, {got['short_answers']} short"
+        for cell in cells
+        for arm, got in cell["arms"].items()
+        if set(got["statuses"]) != {"200"} or got["short_answers"]
+    ]
+    return f"answers not whole, so not comparable: {'; '.join(wrong)}" if wrong else None
 
 
 def router_table(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -1262,6 +1292,7 @@ def router_table(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "p99_ms": got[f"{lat}_p99_ms"],
                 "tok_per_s": got["output_tok_per_s"],
                 "statuses": got["statuses"],
+                "short_answers": got["short_answers"],
             }
         if "smg" in arms:
             ours, theirs = arms["router"], arms["smg"]

@@ -87,7 +87,7 @@ def test_an_up_that_exits_during_start_up_is_not_ready(router: str, tmp_path: Pa
 
 class _Engines(BaseHTTPRequestHandler):
     """Stands in for the router and the two PD servers (sglang cannot run here): records each
-    request, streams three SSE chunks for a completion, answers `/generate` with token ids that
+    request, streams a completion a token a chunk, answers `/generate` with token ids that
     change, and log a fault, while the check's fault flag file exists (`fault_flag`, set per test)."""
 
     seen: list[dict[str, object]]
@@ -96,6 +96,8 @@ class _Engines(BaseHTTPRequestHandler):
 
     #: How many flushes each port refuses before it accepts one (sglang refuses while a request runs).
     busy: dict[str, int]
+    #: The ports (by name) that end each completion at half its max_tokens.
+    short: frozenset[str] = frozenset()
 
     def do_POST(self) -> None:
         if self.path == "/flush_cache":
@@ -122,14 +124,21 @@ class _Engines(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(payload)
             return
+        # A completion as sglang's serving_completions.py answers it: one chunk per token, then the
+        # usage chunk when `stream_options.include_usage` asks for it; unary, the usage beside the choices.
+        name = type(self).ports[self.server.server_address[1]]  # type: ignore[attr-defined]
+        tokens = int(body.get("max_tokens", 16)) // (2 if name in type(self).short else 1)
+        usage = {"prompt_tokens": 7, "completion_tokens": tokens, "total_tokens": 7 + tokens}
         self.send_response(200)
         self.end_headers()
         if body.get("stream"):
-            for i in range(3):
-                self.wfile.write(f'data: {{"choices": [{{"text": "{i}"}}]}}\n\n'.encode())
+            for i in range(tokens):
+                self.wfile.write(f'data: {{"choices": [{{"index": 0, "text": "{i % 10}"}}]}}\n\n'.encode())
+            if (body.get("stream_options") or {}).get("include_usage"):
+                self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
             self.wfile.write(b"data: [DONE]\n\n")
         else:
-            self.wfile.write(b'{"choices": []}')
+            self.wfile.write(json.dumps({"choices": [{"index": 0, "text": "0" * tokens}], "usage": usage}).encode())
 
     def log_message(self, *_: object) -> None:
         return None
@@ -204,6 +213,26 @@ def test_the_router_comparison_rotates_its_arms_with_prompts_of_their_own(
     assert row["router_over_smg"]["tok_per_s"] == ours["output_tok_per_s"] / theirs["output_tok_per_s"]
     adds = sorted(got["adds_over_direct_ms"]["router"])
     assert row["router_adds_ms"] == {"median": adds[1], "min": adds[0], "max": adds[2]}
+    # Every answer was whole: its reported tokens, not max_tokens assumed, make the rate.
+    assert all(got["arms"][arm]["short_answers"] == 0 for arm in arms)
+    assert check.whole_answers([got]) is None
+    if stream:  # the usage chunk asked for is not timed as a token
+        assert all(r.get("stream_options") == {"include_usage": True} for r in sent)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_an_arm_that_cuts_answers_short_makes_the_comparison_fail(engines: type[_Engines], stream: bool) -> None:
+    # The prefill's port stands in for smg; it ends every completion at half its max_tokens.
+    engines.short = frozenset({"prefill"})
+    arms = {"router": check.ROUTER, "smg": check.PREFILL, "direct": None}
+    got = check.routers_compared(1, arms, stream=stream, rounds=1)
+    assert got["arms"]["smg"]["short_answers"] == check.latency_requests(1)
+    assert got["arms"]["router"]["short_answers"] == got["arms"]["direct"]["short_answers"] == 0
+    # Half the tokens in about the same time: the rate counts what came back.
+    ratio = got["arms"]["smg"]["output_tok_per_s"] / got["arms"]["router"]["output_tok_per_s"]
+    assert ratio < 0.8, ratio
+    why = check.whole_answers([got])
+    assert why is not None and "smg" in why and "router" not in why, why
 
 
 def test_quantiles_interpolate_and_say_none_without_samples() -> None:
