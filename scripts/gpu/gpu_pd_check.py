@@ -67,6 +67,7 @@ from typing import Any
 
 import aiohttp
 import breakdown_stage
+import engine_stages
 import httpx
 import migration_stage
 import pd_verdicts
@@ -510,7 +511,8 @@ def summarize(concurrency: int, samples: list[dict[str, Any]]) -> dict[str, Any]
             statuses[code] = statuses.get(code, 0) + n
     out["statuses"] = statuses
     out["short_answers"] = sum(one["short"] for one in samples)
-    out["output_tok_per_s"] = sum(one["tokens"] for one in samples) / sum(one["wall_s"] for one in samples)
+    out["output_tokens"] = sum(one["tokens"] for one in samples)
+    out["output_tok_per_s"] = out["output_tokens"] / sum(one["wall_s"] for one in samples)
     return out
 
 
@@ -527,23 +529,47 @@ def arm_order(rounds: int, arms: list[str]) -> list[tuple[int, str]]:
     return [(r, arms[(i + r) % k]) for r in range(rounds) for i in range(k)]
 
 
+def engine_readings(engines: dict[str, str]) -> dict[str, engine_stages.Reading]:
+    """Each server's stage histograms now (engine_stages.py); one whose /metrics failed is left out."""
+    out: dict[str, engine_stages.Reading] = {}
+    for name, base in engines.items():
+        with contextlib.suppress(httpx.HTTPError):
+            r = httpx.get(f"{base}/metrics", timeout=10, headers=ENGINE_AUTH)
+            if r.status_code == 200:
+                out[name] = engine_stages.parse(r.text)
+    return out
+
+
 def routers_compared(
-    concurrency: int, arms: dict[str, str | None], *, stream: bool, rounds: int = ROUTER_ROUNDS
+    concurrency: int,
+    arms: dict[str, str | None],
+    *,
+    stream: bool,
+    rounds: int = ROUTER_ROUNDS,
+    engines: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Each arm (name: base URL, None for the two PD servers directly) at `concurrency`, interleaved
     round by round, each arm and round with prompts of its own; per arm the whole summary and each
-    round's, and what each router adds over direct per round (its spread)."""
+    round's, and what each router adds over direct per round (its spread). `engines` (name: base
+    URL): the servers whose stage histograms are read around each round, so that per arm the
+    cell's `engine_stages` gives the mean time its requests spent in each stage on each server."""
     per_round = latency_requests(concurrency)
     mode = "stream" if stream else "unary"
     raw: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
+    stages: dict[str, list[dict[str, engine_stages.Reading]]] = {arm: [] for arm in arms}
     for r, arm in arm_order(rounds, list(arms)):
         base = arms[arm]
         one = latency_samples(
             base or "", concurrency, per_round, f"{arm} r{r} {mode}", stream=stream, direct_pd=base is None
         )
+        before = engine_readings(engines) if engines else {}
         raw[arm].append(asyncio.run(one))
+        if engines:
+            stages[arm].append(engine_stages.delta(before, engine_readings(engines)))
     cell: dict[str, Any] = {"concurrency": concurrency, "mode": mode, "order": arm_order(rounds, list(arms))}
     cell["arms"] = {arm: summarize(concurrency, got) for arm, got in raw.items()}
+    if engines:
+        cell["engine_stages"] = {arm: engine_stages.means(engine_stages.total(got)) for arm, got in stages.items()}
     cell["rounds"] = {arm: [summarize(concurrency, [one]) for one in got] for arm, got in raw.items()}
     key = "ttft_p50_ms" if stream else "e2e_p50_ms"
     if "direct" in raw:
@@ -1257,7 +1283,7 @@ def stage_routers(stack: Stack, report: dict[str, Any]) -> None:
     section["cells"] = cells
     for stream in (True, False):
         for c in ROUTER_CONCURRENCIES:
-            cells.append(routers_compared(c, arms, stream=stream))
+            cells.append(routers_compared(c, arms, stream=stream, engines={"prefill": PREFILL, "decode": DECODE}))
             section["table"] = router_table(cells)
             (stack.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
     verdict(report, "routers_whole_answers", whole_answers(cells))
