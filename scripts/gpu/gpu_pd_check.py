@@ -540,6 +540,14 @@ def engine_readings(engines: dict[str, str]) -> dict[str, engine_stages.Reading]
     return out
 
 
+def stage_histogram_lines(base: str) -> dict[str, Any]:
+    """The sum and count lines of engine_stages.HISTOGRAMS in one server's /metrics, as it wrote
+    them: recorded, so that the reader is tested on real sglang output."""
+    r = httpx.get(f"{base}/metrics", timeout=10, headers=ENGINE_AUTH)
+    wanted = tuple(f"{name}_{suffix}" for name in engine_stages.HISTOGRAMS for suffix in ("sum", "count"))
+    return {"status": r.status_code, "lines": [line for line in r.text.splitlines() if line.startswith(wanted)]}
+
+
 def routers_compared(
     concurrency: int,
     arms: dict[str, str | None],
@@ -997,6 +1005,8 @@ def stage_pd(
     pd["openai"] = check_openai_client()
     recording["servers"]["prefill"] = asyncio.run(record(PREFILL, "prefill", ENGINE_AUTH))
     recording["servers"]["decode"] = asyncio.run(record(DECODE, "decode", ENGINE_AUTH))
+    for role, base in (("prefill", PREFILL), ("decode", DECODE)):  # after the requests above
+        recording["servers"][role]["stage_histograms"] = stage_histogram_lines(base)
     with contextlib.suppress(httpx.HTTPError):
         r = httpx.get(f"http://127.0.0.1:{BOOTSTRAP_PORT}/health", timeout=5)
         recording["servers"]["prefill"]["bootstrap_health"] = {"status": r.status_code, "body": r.text[:200]}

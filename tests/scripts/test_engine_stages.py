@@ -4,12 +4,24 @@ prometheus_client writes it, and the mean time per stage of what ran between two
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 from pathlib import Path
+
+import pytest
+
+from tests.support.paths import SGLANG_RECORDINGS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts/gpu"))
 stages = importlib.import_module("engine_stages")
 
+#: sglang 0.5's stage names (srt/observability/req_time_stats.py, RequestStage, those observed as
+#: metrics) and the keys of the histograms without a stage.
+KNOWN_KEYS = {
+    "request_process", "prefill_forward", "chunked_prefill", "prefill_bootstrap", "prefill_transfer_kv_cache",
+    "decode_prepare", "decode_bootstrap", "decode_waiting", "decode_transferred", "fake_output", "quick_finish",
+    "queue", "ttft", "e2e",
+}  # fmt: skip
 LABELS = 'engine_type="prefill",model_name="tiny-deepseek-v3",moe_ep_rank="0",pp_rank="0"'
 
 
@@ -67,3 +79,19 @@ def test_series_without_labels_are_read() -> None:
     assert stages.parse("sglang:queue_time_seconds_sum 1.5\nsglang:queue_time_seconds_count 3\n") == {
         "queue": [1.5, 3.0]
     }
+
+
+def test_the_reader_reads_what_real_sglang_wrote() -> None:
+    """The sum and count lines the GPU check recorded from sglang's PD servers after its requests."""
+    recorded = {
+        f"{path.name} {role}": server["stage_histograms"]["lines"]
+        for path in sorted(SGLANG_RECORDINGS.glob("sglang-*-http.json"))
+        for role, server in json.loads(path.read_text()).get("servers", {}).items()
+        if role in ("prefill", "decode") and "stage_histograms" in server
+    }
+    if not recorded:
+        pytest.skip("no recording holds the stage histograms yet: the GPU check's pd stage writes them")
+    for where, lines in recorded.items():
+        got = stages.parse("\n".join(lines))
+        assert got and set(got) <= KNOWN_KEYS, (where, got)
+        assert all(n > 0 and s >= 0 for s, n in got.values()), (where, got)
