@@ -336,6 +336,8 @@ def _router_target(processes: int) -> str:
 
 def _smg_cmd(smg: str, port: int, prefills: list[WorkerProcess], decodes: list[WorkerProcess]) -> list[str]:
     cli = [smg, "launch", "--pd-disaggregation", "--port", str(port), "--log-level", "warn", "--disable-retries"]
+    # Its metrics listener defaults to 0.0.0.0:29000, which another smg on this machine may hold.
+    cli += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
     return cli + _pd_flags(prefills, decodes)
 
 

@@ -10,8 +10,7 @@ import pytest
 
 from sglang_pd.deploy.kv import RegistrationRefused
 from sglang_pd.deploy.kv.cli import diagnose
-
-from .test_engine import free_port
+from tests.support.polling import free_port
 
 PROBE = [sys.executable, "-m", "sglang_pd.deploy.cli", "kv-probe", "--format", "json", "--repeat", "2"]
 

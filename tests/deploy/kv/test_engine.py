@@ -134,11 +134,3 @@ def test_closed_engine_refuses_work() -> None:
     e.close()
     with pytest.raises(RuntimeError, match="Cannot start a transfer, as the transfer engine has been closed"):
         e.write("127.0.0.1:1", [])
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -9,8 +9,7 @@ import sys
 import pytest
 
 from sglang_pd.deploy.common.node import deepep_driver
-
-from .test_engine import free_port
+from tests.support.polling import free_port
 
 pytestmark = pytest.mark.skipif(deepep_driver()["ok"] is not None, reason="an NVIDIA driver is present here")
 

@@ -21,6 +21,7 @@ from sglang_pd.deploy.ops.group import (
 )
 from sglang_pd.deploy.sglang.render import render_node
 from sglang_pd.deploy.spec.topology import PRESETS_DIR, load_topology
+from tests.support.polling import free_port
 
 
 class FakeClock:
@@ -36,12 +37,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def _unused_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_group_hosts_follow_lws_pod_names() -> None:
@@ -131,7 +126,7 @@ def test_the_leader_port_reads_argv_as_sglangs_parser_does(layout) -> None:
 
 
 def test_a_rank_waits_for_its_leader_to_listen() -> None:
-    port = _unused_port()
+    port = free_port()
     server = socket.socket()
 
     def listen_later() -> None:
@@ -152,7 +147,7 @@ def test_a_rank_waits_for_its_leader_to_listen() -> None:
 
 def test_a_leader_that_never_listens_ends_the_wait_with_a_clear_message() -> None:
     clock = FakeClock()
-    port = _unused_port()
+    port = free_port()
     with pytest.raises(GroupWaitError) as info:
         wait_for_leader(LeaderPort("127.0.0.1", port, HANDSHAKE), timeout_s=60, sleep=clock.sleep, clock=clock)
     assert clock.sleeps == [1.0, 2.0, 4.0, 8.0, 15.0, 15.0, 15.0]  # back-off, capped, within the 60 s
@@ -185,7 +180,7 @@ def test_the_port_is_tried_only_once_the_name_resolves_within_the_same_deadline(
 
     monkeypatch.setattr(group.socket, "getaddrinfo", getaddrinfo)
     clock = FakeClock()
-    port = _unused_port()
+    port = free_port()
     with pytest.raises(GroupWaitError, match=r"^the group's leader localhost:\d+ \(p\) does not accept connections"):
         wait_for_leader(LeaderPort("localhost", port, "p"), timeout_s=20, sleep=clock.sleep, clock=clock)
     # 1 + 2 s for the name, then the port's own back-off from 1 s, all inside the 20 s.

@@ -6,7 +6,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,15 +16,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support.polling import free_port
+
 # The engines of these tests run the tiny DeepSeek-V3-shaped model unless a test asks for another: it
 # loads in seconds and its KV pages hold MLA latent rows, the layout the GPU presets transfer.
 TINY_MODEL = "tiny-deepseek-v3"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -16,7 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .conftest import PDStack, free_port
+from tests.support.polling import free_port
+
+from .conftest import PDStack
 
 SMG = shutil.which("smg") or str(Path(sys.executable).parent / "smg")
 
@@ -32,7 +34,8 @@ def smg_url(pd_stack: PDStack, tmp_path_factory: pytest.TempPathFactory) -> Iter
     log = tmp_path_factory.mktemp("smg") / "smg.log"
     argv = [SMG, "launch", "--pd-disaggregation", "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--prefill", pd_stack.prefill.url, str(pd_stack.prefill.bootstrap_port), "--decode", pd_stack.decode.url]
-    argv += ["--policy", "round_robin"]
+    # smg's metrics listener defaults to 0.0.0.0:29000, which another smg on this machine may hold.
+    argv += ["--policy", "round_robin", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
     proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -15,8 +15,9 @@ import httpx
 import pytest
 
 from sglang_pd.deploy.router.cli import SMG_SPELLINGS, add_arguments, build_config
+from tests.support.polling import free_port
 
-from .conftest import Launcher, Proc, free_port, launcher
+from .conftest import Launcher, Proc, launcher
 
 # Each smg spelling with a value, and the same setting in our spelling.
 SAME = [

@@ -17,19 +17,14 @@ import httpx
 import pytest
 
 from sglang_pd.deploy.common.procs import spawn
+from tests.support.polling import free_port
 
 CAP = 8
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextlib.contextmanager
 def _router(tmp_path: Path, *flags: str) -> Iterator[int]:
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "sglang_pd.deploy.router.cli", "--host", "127.0.0.1", "--port", str(port),
             "--max-connections", str(CAP), "--header-timeout", "30", *flags]  # fmt: skip
     log = tmp_path / f"router-{port}.log"
@@ -126,7 +121,7 @@ def test_the_flags_set_the_share_and_the_body_rate(tmp_path: Path) -> None:
     ],
 )
 def test_a_bad_value_is_refused_at_start(flags: list[str], message: str) -> None:
-    argv = [sys.executable, "-m", "sglang_pd.deploy.router.cli", "--port", str(_free_port()), *flags]
+    argv = [sys.executable, "-m", "sglang_pd.deploy.router.cli", "--port", str(free_port()), *flags]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr
     assert message in done.stderr, done.stderr
