@@ -50,7 +50,6 @@ import os
 import platform
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -61,6 +60,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from tests.support.polling import free_port
 
 __all__ = [
     "FAULTS",
@@ -238,12 +239,6 @@ def parse_metrics(text: str) -> dict[str, float]:
 # Processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class Proc:
     name: str
@@ -295,13 +290,13 @@ class Stack:
         self.decodes: list[Proc] = []
         for role, group in (("prefill", self.prefills), ("decode", self.decodes)):
             for i in range(2):
-                port = _free_port()
+                port = free_port()
                 argv = [*py, "engine", "--role", role, "--port", str(port), "--model", MODEL, "--threads", "1"]
                 argv += ["--log-level", "warning"]
                 if role == "prefill":
-                    argv += ["--bootstrap-port", str(_free_port()), "--bootstrap-timeout", "10"]
+                    argv += ["--bootstrap-port", str(free_port()), "--bootstrap-timeout", "10"]
                 group.append(Proc(f"{role}{i}", argv, tmp / f"{role}{i}.log", port, ENGINE_ENV))
-        port = _free_port()
+        port = free_port()
         argv = [*py, "router", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
         for p in self.prefills:
             argv += ["--prefill", p.url, p.argv[p.argv.index("--bootstrap-port") + 1]]
