@@ -6,11 +6,13 @@ renderer always gives) times every request's stages and observes each into a his
 `prefill_bootstrap`, `prefill_forward`, `chunked_prefill`, `prefill_transfer_kv_cache`; on a decode
 server `decode_prepare`, `decode_bootstrap`, `decode_waiting`, `decode_transferred`; the stage names
 are sglang's RequestStage in srt/observability/req_time_stats.py), besides the waiting queue's
-`sglang:queue_time_seconds` and the server's own TTFT and end-to-end time. A histogram's `_sum`
-and `_count` only grow, so two readings around a run that had the servers to itself give the mean
-time per stage of that run's requests: the routers stage reads them around each arm's round, so
-that the arms' difference shows up where it happens (the bootstrap wait, the queue, the transfer)
-rather than only in the client's totals.
+`sglang:queue_time_seconds` and the TTFT and end-to-end time its tokenizer records (on a decode
+server; a prefill server records neither). A histogram's `_sum` and `_count` only grow, so two
+readings around a run that had the servers to itself give the mean time per stage of that run's
+requests: the routers stage reads them around each arm's round, to narrow down where an arm's
+difference arises. The stages of the two servers overlap in time (the decode's
+`decode_transferred` spans the prefill's queue, forward and KV send), so they are read side by
+side, not added up.
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ Reading = dict[str, list[float]]
 
 
 def parse(text: str) -> Reading:
-    """The sums and counts of HISTOGRAMS in one /metrics text, summed over label sets (ranks,
-    priorities) except `stage`, which keys its own entry."""
+    """The sums and counts of HISTOGRAMS in one /metrics text, summed over label sets except
+    `stage`, which keys its own entry. Summing is right for DP-attention ranks, each a scheduler
+    timing its own requests; only the first rank of a tensor-parallel group records them, unless
+    sglang runs with --enable-metrics-for-all-schedulers (then each rank counts the same requests)."""
     out: Reading = {}
     for name, suffix, labels, value in _LINE.findall(text):
         if name not in HISTOGRAMS:
@@ -75,7 +79,8 @@ def total(deltas: Iterable[Mapping[str, Reading]]) -> dict[str, Reading]:
 
 
 def means(summed: Mapping[str, Reading]) -> dict[str, dict[str, dict[str, float]]]:
-    """Per server and key with observations: the mean in ms and how many requests it is over."""
+    """Per server and key with observations: the mean in ms and how many observations it is over
+    (a request's; `chunked_prefill` is observed once per chunk)."""
     return {
         server: {
             key: {"mean_ms": round(s / n * 1e3, 3), "count": int(n)} for key, (s, n) in sorted(reading.items()) if n > 0

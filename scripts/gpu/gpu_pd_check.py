@@ -450,7 +450,8 @@ async def latency_samples(
                 statuses[str(r.status)] = statuses.get(str(r.status), 0) + 1
                 if not stream:
                     with contextlib.suppress(ValueError, aiohttp.ContentTypeError):
-                        usage = (await r.json(content_type=None)).get("usage")
+                        doc = await r.json(content_type=None)
+                        usage = doc.get("usage") if isinstance(doc, dict) else None
                 else:
                     async for raw in r.content:
                         event = _sse(raw)
@@ -577,7 +578,13 @@ def routers_compared(
     cell: dict[str, Any] = {"concurrency": concurrency, "mode": mode, "order": arm_order(rounds, list(arms))}
     cell["arms"] = {arm: summarize(concurrency, got) for arm, got in raw.items()}
     if engines:
-        cell["engine_stages"] = {arm: engine_stages.means(engine_stages.total(got)) for arm, got in stages.items()}
+        # Beside each arm's request count: the routers' health probes (one-token generations that
+        # sglang's scheduler times like any request) fall into whichever round runs, so a stage's
+        # count above the requests is theirs.
+        cell["engine_stages"] = {
+            arm: {"requests": cell["arms"][arm]["requests"], **engine_stages.means(engine_stages.total(got))}
+            for arm, got in stages.items()
+        }
     cell["rounds"] = {arm: [summarize(concurrency, [one]) for one in got] for arm, got in raw.items()}
     key = "ttft_p50_ms" if stream else "e2e_p50_ms"
     if "direct" in raw:
@@ -1006,7 +1013,8 @@ def stage_pd(
     recording["servers"]["prefill"] = asyncio.run(record(PREFILL, "prefill", ENGINE_AUTH))
     recording["servers"]["decode"] = asyncio.run(record(DECODE, "decode", ENGINE_AUTH))
     for role, base in (("prefill", PREFILL), ("decode", DECODE)):  # after the requests above
-        recording["servers"][role]["stage_histograms"] = stage_histogram_lines(base)
+        with contextlib.suppress(httpx.HTTPError):  # a recording only: the stage goes on without it
+            recording["servers"][role]["stage_histograms"] = stage_histogram_lines(base)
     with contextlib.suppress(httpx.HTTPError):
         r = httpx.get(f"http://127.0.0.1:{BOOTSTRAP_PORT}/health", timeout=5)
         recording["servers"]["prefill"]["bootstrap_health"] = {"status": r.status_code, "body": r.text[:200]}
@@ -1291,12 +1299,15 @@ def stage_routers(stack: Stack, report: dict[str, Any]) -> None:
     section["rounds"] = ROUTER_ROUNDS
     cells: list[dict[str, Any]] = []
     section["cells"] = cells
-    for stream in (True, False):
-        for c in ROUTER_CONCURRENCIES:
-            cells.append(routers_compared(c, arms, stream=stream, engines={"prefill": PREFILL, "decode": DECODE}))
-            section["table"] = router_table(cells)
-            (stack.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
-    verdict(report, "routers_whole_answers", whole_answers(cells))
+    try:
+        for stream in (True, False):
+            for c in ROUTER_CONCURRENCIES:
+                engines = {"prefill": PREFILL, "decode": DECODE}
+                cells.append(routers_compared(c, arms, stream=stream, engines=engines))
+                section["table"] = router_table(cells)
+                (stack.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    finally:  # a stage cut short by its deadline is judged on the cells it has
+        verdict(report, "routers_whole_answers", whole_answers(cells))
     stack.stop("smg")
     stack.stop("up-routers", signal.SIGINT, grace_s=60)
 

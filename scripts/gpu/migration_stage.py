@@ -242,7 +242,10 @@ async def run_streams(
                     break
                 await asyncio.sleep(0.005)
             else:
-                about = {"not_killed": "every stream ended before the kill's moment came"}
+                # A stream that failed before its first token holds the moment back for good: name it.
+                silent = [i for i, p in enumerate(progress) if p == 0]
+                why = f"streams {silent} ended without a token" if silent else "every stream ended before it"
+                about = {"not_killed": f"the kill's moment never came: {why}"}
         done, pending = await asyncio.wait(tasks, timeout=HANG_S + 10)
         for t in pending:
             t.cancel()

@@ -26,13 +26,14 @@ LABELS = 'engine_type="prefill",model_name="tiny-deepseek-v3",moe_ep_rank="0",pp
 
 
 def metrics(forward_s: float, forward_n: int, queue_s: float, queue_n: int) -> str:
-    """A prefill server's /metrics: two tensor-parallel ranks, buckets and `_created` lines beside
-    the sums and counts, and a histogram the reader does not ask for."""
+    """A prefill server's /metrics: two DP-attention ranks (each its own scheduler, timing its own
+    requests), buckets and `_created` lines beside the sums and counts, and a histogram the reader
+    does not ask for."""
     lines = ["# HELP sglang:per_stage_req_latency_seconds The latency of each stage of requests."]
     lines.append("# TYPE sglang:per_stage_req_latency_seconds histogram")
     for rank in ("0", "1"):
-        stage = f'{{{LABELS},stage="prefill_forward",tp_rank="{rank}"}}'
-        bucket = f'{{{LABELS},le="0.001",stage="prefill_forward",tp_rank="{rank}"}}'
+        stage = f'{{{LABELS},stage="prefill_forward",dp_rank="{rank}",tp_rank="0"}}'
+        bucket = f'{{{LABELS},le="0.001",stage="prefill_forward",dp_rank="{rank}",tp_rank="0"}}'
         lines += [
             f"sglang:per_stage_req_latency_seconds_bucket{bucket} 0.0",
             f"sglang:per_stage_req_latency_seconds_sum{stage} {forward_s / 2}",

@@ -242,8 +242,14 @@ def test_the_router_comparison_rotates_its_arms_with_prompts_of_their_own(
     # Every answer was whole: its reported tokens, not max_tokens assumed, make the rate.
     assert all(got["arms"][arm]["short_answers"] == 0 for arm in arms)
     assert check.whole_answers([got]) is None
-    if stream:  # the usage chunk asked for is not timed as a token
+    if stream:
         assert all(r.get("stream_options") == {"include_usage": True} for r in sent)
+
+
+def test_the_usage_chunk_is_not_timed_as_a_token(engines: type[_Engines]) -> None:
+    got = asyncio.run(check.latency_samples(check.ROUTER, 1, 2, "usage", stream=True, max_tokens=16))
+    # Two answers of 16 token chunks each, then their usage chunks: one first token and 15 gaps each.
+    assert (len(got["ttft"]), len(got["itl"]), got["tokens"], got["short"]) == (2, 2 * 15, 32, 0)
 
 
 def test_each_arm_is_told_where_its_requests_spent_their_time_on_each_engine(engines: type[_Engines]) -> None:
@@ -256,9 +262,9 @@ def test_each_arm_is_told_where_its_requests_spent_their_time_on_each_engine(eng
     n = 2 * check.latency_requests(1)
     forward = {"prefill_forward": {"mean_ms": 10.0, "count": n}}
     assert got["engine_stages"] == {
-        "router": {"prefill": {}, "decode": {}},
-        "smg": {"prefill": forward, "decode": {}},
-        "direct": {"prefill": forward, "decode": {"decode_waiting": {"mean_ms": 4.0, "count": n}}},
+        "router": {"requests": n, "prefill": {}, "decode": {}},
+        "smg": {"requests": n, "prefill": forward, "decode": {}},
+        "direct": {"requests": n, "prefill": forward, "decode": {"decode_waiting": {"mean_ms": 4.0, "count": n}}},
     }
 
 
