@@ -28,6 +28,9 @@ HISTOGRAMS = {
     "sglang:e2e_request_latency_seconds": "e2e",
 }
 
+#: The starts of the lines read: each histogram's sum and count series.
+SERIES = tuple(f"{name}_{suffix}" for name in HISTOGRAMS for suffix in ("sum", "count"))
+
 #: A histogram's sum or count line: name, suffix, labels (optional), value.
 _LINE = re.compile(r"^(sglang:[A-Za-z0-9_]+)_(sum|count)(?:\{([^}]*)\})? (\S+)$", re.M)
 _STAGE = re.compile(r'(?:^|,)stage="([^"]*)"')
@@ -59,9 +62,11 @@ def delta(before: Mapping[str, Reading], after: Mapping[str, Reading]) -> dict[s
         if server not in before:
             continue
         then = before[server]
-        out[server] = {
-            key: [s - then.get(key, [0.0, 0.0])[0], n - then.get(key, [0.0, 0.0])[1]] for key, (s, n) in now.items()
-        }
+        gained: Reading = {}
+        for key, (s, n) in now.items():
+            s0, n0 = then.get(key, (0.0, 0.0))
+            gained[key] = [s - s0, n - n0]
+        out[server] = gained
     return out
 
 
